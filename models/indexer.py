@@ -1,0 +1,125 @@
+"""The lightning indexer of DeepSeek Sparse Attention.
+
+Per query token it scores every visible cached token,
+``score[t] = sum_h w_h * relu(q_h . k_t)`` (with ``w_h`` carrying
+``n_heads^-0.5 * head_dim^-0.5``), and keeps the top ``index_topk`` tokens. The
+selected cache slots drive sparse MLA in the same layer (and, for GLM-5's
+shared layers, in the following layers too).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from models.batch import ForwardBatch, ForwardMode
+from models.config import ModelConfig
+from models.norms import LayerNorm
+from models.parallel import ReplicatedLinear
+from models.rope import apply_rope
+
+
+def hadamard_matrix(dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard matrix ``[dim, dim]`` (``dim`` a power of two)."""
+    if dim <= 0 or dim & (dim - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two head dim, got {dim}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / dim**0.5).to(dtype=dtype, device=device)
+
+
+class SelectedTokens:
+    """Top-k selection of one computing layer, reused by the layers that share it.
+
+    slots:     int64 ``[T, topk]`` cache slots, ``-1`` = none (decode path input)
+    positions: int64 ``[T, topk]`` token positions within the request, ``-1`` = none
+               (prefill path input)
+    """
+
+    def __init__(self, slots: torch.Tensor, positions: torch.Tensor):
+        self.slots, self.positions = slots, positions
+
+
+class Indexer(nn.Module):
+    """Weights: ``wq_b [H*D, q_lora]``, ``wk [D, hidden]``, ``k_norm`` (LayerNorm),
+    ``weights_proj [H, hidden]`` (kept in fp32, like the reference)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, hadamard: bool):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.rope_dim, self.topk = cfg.qk_rope_head_dim, cfg.index_topk
+        self.rope_interleaved = cfg.indexer_rope_interleave
+        self.wq_b = ReplicatedLinear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype)
+        self.wk = ReplicatedLinear(cfg.hidden_size, self.head_dim, dtype=dtype)
+        self.k_norm = LayerNorm(self.head_dim, eps=1e-6, dtype=dtype)
+        self.weights_proj = ReplicatedLinear(cfg.hidden_size, self.n_heads, dtype=torch.float32)
+        self.hadamard = hadamard
+        if hadamard:
+            self.register_buffer("rotation", torch.empty(self.head_dim, self.head_dim), persistent=False)
+            self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        if self.hadamard:
+            self.rotation = hadamard_matrix(self.head_dim, device=self.rotation.device)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # The indexer's rope dims come first (MLA puts them last).
+        rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
+        return torch.cat([apply_rope(rot, cos, sin, self.rope_interleaved), rest], dim=-1)
+
+    def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, cache, layer: int, backend) -> SelectedTokens:
+        """x: ``[T, hidden]``, q_resid: ``[T, q_lora]``; writes this step's keys to
+        ``cache`` layer ``layer`` and returns the top-k selection of every token."""
+        T = x.shape[0]
+        q = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin)
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        weights = self.weights_proj(x.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        q, k = q.float(), k.float()
+        if self.hadamard:
+            # Orthonormal: q.k is unchanged, but outliers spread out before fp8.
+            q, k = q @ self.rotation, k @ self.rotation
+        cache.write_index(layer, batch.out_slots, k)
+        if cache.spec.kv_cache_dtype == "fp8":
+            q, q_scale = quantize_query_fp8(q)
+            weights = weights * q_scale  # relu(s * x) = s * relu(x) for s > 0
+        if batch.mode is ForwardMode.DECODE:
+            return self._select_decode(q, weights, batch, cache, layer, backend)
+        return self._select_extend(q, weights, batch, cache, layer, backend)
+
+    def _select_decode(self, q, weights, batch, cache, layer, backend) -> SelectedTokens:
+        n = batch.decode_width()
+        B = batch.num_requests
+        ctx = (batch.positions + 1).view(B, n).to(torch.int32)
+        logits = backend.paged_mqa_logits(
+            q.view(B, n, self.n_heads, self.head_dim), cache, layer, weights,
+            ctx, batch.block_tables, int(batch.seq_lens.max()),
+        )
+        positions, slots = backend.topk_slots(
+            logits, ctx.view(-1), self.topk, batch.block_tables.repeat_interleave(n, 0)
+        )
+        return SelectedTokens(slots.long(), positions.long())
+
+    def _select_extend(self, q, weights, batch, cache, layer, backend) -> SelectedTokens:
+        all_pos, all_slots = [], []
+        for r, (s0, s1) in enumerate(batch.query_ranges()):
+            keys = cache.read_index(layer, batch.context_slots(r))
+            ke = (batch.positions[s0:s1] + 1).to(torch.int32)
+            logits = backend.ragged_mqa_logits(
+                q[s0:s1], keys, None, weights[s0:s1], torch.zeros_like(ke), ke
+            )
+            table = batch.block_tables[r : r + 1].expand(s1 - s0, -1)
+            positions, slots = backend.topk_slots(logits, ke, self.topk, table)
+            all_pos.append(positions.long())
+            all_slots.append(slots.long())
+        return SelectedTokens(torch.cat(all_slots), torch.cat(all_pos))
+
+
+def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (token, head) fp8 quantisation of indexer queries.
+
+    q: fp32 ``[T, H, D]`` -> (float8_e4m3fn ``[T, H, D]``, fp32 scale ``[T, H]``).
+    """
+    amax = q.abs().amax(-1).clamp_min(1e-10)
+    scale = amax / 448.0
+    return (q / scale[..., None]).to(torch.float8_e4m3fn), scale

@@ -1,0 +1,89 @@
+"""Build a ``DsaForCausalLM`` from a Hugging Face checkpoint directory.
+
+Checkpoint tensor names map one to one onto module names, with two renames:
+``model.`` is dropped, and checkpoint layer ``num_hidden_layers + d`` (the MTP
+block) becomes ``mtp.d`` (its decoder weights under ``mtp.d.decoder``).
+Tensor-parallel shards are sliced here, on load, from the full tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from models.config import ModelConfig, load_config
+from models.model import DsaForCausalLM
+from models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPContext
+from models.weights import iter_checkpoint_tensors
+
+log = logging.getLogger(__name__)
+
+_MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "embed_tokens.", "shared_head.")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+
+
+def module_name(ckpt_name: str, cfg: ModelConfig) -> str | None:
+    """Module parameter name for a checkpoint tensor name; ``None`` = not ours."""
+    m = _LAYER.match(ckpt_name)
+    if m:
+        layer, rest = int(m.group(1)), m.group(2)
+        if layer < cfg.num_hidden_layers:
+            return f"layers.{layer}.{rest}"
+        depth = layer - cfg.num_hidden_layers
+        if depth >= cfg.num_nextn_predict_layers:
+            return None
+        return f"mtp.{depth}.{rest}" if rest.startswith(_MTP_OWN) else f"mtp.{depth}.decoder.{rest}"
+    if ckpt_name.startswith("model."):
+        return ckpt_name[len("model."):]
+    return ckpt_name
+
+
+def _shard(module, tensor: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    if tp.size == 1 or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or tensor.dim() != 2:
+        return tensor
+    dim = module.shard_dim
+    n = tensor.shape[dim] // tp.size
+    return tensor.narrow(dim, tp.rank * n, n)
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               tp: TPContext = SINGLE, hadamard: bool = False, with_mtp: bool = True) -> DsaForCausalLM:
+    """Load config and weights. Raises ``ValueError`` naming every missing tensor
+    (a layer that computes top-k without indexer weights is an error, never a
+    silent fallback)."""
+    cfg = load_config(model_dir)
+    with torch.device("meta"):
+        model = DsaForCausalLM(cfg, dtype=dtype, tp=tp, hadamard=hadamard, with_mtp=with_mtp)
+    model = model.to_empty(device=device)
+    # Weights were built on the meta device (no memory for a 671B model);
+    # derived buffers (RoPE frequencies, Hadamard matrices) are recomputed.
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    for ckpt_name, tensor in iter_checkpoint_tensors(model_dir, dtype=dtype):
+        name = module_name(ckpt_name, cfg)
+        if name is None or name not in params:
+            log.debug("checkpoint tensor %s has no module here; skipped", ckpt_name)
+            continue
+        owner = modules[name.rsplit(".", 1)[0]]
+        tensor = _shard(owner, tensor, tp)
+        p = params[name]
+        if tuple(tensor.shape) != tuple(p.shape):
+            raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
+        p.data.copy_(tensor.to(p.dtype))
+        loaded.add(name)
+    if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
+        params["lm_head.weight"].data.copy_(params["embed_tokens.weight"].data)
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint {model_dir} lacks weights for: {shown}")
+    model.eval()
+    return model

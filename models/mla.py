@@ -1,0 +1,94 @@
+"""Multi-head latent attention (MLA) in the absorbed form, over sparse top-k tokens.
+
+Cached per token: the normed latent ``c_kv`` (``kv_lora_rank``, 512 in the real
+models) and the rotated shared key ``k_pe`` (``qk_rope_head_dim``, 64). Queries
+are absorbed into latent space, ``q_lat_h = W_UK_h^T q_nope_h``, so attention
+runs with 576-dim keys (latent ++ rope) and 512-dim values (the latent), and
+the output is lifted back per head with ``W_UV_h``. This is the form the FlashMLA
+kernels compute; it equals the expanded form up to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from models.batch import ForwardBatch, ForwardMode
+from models.config import ModelConfig
+from models.indexer import Indexer, SelectedTokens
+from models.norms import RMSNorm
+from models.parallel import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, TPContext
+from models.rope import apply_rope, mla_softmax_scale
+
+
+class MLAttention(nn.Module):
+    """One attention layer: MLA projections, plus an ``Indexer`` when this layer
+    computes its own top-k (``owns_indexer``)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, owns_indexer: bool, hadamard: bool):
+        super().__init__()
+        self.n_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.rank = cfg.kv_lora_rank
+        self.q_a_proj = ReplicatedLinear(cfg.hidden_size, cfg.q_lora_rank, bias=cfg.attention_bias, dtype=dtype)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, dtype=dtype)
+        self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, cfg.num_attention_heads * cfg.qk_head_dim, tp, dtype=dtype)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.rank + self.rope, bias=cfg.attention_bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(self.rank, dtype=dtype)
+        self.kv_b_proj = ColumnParallelLinear(self.rank, cfg.num_attention_heads * (self.nope + self.v_dim), tp, dtype=dtype)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.v_dim, cfg.hidden_size, tp, bias=cfg.attention_bias, dtype=dtype)
+        self.scale = mla_softmax_scale(cfg.hf_config.rope_parameters, cfg.qk_head_dim)
+        self.indexer = Indexer(cfg, dtype, hadamard) if owns_indexer else None
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK ``[h, nope, rank]``, W_UV ``[h, v, rank]``) views of ``kv_b_proj``."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, cache, layer: int, backend,
+                shared: SelectedTokens | None) -> tuple[torch.Tensor, SelectedTokens]:
+        """x: ``[T, hidden]`` -> (``[T, hidden]``, the top-k selection used)."""
+        T = x.shape[0]
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(T, self.n_heads, self.nope + self.rope)
+        q_nope, q_pe = q[..., : self.nope], apply_rope(q[..., self.nope :], cos, sin, interleaved=True)
+        kv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(kv[:, : self.rank])
+        k_pe = apply_rope(kv[:, None, self.rank :], cos, sin, interleaved=True)[:, 0]
+        cache.write_mla(layer, batch.out_slots, latent, k_pe)
+
+        if self.indexer is not None:
+            selected = self.indexer(x, q_resid, cos, sin, batch, cache, layer, backend)
+        elif shared is not None:
+            selected = shared
+        else:  # the config check forbids this; never fall back to a dense or uninitialised path
+            raise RuntimeError(f"layer {layer} reuses top-k but no computing layer ran before it")
+
+        w_uk, w_uv = self._absorbed_weights()
+        q_lat = torch.einsum("thn,hnr->thr", q_nope.float(), w_uk.float())
+        q_full = torch.cat([q_lat, q_pe.float()], dim=-1)  # [T, h, rank + rope]
+        if batch.mode is ForwardMode.DECODE:
+            n = batch.decode_width()
+            B = batch.num_requests
+            out, _ = backend.sparse_mla_decode(
+                q_full.view(B, n, self.n_heads, -1), cache, layer,
+                selected.slots.view(B, n, -1), self.scale, self.rank,
+            )
+            out = out.reshape(T, self.n_heads, self.rank)
+        else:
+            out = self._extend_attention(q_full, selected, batch, cache, layer, backend)
+        o = torch.einsum("thr,hvr->thv", out.float(), w_uv.float()).to(x.dtype)
+        return self.o_proj(o.reshape(T, self.n_heads * self.v_dim)), selected
+
+    def _extend_attention(self, q_full, selected, batch, cache, layer, backend) -> torch.Tensor:
+        outs = []
+        for r, (s0, s1) in enumerate(batch.query_ranges()):
+            # The prefill kernel reads a contiguous kv: gather (and dequantize)
+            # the request's context from the paged cache, as chunked prefill does.
+            kv = cache.read_mla(layer, batch.context_slots(r))
+            out, _, _ = backend.sparse_mla_prefill(
+                q_full[s0:s1], kv[:, None, :], selected.positions[s0:s1, None, :].to(torch.int32),
+                self.scale, self.rank,
+            )
+            outs.append(out)
+        return torch.cat(outs)

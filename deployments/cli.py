@@ -1,0 +1,100 @@
+"""The ``dsa-pd`` command line.
+
+    dsa-pd make-tiny --arch {deepseek_v32,glm_moe_dsa} OUT [--seed N] [--fp8]
+    dsa-pd generate MODEL_DIR [--prompt TEXT | --token-ids 1,2,3] [--max-new-tokens N] ...
+    dsa-pd generate --tiny ARCH ...   (makes the tiny model into a cache dir first)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("DSA_PD_CACHE", Path.home() / ".cache" / "dsa-pd"))
+
+
+def tiny_model_dir(arch: str, seed: int = 0, fp8: bool = False) -> Path:
+    """The tiny model of ``arch`` in the cache directory, made on first use."""
+    from models.tiny import make_tiny
+
+    out = _cache_dir() / f"tiny-{arch}-s{seed}{'-fp8' if fp8 else ''}"
+    if not (out / "config.json").exists():
+        make_tiny(arch, out, seed=seed, fp8=fp8)
+    return out
+
+
+def _make_tiny(args) -> int:
+    from models.tiny import make_tiny
+
+    path = make_tiny(args.arch, Path(args.out), seed=args.seed, fp8=args.fp8)
+    print(f"wrote a tiny {args.arch} checkpoint to {path}")
+    return 0
+
+
+def _generate(args) -> int:
+    from transformers import AutoTokenizer
+
+    from workers.offline import LLM
+
+    if bool(args.model_dir) == bool(args.tiny):
+        print("error: give either MODEL_DIR or --tiny ARCH", file=sys.stderr)
+        return 2
+    model_dir = Path(args.model_dir) if args.model_dir else tiny_model_dir(args.tiny)
+    tokenizer = None
+    if args.token_ids:
+        ids = [int(t) for t in args.token_ids.split(",")]
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError) as e:
+            print(f"error: {model_dir} has no tokenizer ({e}); pass --token-ids", file=sys.stderr)
+            return 2
+        ids = tokenizer(args.prompt)["input_ids"]
+    llm = LLM(model_dir, backend=args.backend, device=args.device, dtype=args.dtype,
+              kv_cache_dtype=args.kv_cache_dtype)
+    out = llm.generate([ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                       top_p=args.top_p, top_k=args.top_k, seed=args.seed)[0]
+    print(f"prompt ids:    {ids}")
+    print(f"generated ids: {out}")
+    if tokenizer is not None:
+        print(f"generated text: {tokenizer.decode(out)!r}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dsa-pd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-tiny", help="write a deterministic tiny random checkpoint")
+    p.add_argument("--arch", required=True, choices=["deepseek_v32", "glm_moe_dsa"])
+    p.add_argument("out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fp8", action="store_true", help="write weights fp8 block-quantized (128x128)")
+    p.set_defaults(func=_make_tiny)
+
+    p = sub.add_parser("generate", help="generate offline (no server)")
+    p.add_argument("model_dir", nargs="?")
+    p.add_argument("--tiny", choices=["deepseek_v32", "glm_moe_dsa"], help="use (and make on first use) a tiny model")
+    p.add_argument("--prompt", default="Hello, sparse attention!")
+    p.add_argument("--token-ids", help="comma-separated prompt token ids (for checkpoints without a tokenizer)")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--backend", default="reference", choices=["reference", "cuda"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    p.set_defaults(func=_generate)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

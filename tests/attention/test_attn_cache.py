@@ -1,0 +1,260 @@
+"""CacheSpec / PagedKVCache: geometry, scattered writes, reads, kernel views, regions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from attention.cache import CacheRegion, CacheSpec, PagedKVCache
+from attention.formats import (
+    PAGE_SIZE,
+    IndexerFp8Format,
+    MlaFp8Format,
+    dequantize_indexer_fp8,
+    dequantize_mla_fp8,
+    quantize_indexer_fp8,
+    quantize_mla_fp8,
+    unpack_indexer_page,
+)
+
+
+def spec(mode="fp8", dtype=torch.bfloat16, layers=3, pages=6, r=96, d=16, D=32, indexer_layers=None):
+    return CacheSpec(
+        num_layers=layers, num_pages=pages, kv_lora_rank=r, rope_dim=d, index_head_dim=D,
+        kv_cache_dtype=mode, dtype=dtype, indexer_layers=indexer_layers,
+    )
+
+
+def scattered_slots(num_pages: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` distinct slots spread over every page (including the first and last slot)."""
+    last = num_pages * PAGE_SIZE - 1
+    perm = torch.randperm(last - 1, generator=gen)[: n - 2] + 1  # from [1, last)
+    return torch.cat([torch.tensor([0, last]), perm])
+
+
+def fill_random_bytes(cache: PagedKVCache, gen: torch.Generator) -> None:
+    """Fill every region with random (finite-decoding) bytes so that untouched bytes are recognisable."""
+    for region in cache.regions():
+        region.tensor.copy_(torch.randint(0, 256, region.tensor.shape, generator=gen, dtype=torch.uint8))
+        # fp8 byte 0x7f / 0xff is NaN: keep it out so that reads stay finite (it is not what is tested).
+        region.tensor[region.tensor == 0x7F] = 0x3F
+        region.tensor[region.tensor == 0xFF] = 0xBF
+
+
+# ----------------------------------------------------------------- spec
+
+
+def test_spec_bytes_per_page_deepseek():
+    s = spec("fp8", layers=2, pages=4, r=512, d=64, D=128)
+    assert s.mla_bytes_per_page() == 64 * 656
+    assert s.index_bytes_per_page() == 8448
+    a = dataclasses.replace(s, kv_cache_dtype="auto")
+    assert a.mla_bytes_per_page() == 64 * 576 * 2
+    assert a.index_bytes_per_page() == 64 * 128 * 2
+    f = dataclasses.replace(a, dtype=torch.float32)
+    assert f.mla_bytes_per_page() == 64 * 576 * 4
+
+
+def test_spec_defaults_and_normalisation():
+    s = spec(layers=3)
+    assert s.indexer_layers == (True, True, True)
+    s2 = spec(layers=3, indexer_layers=[1, 0, True])
+    assert s2.indexer_layers == (True, False, True)
+    hash(s2)  # frozen and hashable (used as a compatibility key)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s2.num_pages = 3
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(mode="bf16"),
+        dict(mode="auto", dtype=torch.int8),
+        dict(layers=0),
+        dict(pages=0),
+        dict(r=0),
+        dict(d=-1),
+        dict(D=0),
+        dict(layers=2, indexer_layers=(True,)),
+    ],
+)
+def test_spec_rejects_nonsense(kwargs):
+    with pytest.raises(ValueError):
+        spec(**kwargs)
+
+
+# ----------------------------------------------------------------- storage layout
+
+
+@pytest.mark.parametrize("mode", ["fp8", "auto"])
+def test_storage_shapes_and_kernel_views(mode):
+    s = spec(mode, layers=2, pages=5, r=96, d=16, D=32, indexer_layers=(True, False))
+    c = PagedKVCache(s)
+    B = MlaFp8Format(96, 16).bytes_per_token
+    if mode == "fp8":
+        assert c.mla[0].shape == (5, 64, B) and c.mla[0].dtype == torch.uint8
+        assert c.index[0].shape == (5, 64 * 36) and c.index[0].dtype == torch.uint8
+        assert c.mla_view_for_kernel(1).shape == (5, 64, 1, B)
+        assert c.index_view_for_kernel(0).shape == (5, 64, 1, 36)
+    else:
+        assert c.mla[0].shape == (5, 64, 112) and c.mla[0].dtype == torch.bfloat16
+        assert c.index[0].shape == (5, 64, 32) and c.index[0].dtype == torch.bfloat16
+        assert c.mla_view_for_kernel(1).shape == (5, 64, 1, 112)
+        assert c.index_view_for_kernel(0).shape == (5, 64, 1, 32)
+    assert c.index[1] is None
+    # views alias the storage
+    assert c.mla_view_for_kernel(0).data_ptr() == c.mla[0].data_ptr()
+    assert c.index_view_for_kernel(0).data_ptr() == c.index[0].data_ptr()
+    with pytest.raises(ValueError, match="indexer"):
+        c.write_index(1, torch.tensor([0]), torch.zeros(1, 32))
+    with pytest.raises(ValueError, match="indexer"):
+        c.read_index(1, torch.tensor([0]))
+    with pytest.raises(ValueError, match="indexer"):
+        c.index_view_for_kernel(1)
+    with pytest.raises(IndexError):
+        c.read_mla(2, torch.tensor([0]))
+
+
+# ----------------------------------------------------------------- MLA write / read
+
+
+@pytest.mark.parametrize("r,d", [(512, 64), (96, 16), (32, 8)])
+def test_fp8_write_mla_touches_only_its_slots(r, d, gen):
+    s = spec("fp8", layers=2, pages=7, r=r, d=d, D=32)
+    c = PagedKVCache(s)
+    fill_random_bytes(c, gen)
+    before = [reg.tensor.clone() for reg in c.regions()]
+    n = 40
+    slots = scattered_slots(7, n, gen)
+    latent = torch.randn(n, r, generator=gen) * 3
+    rope = torch.randn(n, d, generator=gen)
+    c.write_mla(1, slots, latent.bfloat16(), rope)
+
+    fmt = MlaFp8Format(r, d)
+    expect = quantize_mla_fp8(latent.bfloat16(), rope, fmt)
+    rows = c.mla[1].view(-1, fmt.bytes_per_token)
+    assert torch.equal(rows[slots], expect)
+    touched = torch.zeros(7 * 64, dtype=torch.bool)
+    touched[slots] = True
+    assert torch.equal(rows[~touched], before[2].view(-1, fmt.bytes_per_token)[~touched])
+    for i, reg in enumerate(c.regions()):
+        if (reg.layer, reg.kind) != (1, "mla"):
+            assert torch.equal(reg.tensor, before[i]), (reg.layer, reg.kind)
+
+    got = c.read_mla(1, slots)
+    lat_q, rope_q = dequantize_mla_fp8(expect, fmt)
+    assert got.dtype == torch.float32 and got.shape == (n, r + d)
+    assert torch.equal(got, torch.cat([lat_q, rope_q], 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_auto_write_mla_exact_in_dtype(dtype, gen):
+    s = spec("auto", dtype=dtype, layers=2, pages=4, r=96, d=16)
+    c = PagedKVCache(s)
+    fill_random_bytes(c, gen)
+    other = c.mla[0].clone()
+    n = 30
+    slots = scattered_slots(4, n, gen)
+    latent, rope = torch.randn(n, 96, generator=gen), torch.randn(n, 16, generator=gen)
+    c.write_mla(1, slots, latent, rope)
+    got = c.read_mla(1, slots)
+    assert torch.equal(got, torch.cat([latent, rope], 1).to(dtype).float())
+    assert torch.equal(c.mla[0], other)
+
+
+@pytest.mark.parametrize("mode", ["fp8", "auto"])
+def test_invalid_slots(mode, gen):
+    c = PagedKVCache(spec(mode, pages=2))
+    latent, rope = torch.randn(3, 96, generator=gen), torch.randn(3, 16, generator=gen)
+    raw_before = [reg.tensor.clone() for reg in c.regions()]
+    # -1 = padding: write skips it, read yields zeros
+    c.write_mla(0, torch.tensor([-1, 5, -1]), latent, rope)
+    got = c.read_mla(0, torch.tensor([-1, 5, -1, 6]))
+    assert torch.equal(got[0], torch.zeros(112)) and torch.equal(got[2], torch.zeros(112))
+    assert got[1].abs().sum() > 0 and torch.equal(got[3], torch.zeros(112))  # 6 never written
+    c.write_index(0, torch.tensor([-1, 5, -1]), torch.randn(3, 32, generator=gen))
+    assert torch.equal(c.read_index(0, torch.tensor([-1]))[0], torch.zeros(32))
+    changed = [not torch.equal(reg.tensor, b) for reg, b in zip(c.regions(), raw_before)]
+    assert changed == [True, True] + [False] * (len(changed) - 2)
+    for bad in ([128], [-2], [0, 1000]):
+        with pytest.raises(IndexError):
+            c.read_mla(0, torch.tensor(bad))
+        with pytest.raises(IndexError):
+            c.write_mla(0, torch.tensor(bad), latent[: len(bad)], rope[: len(bad)])
+        with pytest.raises(IndexError):
+            c.read_index(0, torch.tensor(bad))
+    with pytest.raises(ValueError):
+        c.write_mla(0, torch.tensor([0, 1]), latent, rope)  # 2 slots, 3 tokens
+
+
+# ----------------------------------------------------------------- index write / read
+
+
+@pytest.mark.parametrize("D", [128, 32])
+def test_fp8_write_index_layout_and_isolation(D, gen):
+    s = spec("fp8", layers=2, pages=5, D=D)
+    c = PagedKVCache(s)
+    fill_random_bytes(c, gen)
+    before = [reg.tensor.clone() for reg in c.regions()]
+    n = 50
+    slots = scattered_slots(5, n, gen)
+    k = torch.randn(n, D, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen))
+    c.write_index(0, slots, k)
+
+    k_fp8, scale = quantize_indexer_fp8(k)
+    pages_fp8, pages_scale = unpack_indexer_page(c.index[0], IndexerFp8Format(D))
+    page, off = slots // 64, slots % 64
+    assert torch.equal(pages_fp8[page, off].view(torch.uint8), k_fp8.view(torch.uint8))
+    assert torch.equal(pages_scale[page, off], scale)
+    # Untouched tokens keep their key bytes and their scale bytes.
+    old_fp8, old_scale = unpack_indexer_page(before[1], IndexerFp8Format(D))
+    touched = torch.zeros(5, 64, dtype=torch.bool)
+    touched[page, off] = True
+    assert torch.equal(pages_fp8[~touched].view(torch.uint8), old_fp8[~touched].view(torch.uint8))
+    assert torch.equal(pages_scale[~touched].view(torch.int32), old_scale[~touched].view(torch.int32))
+    for i, reg in enumerate(c.regions()):
+        if (reg.layer, reg.kind) != (0, "index"):
+            assert torch.equal(reg.tensor, before[i])
+    assert torch.equal(c.read_index(0, slots), dequantize_indexer_fp8(k_fp8, scale))
+
+
+def test_auto_write_index(gen):
+    c = PagedKVCache(spec("auto", dtype=torch.float32, pages=3, D=32))
+    slots = scattered_slots(3, 20, gen)
+    k = torch.randn(20, 32, generator=gen)
+    c.write_index(2, slots, k)
+    assert torch.equal(c.read_index(2, slots), k)
+    assert torch.equal(c.index_view_for_kernel(2)[slots // 64, slots % 64, 0], k)
+
+
+# ----------------------------------------------------------------- regions
+
+
+@pytest.mark.parametrize("mode", ["fp8", "auto"])
+def test_regions_describe_every_page(mode, gen):
+    s = spec(mode, layers=3, pages=4, indexer_layers=(True, False, True))
+    c = PagedKVCache(s)
+    regs = c.regions()
+    assert [(r.layer, r.kind) for r in regs] == [(0, "mla"), (0, "index"), (1, "mla"), (2, "mla"), (2, "index")]
+    for reg in regs:
+        assert isinstance(reg, CacheRegion)
+        assert reg.num_pages == 4 and reg.tensor.dtype == torch.uint8 and reg.tensor.is_contiguous()
+        expect = s.mla_bytes_per_page() if reg.kind == "mla" else s.index_bytes_per_page()
+        assert reg.bytes_per_page == expect and reg.tensor.shape == (4, expect)
+        assert reg.nbytes == reg.tensor.nbytes
+        src = c.mla[reg.layer] if reg.kind == "mla" else c.index[reg.layer]
+        assert reg.tensor.data_ptr() == src.data_ptr()
+    # A token written to slot 2*64+5 changes page 2 of exactly its two regions.
+    c.write_mla(2, torch.tensor([2 * 64 + 5]), torch.randn(1, 96, generator=gen) + 1, torch.randn(1, 16, generator=gen))
+    c.write_index(2, torch.tensor([2 * 64 + 5]), torch.randn(1, 32, generator=gen) + 1)
+    for reg in c.regions():
+        nonzero_pages = (reg.tensor != 0).any(dim=1).nonzero().flatten().tolist()
+        assert nonzero_pages == ([2] if reg.layer == 2 else []), (reg.layer, reg.kind)
+    # Copying a page's bytes between two caches moves the token (what a transfer does).
+    c2 = PagedKVCache(s)
+    for dst, src in zip(c2.regions(), c.regions()):
+        dst.tensor[1].copy_(src.tensor[2])
+    assert torch.equal(c2.read_mla(2, torch.tensor([64 + 5])), c.read_mla(2, torch.tensor([2 * 64 + 5])))
+    assert torch.equal(c2.read_index(2, torch.tensor([64 + 5])), c.read_index(2, torch.tensor([2 * 64 + 5])))

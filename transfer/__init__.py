@@ -1,0 +1,55 @@
+"""NIXL transfer of KV / indexer / state pages from prefill to decode (DESIGN.md, request path 3-5).
+
+Layering: imports `attention` (page geometry) only; nothing about models or Ray.
+
+    agent = TransferAgent(worker_id, cache.regions(), compat)   # registers every region once
+    book = PeerBook(agent)                                      # handshake: offer / respond / accept
+    Pusher(agent, book)     # prefill: begin / push per chunk / poll -> PushResult
+    Receiver(agent)         # decode:  expect / poll -> ReceiveResult
+"""
+
+from transfer.agent import TransferAgent
+from transfer.compat import CompatInfo
+from transfer.errors import (
+    CompatibilityError,
+    FieldDiff,
+    PlanError,
+    RegionError,
+    StaleEpochError,
+    TransferError,
+    UnknownPeerError,
+)
+from transfer.handshake import HandshakeOffer, Peer, PeerBook
+from transfer.plan import TransferPlan, build_plan, finished_pages
+from transfer.push import Pusher, PushResult, PushStatus
+from transfer.receiver import Receiver, ReceiveResult, ReceiveStatus
+from transfer.regions import CacheRegion, CacheRegionLike, RegionEntry, RegionTable, region_table
+
+__all__ = [
+    "CacheRegion",
+    "CacheRegionLike",
+    "CompatInfo",
+    "CompatibilityError",
+    "FieldDiff",
+    "HandshakeOffer",
+    "Peer",
+    "PeerBook",
+    "PlanError",
+    "PushResult",
+    "PushStatus",
+    "Pusher",
+    "ReceiveResult",
+    "ReceiveStatus",
+    "Receiver",
+    "RegionEntry",
+    "RegionError",
+    "RegionTable",
+    "StaleEpochError",
+    "TransferAgent",
+    "TransferError",
+    "TransferPlan",
+    "UnknownPeerError",
+    "build_plan",
+    "finished_pages",
+    "region_table",
+]

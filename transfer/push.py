@@ -1,0 +1,291 @@
+"""Prefill side: push a request's finished pages to the decode replica's reserved pages.
+
+Push, never pull: on the H100 a NIXL READ between two processes ran ~2000x
+slower than a WRITE (UCX falls back to TCP for cuda_ipc GET), so the side
+that owns the data issues WRITEs.
+
+Life of a request (every `begin` yields exactly one `PushResult`, from
+`poll`, `abort` or `peer_lost`; the caller frees ``result.pages`` then,
+whatever the status):
+
+    pusher.begin(rid, decode_agent, prompt_len, my_pages, decode_pages, deadline_s)
+    for each prefill chunk:  pusher.push(rid, tokens_done)   # WRITE of the newly final pages
+    ... pusher.poll() -> [PushResult(rid, DONE | FAILED | EXPIRED | CANCELLED, ...)]
+
+Each chunk is one WRITE over every selected region whose notification
+(`messages.ChunkDone`) reaches decode after the chunk's bytes; the last one
+carries the chunk count and page count. A request fails alone: a WRITE error,
+its deadline, a cancel from decode or a lost peer end that request, tell
+decode (best effort) and hand its pages back.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence
+
+import numpy as np
+
+from attention.formats import pages_for_tokens
+from transfer.agent import TransferAgent, Xfer
+from transfer.errors import PlanError
+from transfer.handshake import Peer, PeerBook
+from transfer.messages import ChunkDone, PushAborted, PushCancelled, encode
+from transfer.plan import build_plan, finished_pages
+
+log = logging.getLogger(__name__)
+
+
+class PushStatus(str, enum.Enum):
+    DONE = "done"
+    FAILED = "failed"
+    """A WRITE or notification errored (peer died, NIXL error) or the caller aborted."""
+    EXPIRED = "expired"
+    """The deadline passed before every chunk was pushed and completed."""
+    CANCELLED = "cancelled"
+    """Decode gave up on the request (its deadline, client disconnect)."""
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """Outcome of one pushed request. ``pages``: the local (prefill) pages, now the caller's to free."""
+
+    request_id: str
+    status: PushStatus
+    pages: tuple[int, ...]
+    chunks: int
+    nbytes: int
+    seconds: float
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is PushStatus.DONE
+
+
+@dataclass
+class _Job:
+    request_id: str
+    peer: Peer
+    prompt_len: int
+    local_pages: np.ndarray
+    remote_pages: np.ndarray
+    started: float
+    deadline: float
+    sent_pages: int = 0
+    chunks: int = 0
+    last_posted: bool = False
+    nbytes: int = 0
+    inflight: list[Xfer] = field(default_factory=list)
+
+
+class Pusher:
+    """Pushes requests from this agent to decode peers. Drive from one thread.
+
+    ``merge``: merge descriptors contiguous on both sides (False only for
+    benchmarks). ``layers`` / ``kinds``: restrict the regions pushed (None =
+    all registered). ``clock``: seconds, monotonic (tests may inject one).
+    """
+
+    def __init__(
+        self,
+        agent: TransferAgent,
+        peers: PeerBook,
+        *,
+        merge: bool = True,
+        layers: Optional[Iterable[int]] = None,
+        kinds: Optional[Iterable[str]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.agent = agent
+        self.peers = peers
+        self.merge = merge
+        self.layers = None if layers is None else tuple(layers)
+        self.kinds = None if kinds is None else tuple(kinds)
+        self.clock = clock
+        self._jobs: dict[str, _Job] = {}
+        self._results: list[PushResult] = []
+        self._unreleased: list[Xfer] = []  # handles NIXL refused to release (still in flight)
+
+    @property
+    def active(self) -> list[str]:
+        return list(self._jobs)
+
+    def writes_in_flight(self) -> int:
+        """WRITEs posted and not yet completed (or failed), over all requests."""
+        return sum(self.agent.state(x) == "PROC" for j in self._jobs.values() for x in j.inflight)
+
+    def begin(
+        self,
+        request_id: str,
+        peer_agent: str,
+        prompt_len: int,
+        local_pages: Sequence[int],
+        remote_pages: Sequence[int],
+        deadline_s: float,
+    ) -> None:
+        """Start tracking a request; nothing is sent until `push`.
+
+        Both page lists must hold ``pages_for_tokens(prompt_len)`` ids (the
+        shared helper decode used to reserve them). Raises `UnknownPeerError`
+        if ``peer_agent`` (that exact epoch) was not handshaked, `PlanError`
+        on bad pages; on a raise the request is not tracked.
+        """
+        if request_id in self._jobs:
+            raise ValueError(f"request {request_id!r} is already being pushed")
+        n = pages_for_tokens(prompt_len)
+        if len(local_pages) != n or len(remote_pages) != n:
+            raise PlanError(
+                f"request {request_id!r}: prompt of {prompt_len} tokens needs {n} pages, got "
+                f"{len(local_pages)} local and {len(remote_pages)} remote"
+            )
+        peer = self.peers.get(peer_agent)
+        lp = np.asarray(local_pages, dtype=np.int64)
+        rp = np.asarray(remote_pages, dtype=np.int64)
+        # Validate the whole request now so a bad page list fails before any byte moves.
+        build_plan(self.agent.table, peer.regions, lp, rp, layers=self.layers, kinds=self.kinds, merge=self.merge)
+        now = self.clock()
+        self._jobs[request_id] = _Job(request_id, peer, prompt_len, lp, rp, now, now + deadline_s)
+
+    def push(self, request_id: str, tokens_done: int) -> bool:
+        """Push the pages that became final now that ``tokens_done`` prompt tokens are in the cache.
+
+        ``tokens_done == prompt_len`` pushes the rest (the partial last page
+        included) and marks the last chunk. Returns False if the request is
+        not (or no longer) active, e.g. it already failed; transport errors
+        never raise here, they end the request (see `poll`).
+        """
+        job = self._jobs.get(request_id)
+        if job is None or job.last_posted:
+            return False
+        upto = finished_pages(tokens_done, job.prompt_len)
+        last = tokens_done == job.prompt_len
+        if upto < job.sent_pages:
+            raise ValueError(f"request {request_id!r}: tokens_done went backwards ({upto} < {job.sent_pages} pages)")
+        if upto == job.sent_pages and not last:
+            return True  # the chunk finished no page
+        index = job.chunks
+        msg = ChunkDone(
+            request_id, index, count=index + 1 if last else None, pages=len(job.local_pages) if last else None
+        )
+        try:
+            if upto > job.sent_pages:
+                plan = build_plan(
+                    self.agent.table,
+                    job.peer.regions,
+                    job.local_pages[job.sent_pages : upto],
+                    job.remote_pages[job.sent_pages : upto],
+                    layers=self.layers,
+                    kinds=self.kinds,
+                    merge=self.merge,
+                )
+                job.inflight.append(self.agent.write(job.peer.agent_name, plan, encode(msg)))
+                job.nbytes += plan.nbytes
+            else:
+                # A final chunk with no new page (the prompt ended on a page
+                # boundary already pushed): the count still has to reach decode.
+                self.agent.notify(job.peer.agent_name, msg)
+        except Exception as e:  # noqa: BLE001 - any transport error fails this request only
+            self._results.append(self._finish(job, PushStatus.FAILED, f"posting chunk {index}: {e}", tell_peer=True))
+            return False
+        job.sent_pages = upto
+        job.chunks += 1
+        job.last_posted = last
+        return True
+
+    def poll(self) -> list[PushResult]:
+        """Advance every request; returns the requests that ended since the last call."""
+        for sender, msg in self.agent.take(PushCancelled):
+            job = self._jobs.get(msg.request_id)
+            if job is not None and job.peer.agent_name == sender:
+                self._results.append(self._finish(job, PushStatus.CANCELLED, f"decode: {msg.reason}", tell_peer=False))
+        now = self.clock()
+        for job in list(self._jobs.values()):
+            states = [self.agent.state(x) for x in job.inflight]
+            if "ERR" in states:
+                self._results.append(self._finish(job, PushStatus.FAILED, "WRITE failed", tell_peer=True))
+                continue
+            for x in [x for x, s in zip(job.inflight, states) if s == "DONE"]:
+                self.agent.release(x)
+                job.inflight.remove(x)
+            if job.last_posted and not job.inflight:
+                self._results.append(self._finish(job, PushStatus.DONE, "", tell_peer=False))
+            elif now > job.deadline:
+                reason = f"deadline of {job.deadline - job.started:.3f}s passed after {job.chunks} chunk(s)"
+                self._results.append(self._finish(job, PushStatus.EXPIRED, reason, tell_peer=True))
+        self._unreleased = [x for x in self._unreleased if not self._try_release(x)]
+        out, self._results = self._results, []
+        return out
+
+    def abort(self, request_id: str, reason: str) -> Optional[PushResult]:
+        """End a request now (prefill failed, shutdown); decode is told. None if not active."""
+        job = self._jobs.get(request_id)
+        if job is None:
+            return None
+        return self._finish(job, PushStatus.FAILED, reason, tell_peer=True)
+
+    def peer_lost(self, peer_agent: str, reason: str = "peer lost") -> list[PushResult]:
+        """End every request pushing to ``peer_agent`` (it died); the peer is not contacted."""
+        jobs = [j for j in self._jobs.values() if j.peer.agent_name == peer_agent]
+        return [self._finish(j, PushStatus.FAILED, reason, tell_peer=False) for j in jobs]
+
+    def warm_up(self, peer_agent: str, local_page: int = 0, remote_page: int = 0, timeout_s: float = 60.0) -> float:
+        """Connect to a peer and WRITE one page of every region; returns the seconds it took.
+
+        The first transfer of a new pair is slow (connection setup, remote
+        memory mapping per region): pay it at start, not on a user's first
+        request. ``remote_page`` must be a page no request is using (e.g.
+        before serving starts, or one reserved for this by the peer).
+        """
+        peer = self.peers.get(peer_agent)
+        t0 = self.clock()
+        self.agent.connect(peer.agent_name)
+        plan = build_plan(
+            self.agent.table, peer.regions, [local_page], [remote_page], layers=self.layers, kinds=self.kinds
+        )
+        xfer = self.agent.write(peer.agent_name, plan, b"")  # empty notif: nothing reaches decode's queue
+        try:
+            while self.agent.state(xfer) == "PROC":
+                if self.clock() - t0 > timeout_s:
+                    raise TimeoutError(f"warm-up WRITE to {peer_agent} took over {timeout_s}s")
+            if xfer.state != "DONE":
+                raise RuntimeError(f"warm-up WRITE to {peer_agent} failed")
+        finally:
+            if not self.agent.release(xfer):
+                self._unreleased.append(xfer)
+        return self.clock() - t0
+
+    # -- internals ----------------------------------------------------------
+
+    def _try_release(self, x: Xfer) -> bool:
+        return self.agent.state(x) != "PROC" and self.agent.release(x)
+
+    def _finish(self, job: _Job, status: PushStatus, reason: str, *, tell_peer: bool) -> PushResult:
+        del self._jobs[job.request_id]
+        for x in job.inflight:
+            # Releasing an in-flight handle asks NIXL to cancel it; if it
+            # refuses, keep the handle and retry later (not to leak it). The
+            # source pages may be freed either way: a late read of them can
+            # only reach the dead request's destination.
+            if not self.agent.release(x):
+                self._unreleased.append(x)
+        job.inflight.clear()
+        if tell_peer:
+            try:
+                self.agent.notify(job.peer.agent_name, PushAborted(job.request_id, reason))
+            except Exception as e:  # noqa: BLE001 - the peer may be the thing that died
+                log.debug("abort notification to %s: %s", job.peer.agent_name, e)
+        if status is not PushStatus.DONE:
+            log.warning("push of %s to %s %s: %s", job.request_id, job.peer.agent_name, status.value, reason)
+        return PushResult(
+            request_id=job.request_id,
+            status=status,
+            pages=tuple(int(p) for p in job.local_pages),
+            chunks=job.chunks,
+            nbytes=job.nbytes,
+            seconds=self.clock() - job.started,
+            reason=reason,
+        )

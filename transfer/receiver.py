@@ -1,0 +1,168 @@
+"""Decode side: wait for the pages a prefill peer pushes into this worker's reserved pages.
+
+Life of a request (every `expect` yields exactly one `ReceiveResult`, from
+`poll`, `cancel` or `peer_lost`; on DONE the pages hold the prompt's caches,
+otherwise the caller frees ``result.pages``):
+
+    pages = pool.allocate(pages_for_tokens(prompt_len))
+    receiver.expect(rid, prefill_agent, prompt_len, pages, deadline_s)   # before asking prefill
+    ... receiver.poll() -> [ReceiveResult(rid, DONE | FAILED | EXPIRED | CANCELLED, pages, ...)]
+
+Completion is counted, not ordered: one `ChunkDone` per chunk (each sent by
+NIXL after that chunk's bytes landed), the last carrying the chunk count.
+Notifications from any agent but the expected one (e.g. a dead epoch of the
+same prefill worker) and notifications for requests no longer waiting are
+ignored and counted in ``ignored_notifs``.
+
+A request id must not be reused for a new attempt: a late notification of
+the old attempt could complete the new one. `expect` refuses ids that ended
+recently.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from attention.formats import pages_for_tokens
+from transfer.agent import TransferAgent
+from transfer.errors import PlanError
+from transfer.messages import ChunkDone, PushAborted, PushCancelled
+
+log = logging.getLogger(__name__)
+
+
+class ReceiveStatus(str, enum.Enum):
+    DONE = "done"
+    FAILED = "failed"
+    """Prefill reported an abort, the peer was lost, or the notifications were inconsistent."""
+    EXPIRED = "expired"
+    """The deadline passed before every chunk arrived; prefill is told to stop."""
+    CANCELLED = "cancelled"
+    """This side gave up (client disconnect); prefill is told to stop."""
+
+
+@dataclass(frozen=True)
+class ReceiveResult:
+    """Outcome of one expected request. ``pages``: the reserved decode pages (free them unless DONE)."""
+
+    request_id: str
+    status: ReceiveStatus
+    pages: tuple[int, ...]
+    chunks: int
+    seconds: float
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is ReceiveStatus.DONE
+
+
+@dataclass
+class _Wait:
+    request_id: str
+    peer_agent: str
+    pages: tuple[int, ...]
+    started: float
+    deadline: float
+    got: set[int] = field(default_factory=set)
+    count: Optional[int] = None
+
+
+class Receiver:
+    """Tracks requests this decode worker expects from prefill peers. Drive from one thread."""
+
+    def __init__(
+        self, agent: TransferAgent, *, clock: Callable[[], float] = time.monotonic, remember_finished: int = 65536
+    ):
+        self.agent = agent
+        self.clock = clock
+        self._waits: dict[str, _Wait] = {}
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._remember = remember_finished
+        self.ignored_notifs = 0
+
+    @property
+    def active(self) -> list[str]:
+        return list(self._waits)
+
+    def expect(
+        self, request_id: str, peer_agent: str, prompt_len: int, pages: Sequence[int], deadline_s: float
+    ) -> None:
+        """Wait for ``request_id`` from ``peer_agent`` into ``pages``; call before prefill can push.
+
+        ``pages`` must hold ``pages_for_tokens(prompt_len)`` ids.
+        """
+        if request_id in self._waits or request_id in self._finished:
+            raise ValueError(f"request id {request_id!r} already used: use a fresh id per attempt")
+        n = pages_for_tokens(prompt_len)
+        if len(pages) != n:
+            raise PlanError(f"request {request_id!r}: prompt of {prompt_len} tokens needs {n} pages, got {len(pages)}")
+        now = self.clock()
+        self._waits[request_id] = _Wait(request_id, peer_agent, tuple(int(p) for p in pages), now, now + deadline_s)
+
+    def poll(self) -> list[ReceiveResult]:
+        """Read notifications and deadlines; returns the requests that ended since the last call."""
+        out: list[ReceiveResult] = []
+        for sender, msg in self.agent.take(ChunkDone, PushAborted):
+            w = self._waits.get(msg.request_id)
+            if w is None or sender != w.peer_agent:
+                self.ignored_notifs += 1
+                continue
+            if isinstance(msg, PushAborted):
+                out.append(self._end(w, ReceiveStatus.FAILED, f"prefill aborted: {msg.reason}", False))
+            elif (res := self._on_chunk(w, msg)) is not None:
+                out.append(res)
+        now = self.clock()
+        for w in list(self._waits.values()):
+            if now > w.deadline:
+                reason = f"deadline of {w.deadline - w.started:.3f}s passed with {len(w.got)} chunk(s) received"
+                out.append(self._end(w, ReceiveStatus.EXPIRED, reason, tell_peer=True))
+        return out
+
+    def cancel(self, request_id: str, reason: str) -> Optional[ReceiveResult]:
+        """Give up on a request now (client gone); prefill is told. None if not waiting."""
+        w = self._waits.get(request_id)
+        if w is None:
+            return None
+        return self._end(w, ReceiveStatus.CANCELLED, reason, tell_peer=True)
+
+    def peer_lost(self, peer_agent: str, reason: str = "peer lost") -> list[ReceiveResult]:
+        """Fail every request expected from ``peer_agent`` (it died); the peer is not contacted."""
+        lost = [w for w in self._waits.values() if w.peer_agent == peer_agent]
+        return [self._end(w, ReceiveStatus.FAILED, reason, tell_peer=False) for w in lost]
+
+    # -- internals ----------------------------------------------------------
+
+    def _on_chunk(self, w: _Wait, msg: ChunkDone) -> Optional[ReceiveResult]:
+        if msg.count is not None:
+            if msg.pages != len(w.pages):
+                # Both sides must derive the count from the prompt length with
+                # the same helper; a mismatch means one side's cache is wrong.
+                return self._end(w, ReceiveStatus.FAILED, f"prefill pushed {msg.pages} pages, {len(w.pages)} reserved", True)
+            w.count = msg.count
+        w.got.add(msg.index)
+        if w.count is not None:
+            if max(w.got) >= w.count:
+                return self._end(w, ReceiveStatus.FAILED, f"chunk index {max(w.got)} beyond count {w.count}", True)
+            if len(w.got) == w.count:
+                return self._end(w, ReceiveStatus.DONE, "", tell_peer=False)
+        return None
+
+    def _end(self, w: _Wait, status: ReceiveStatus, reason: str, tell_peer: bool) -> ReceiveResult:
+        del self._waits[w.request_id]
+        self._finished[w.request_id] = None
+        while len(self._finished) > self._remember:
+            self._finished.popitem(last=False)
+        if tell_peer:
+            try:
+                self.agent.notify(w.peer_agent, PushCancelled(w.request_id, reason))
+            except Exception as e:  # noqa: BLE001 - the peer may be dead or never handshaked
+                log.debug("cancel notification to %s: %s", w.peer_agent, e)
+        if status is not ReceiveStatus.DONE:
+            log.warning("receive of %s from %s %s: %s", w.request_id, w.peer_agent, status.value, reason)
+        return ReceiveResult(w.request_id, status, w.pages, len(w.got), self.clock() - w.started, reason)

@@ -182,9 +182,10 @@ class ModelConfig:
     Dimensions are in elements.  Layer indices ``0 .. num_hidden_layers - 1``
     are the main stack; ``num_hidden_layers .. num_layers_with_mtp - 1`` the
     MTP (next-n) layers, which are MoE layers with their own indexer.
-    ``hf_config`` is the transformers config object (with ``head_dim`` and
-    ``qk_rope_head_dim`` set to the raw ``qk_rope_head_dim``), for
-    transformers' rope init functions; it does not take part in equality.
+    ``hf_config`` is the transformers config object, for transformers' rope
+    init functions, with ``head_dim`` / ``qk_rope_head_dim`` set to the raw
+    ``qk_rope_head_dim`` and (GLM) ``indexer_types`` set from ``topk_plan``;
+    it does not take part in equality or hashing.
     """
 
     arch: Arch
@@ -378,6 +379,10 @@ def config_from_dict(raw: dict) -> ModelConfig:
         index_skip_topk_offset=raw.get("index_skip_topk_offset"),
         mtp_layers=mtp,
     )
+    # Keep hf_config consistent with what we serve, for anyone building from it.
+    hf.num_nextn_predict_layers = mtp
+    if model_type == "glm_moe_dsa":
+        hf.indexer_types = ["full" if c else "shared" for c in plan.computes[:num_layers]]
 
     if hf.index_head_dim < qk_rope:
         raise ConfigError(

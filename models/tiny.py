@@ -27,6 +27,10 @@ the real releases, MTP (next-n) layer weights that transformers ignores:
 Weights are bfloat16 (``e_score_correction_bias`` float32, as in DeepSeek's
 releases) and a function of ``seed`` only: the same seed gives byte-identical
 files.  ``fp8=True`` stores the block-quantized form.
+
+transformers' loader lists the MTP tensors as UNEXPECTED in its load report
+(its ignore pattern is hard-coded to layer 61 / 78 of the real models); that
+is expected and harmless.
 """
 
 from __future__ import annotations
@@ -328,13 +332,17 @@ def make_tiny(
     Returns:
         ``out_dir`` as a Path.
     """
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if not fp8:
-        _write_bf16(arch, out, seed, dtype, overrides)
-        return out
-    with tempfile.TemporaryDirectory() as tmp:
-        _write_bf16(arch, Path(tmp), seed, dtype, overrides)
-        _clear_checkpoint(out)
-        write_fp8_checkpoint(tmp, out, block=fp8_block)
+    # Seeding inside fork_rng leaves the caller's global RNG stream untouched.
+    with torch.random.fork_rng(devices=[]):
+        if not fp8:
+            _write_bf16(arch, out, seed, dtype, overrides)
+            return out
+        with tempfile.TemporaryDirectory() as tmp:
+            _write_bf16(arch, Path(tmp), seed, dtype, overrides)
+            _clear_checkpoint(out)
+            write_fp8_checkpoint(tmp, out, block=fp8_block)
     return out

@@ -195,6 +195,7 @@ def test_raw_reread_survives_a_clobbering_transformers(monkeypatch):
     assert cfg.qk_rope_head_dim == 16 and cfg.hf_config.head_dim == 16
     assert cfg.topk_plan.computes == (True, True, False, False, True, False, True)
     assert cfg.num_nextn_predict_layers == 1
+    assert cfg.hf_config.indexer_types == ["full", "full", "shared", "shared", "full", "shared"]
 
 
 def test_raw_pattern_and_indexer_types_are_read():

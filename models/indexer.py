@@ -92,7 +92,7 @@ class Indexer(nn.Module):
         B = batch.num_requests
         ctx = (batch.positions + 1).view(B, n).to(torch.int32)
         logits = backend.paged_mqa_logits(
-            q.view(B, n, self.n_heads, self.head_dim), cache, layer, weights,
+            q.view(B, n, self.n_heads, self.head_dim), cache.index[layer], weights,
             ctx, batch.block_tables, int(batch.seq_lens.max()),
         )
         positions, slots = backend.topk_slots(

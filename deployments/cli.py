@@ -93,7 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_generate)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    from models.config import ConfigError
+
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        # A bad checkpoint or argument is the user's to fix: say what, no traceback.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,554 @@
+"""Triton kernels of the ``cuda`` backend (``attention/cuda``) vs the torch reference.
+
+Every check runs in two ways:
+
+* ``test_*_interpreter``: CPU tensors through Triton's interpreter. It runs in a
+  subprocess with ``TRITON_INTERPRET=1`` (this very file, run as a script),
+  because the variable must be set before ``triton`` is imported and would
+  otherwise leak into every other test of the session. One subprocess serves
+  all the interpreter tests; shapes are tiny. These run in CI (CPU-only).
+* ``test_*_gpu`` (``gpu`` mark): CUDA tensors through the compiled kernels, at
+  serving-like shapes (k = 2048, pools beyond 2^31 bytes).
+
+``test_kernels_compile_for_sm90`` compiles every kernel to an sm_90 cubin on
+the CPU (Triton ships ptxas): it catches what the interpreter cannot see
+(type unification of loop-carried values, unsupported ops in codegen).
+
+Inputs are random with a fresh seed per run (``ATTN_TEST_SEED`` replays one);
+outputs and untouched cache bytes are poisoned before a kernel writes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from attention.formats import (  # noqa: E402
+    PAGE_SIZE,
+    IndexerFp8Format,
+    MlaFp8Format,
+    dequantize_mla_fp8,
+    pack_indexer_page,
+    quantize_indexer_fp8,
+    quantize_mla_fp8,
+    unpack_indexer_page,
+)
+
+SEED = int(os.environ.get("ATTN_TEST_SEED", secrets.randbits(31)))
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+
+def random_bytes(shape, gen) -> torch.Tensor:
+    return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+
+
+def distinct_slots(num_pages: int, n: int, gen, *, holes: int = 0) -> torch.Tensor:
+    """``n`` distinct slots including the first and last of the pool, ``holes`` of them -1 (skip)."""
+    last = num_pages * PAGE_SIZE - 1
+    perm = torch.randperm(last - 1, generator=gen)[: n - 2] + 1
+    slots = torch.cat([torch.tensor([0, last]), perm])[torch.randperm(n, generator=gen)]
+    slots[torch.randperm(n, generator=gen)[:holes]] = -1
+    return slots
+
+
+def rounding_probe_values() -> torch.Tensor:
+    """fp32 values in [-448, 448] that probe every float8_e4m3fn rounding decision.
+
+    Every finite e4m3 value, every midpoint between neighbours (ties to even)
+    and the fp32 neighbours of each midpoint, in both signs, plus the
+    subnormal corner (2^-10 is the tie between 0 and the smallest subnormal).
+    """
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0x7f is NaN
+    vals = codes.view(torch.float8_e4m3fn).float()  # ascending, 0 .. 448
+    mids = (vals[1:] + vals[:-1]) / 2  # exact in fp32
+    up = torch.nextafter(mids, torch.full_like(mids, 1e9))
+    down = torch.nextafter(mids, torch.zeros_like(mids))
+    tiny = torch.tensor([2.0**-10, 2.0**-11, 3 * 2.0**-11, 1e-30, 1e-45, 447.99997, 448.0])
+    pos = torch.cat([vals, mids, up, down, tiny])
+    return torch.cat([pos, -pos])
+
+
+def random_bit_floats(n: int, gen, lo_exp: int, hi_exp: int) -> torch.Tensor:
+    """fp32 with uniformly random mantissa bits, sign, and binary exponent in [lo_exp, hi_exp]."""
+    mant = torch.randint(0, 1 << 23, (n,), generator=gen, dtype=torch.int64)
+    exp = torch.randint(lo_exp + 127, hi_exp + 128, (n,), generator=gen, dtype=torch.int64)
+    sign = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int64)
+    bits = (sign << 31) | (exp << 23) | mant
+    return bits.to(torch.int32).view(torch.float32)  # int64 -> int32 keeps the low 32 bits
+
+
+def stable_topk_oracle(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> list[list[int]]:
+    """Per row, the positions the documented rule selects, ascending.
+
+    Candidates: t < length and logit != -inf. The k largest, ties broken by
+    lower position (a stable descending sort), NaN largest, -0.0 == +0.0.
+    """
+    out = []
+    for r in range(logits.shape[0]):
+        n = int(lengths[r])
+        v = logits[r, :n].double()
+        cand = torch.nonzero(v != float("-inf")).flatten()
+        order = torch.sort(v[cand], descending=True, stable=True).indices
+        out.append(sorted(cand[order[:k]].tolist()))
+    return out
+
+
+def page_lookup(positions: torch.Tensor, block_table: torch.Tensor, rows_per_table: int) -> torch.Tensor:
+    """int64 slots of valid positions ``[R, K]`` (>= 0, in the table) through ``block_table``."""
+    rows = torch.arange(positions.shape[0], device=positions.device) // rows_per_table
+    pages = block_table.long()[rows[:, None], positions.long() // PAGE_SIZE]
+    return pages * PAGE_SIZE + positions.long() % PAGE_SIZE
+
+
+# ---------------------------------------------------------------------------
+# checks: each takes (device, gen, big) and raises AssertionError on mismatch
+# ---------------------------------------------------------------------------
+
+
+def check_fp8_rounding(device, gen, big):
+    """Scale pinned to exactly 1 (one 448 per key): the kernel's rne cast == torch's, value by value."""
+    from attention import cuda as ck
+
+    D = 128
+    probes = rounding_probe_values()
+    per_row = D - 1
+    n_rows = -(-probes.numel() // per_row)
+    k = torch.zeros(n_rows * per_row)
+    k[: probes.numel()] = probes
+    k = torch.cat([torch.full((n_rows, 1), 448.0), k.view(n_rows, per_row)], dim=1)
+    fmt = IndexerFp8Format(D)
+    num_pages = -(-n_rows // PAGE_SIZE)
+    pool = random_bytes((num_pages, fmt.bytes_per_page), gen)
+    slots = torch.arange(n_rows)
+    pool_d = pool.to(device)
+    ck.write_indexer_fp8(pool_d, slots.to(device), k.to(device))
+    got_k, got_s = unpack_indexer_page(pool_d.cpu(), fmt)
+    got_k = got_k.reshape(-1, D)[:n_rows].view(torch.uint8)
+    assert torch.all(got_s.reshape(-1)[:n_rows] == 1.0)
+    want = k.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = torch.nonzero(got_k != want)
+    assert bad.numel() == 0, (
+        f"{bad.shape[0]} fp8 roundings differ, e.g. x={k[tuple(bad[0])].item()!r}: "
+        f"got {got_k[tuple(bad[0])].item():#04x}, torch {want[tuple(bad[0])].item():#04x}"
+    )
+
+
+def check_mla_write(device, gen, big):
+    from attention import cuda as ck
+
+    n = 3000 if big else 21
+    # (kv_lora_rank, rope_dim): the real 656-byte token, an unaligned tiny one
+    # (scales at byte 100, rope at 2-byte alignment only), one with no rope.
+    for r, d in [(512, 64), (100, 6), (130, 0)]:
+        fmt = MlaFp8Format(r, d)
+        num_pages = -(-n // PAGE_SIZE) + 2
+        slots = distinct_slots(num_pages, n, gen, holes=3)
+        # Wide dynamic range: tiles with a large amax push small elements into
+        # the e4m3 subnormals; one all-zero tile and one all-zero token.
+        latent = random_bit_floats(n * r, gen, -20, 14).view(n, r)
+        latent[1] = 0
+        latent[2, : min(r, 128)] = 0
+        rope = random_bit_floats(n * max(d, 1), gen, -24, 14).view(n, max(d, 1))[:, :d]
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            lat, rp = latent.to(dtype), rope.to(dtype)
+            # The pool is layer 1 of a [pages, layers, 64, B] allocation, so the
+            # page stride is not 64 * B and layer 0 must stay untouched.
+            big_pool = random_bytes((num_pages, 2, PAGE_SIZE, fmt.bytes_per_token), gen)
+            want = big_pool.clone()
+            valid = slots >= 0
+            layer = want[:, 1].reshape(-1, fmt.bytes_per_token)  # a copy: the slice is strided
+            layer[slots[valid]] = quantize_mla_fp8(lat[valid], rp[valid], fmt)
+            want[:, 1] = layer.view(num_pages, PAGE_SIZE, fmt.bytes_per_token)
+            got = big_pool.to(device)
+            # The FlashMLA (num_pages, 64, 1, B) view of that layer.
+            ck.write_mla_fp8(got[:, 1].unsqueeze(2), slots.to(device), lat.to(device), rp.to(device), fmt)
+            diff = torch.nonzero(got.cpu() != want)
+            assert diff.numel() == 0, f"r={r} d={d} {dtype}: {diff.shape[0]} bytes differ, first at {diff[0].tolist()}"
+
+
+def check_indexer_write(device, gen, big):
+    from attention import cuda as ck
+
+    n = 5000 if big else 40
+    for D in (128, 24):
+        fmt = IndexerFp8Format(D)
+        num_pages = -(-n // PAGE_SIZE) + 1
+        slots = distinct_slots(num_pages, n, gen, holes=2)
+        k = random_bit_floats(n * D, gen, -12, 12).view(n, D)
+        k[3] = 0
+        for dtype in (torch.float32, torch.bfloat16):
+            kk = k.to(dtype)
+            pool = random_bytes((num_pages, fmt.bytes_per_page), gen)
+            kf, ks = unpack_indexer_page(pool, fmt)
+            kf, ks = kf.clone().reshape(-1, D), ks.clone().reshape(-1)
+            valid = slots >= 0
+            qk, qs = quantize_indexer_fp8(kk[valid])
+            kf[slots[valid]] = qk
+            ks[slots[valid]] = qs
+            want = pack_indexer_page(kf.view(num_pages, PAGE_SIZE, D), ks.view(num_pages, PAGE_SIZE))
+            got = pool.to(device)
+            # DeepGEMM's (num_pages, 64, 1, D + 4) view of the same bytes.
+            ck.write_indexer_fp8(got.view(num_pages, PAGE_SIZE, 1, D + 4), slots.to(device), kk.to(device), fmt)
+            diff = torch.nonzero(got.cpu() != want)
+            assert diff.numel() == 0, f"D={D} {dtype}: {diff.shape[0]} bytes differ, first at {diff[0].tolist()}"
+
+
+def check_mla_dequant(device, gen, big):
+    from attention import cuda as ck
+
+    for r, d in [(512, 64), (100, 6)]:
+        fmt = MlaFp8Format(r, d)
+        num_pages = 40 if big else 3
+        n_tok = num_pages * PAGE_SIZE
+        pool = quantize_mla_fp8(
+            random_bit_floats(n_tok * r, gen, -20, 20).view(n_tok, r),
+            torch.randn(n_tok, d, generator=gen), fmt,
+        ).view(num_pages, PAGE_SIZE, fmt.bytes_per_token)
+        lat, rope = dequantize_mla_fp8(pool, fmt)
+        table = torch.cat([lat, rope], dim=1).to(torch.bfloat16)  # reference, row = slot
+
+        n = 1000 if big else 13
+        slots = torch.randint(0, n_tok, (n,), generator=gen)  # repeats allowed for reads
+        slots[torch.randperm(n, generator=gen)[:2]] = -1
+        want = torch.where((slots >= 0)[:, None], table[slots.clamp(min=0)], torch.zeros((), dtype=torch.bfloat16))
+        pool_d = pool.to(device)
+        got = ck.dequantize_mla_fp8(pool_d, slots.to(device), fmt).cpu()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"r={r} d={d}: slot gather differs"
+
+        # Whole pages into a slice of a persistent, poisoned workspace.
+        pages = torch.tensor([num_pages - 1, -1, 0])
+        ws = torch.full((5 * PAGE_SIZE, r + d), float("nan"), dtype=torch.bfloat16, device=device)
+        out = ck.dequantize_mla_fp8_pages(pool_d, pages.to(device), fmt, out=ws[PAGE_SIZE : 4 * PAGE_SIZE])
+        assert out.data_ptr() == ws[PAGE_SIZE].data_ptr()
+        ps = ck.page_slots(pages)
+        want = torch.where((ps >= 0)[:, None], table[ps.clamp(min=0)], torch.zeros((), dtype=torch.bfloat16))
+        ws = ws.cpu()
+        assert torch.equal(ws[PAGE_SIZE : 4 * PAGE_SIZE].view(torch.int16), want.view(torch.int16))
+        assert ws[:PAGE_SIZE].isnan().all() and ws[4 * PAGE_SIZE :].isnan().all(), "wrote outside out="
+
+
+def check_indexer_gather(device, gen, big):
+    from attention import cuda as ck
+
+    D = 128
+    fmt = IndexerFp8Format(D)
+    num_pages = 30 if big else 2
+    pool = random_bytes((num_pages, fmt.bytes_per_page), gen)
+    kf, ks = unpack_indexer_page(pool, fmt)
+    n = 700 if big else 9
+    slots = torch.randint(0, num_pages * PAGE_SIZE, (n,), generator=gen)
+    slots[0] = -1
+    gk, gs = ck.gather_indexer_fp8(pool.to(device), slots.to(device), fmt)
+    c = slots.clamp(min=0)
+    want_k = kf.reshape(-1, D)[c].view(torch.uint8).clone()
+    want_k[0] = 0
+    want_s = ks.reshape(-1)[c].clone()
+    want_s[0] = 0
+    assert torch.equal(gk.cpu().view(torch.uint8), want_k)
+    assert torch.equal(gs.cpu().view(torch.int32), want_s.view(torch.int32))  # bitwise (NaN bytes too)
+
+
+def check_index_transform(device, gen, big):
+    from attention import cuda as ck
+
+    B, next_n, max_pages = (64, 2, 600) if big else (3, 2, 5)
+    R = B * next_n
+    K = 2048 if big else 40
+    block_table = torch.randperm(B * max_pages * 2, generator=gen)[: B * max_pages].view(B, max_pages).int()
+    block_table[0, 1] = -1  # a hole in the table
+    ctx = max_pages * PAGE_SIZE + 10  # some positions fall past the table's width
+    positions = torch.randint(-1, ctx, (R, K), generator=gen, dtype=torch.int32)
+    lengths = torch.randint(1, ctx, (R,), generator=gen, dtype=torch.int32)
+
+    for lens in (None, lengths):
+        p = positions.long()
+        valid = (p >= 0) & (p < max_pages * PAGE_SIZE)
+        if lens is not None:
+            valid &= p < lens[:, None]
+        safe = torch.where(valid, p, 0)
+        pages = block_table.long()[(torch.arange(R) // next_n)[:, None], safe // PAGE_SIZE]
+        valid &= pages >= 0
+        want = torch.where(valid, page_lookup(safe, block_table, next_n), -1).int()
+        out = torch.full((R, K), 12345, dtype=torch.int32, device=device)
+        got = ck.positions_to_slots(
+            positions.to(device), block_table.to(device), rows_per_table=next_n,
+            lengths=None if lens is None else lens.to(device), out=out,
+        )
+        assert got.data_ptr() == out.data_ptr()
+        assert torch.equal(got.cpu(), want), f"lengths={'yes' if lens is not None else 'no'}"
+    # int64 positions, one table row per position row.
+    got = ck.positions_to_slots(positions[:B].long().to(device), block_table.to(device))
+    p = positions[:B].long()
+    ok = (p >= 0) & (p < max_pages * PAGE_SIZE)
+    pages = block_table.long()[torch.arange(B)[:, None], torch.where(ok, p, 0) // PAGE_SIZE]
+    want = torch.where(ok & (pages >= 0), page_lookup(torch.where(ok, p, 0), block_table, 1), -1).int()
+    assert torch.equal(got.cpu(), want)
+
+
+def _topk_case(device, gen, logits, lengths, k, rows_per_table, block, label):
+    from attention import cuda as ck
+
+    R, L = logits.shape
+    max_pages = -(-L // PAGE_SIZE)
+    T = -(-R // rows_per_table)
+    block_table = torch.randperm(T * max_pages * 3, generator=gen)[: T * max_pages].view(T, max_pages).int()
+    pos, slots = ck.topk_slots(
+        logits.to(device), lengths.to(device), k, block_table.to(device),
+        rows_per_table=rows_per_table, return_positions=True, block=block,
+    )
+    pos, slots = pos.cpu(), slots.cpu()
+    if label == "random":  # the page-table-free entry point runs the same kernel
+        plain = ck.topk_positions(logits.to(device), lengths.to(device), k, block=block).cpu()
+        assert torch.equal(plain, pos), f"{label}: topk_positions != topk_slots positions"
+    assert pos.shape == slots.shape == (R, k) and pos.dtype == slots.dtype == torch.int32
+    want = stable_topk_oracle(logits, lengths, k)
+    for r in range(R):
+        cnt = len(want[r])
+        got_r = pos[r, :cnt].tolist()
+        assert got_r == want[r], f"{label}: row {r} (len {int(lengths[r])}) selects a different set"
+        assert torch.all(pos[r, cnt:] == -1) and torch.all(slots[r, cnt:] == -1), f"{label}: row {r} padding"
+        # Same multiset of values as torch.topk over the candidates (ties aside,
+        # the same set: the reference's definition).
+        v = logits[r, : int(lengths[r])]
+        v = v[v != float("-inf")]
+        ref_vals = torch.topk(v, cnt).values if cnt else v[:0]
+        got_vals = logits[r, pos[r, :cnt].long()]
+        torch.testing.assert_close(
+            torch.sort(got_vals).values, torch.sort(ref_vals).values, rtol=0, atol=0, equal_nan=True,
+            msg=f"{label}: row {r} values",
+        )
+        if cnt and (cnt == v.numel() or ref_vals.min() > v.sort(descending=True).values[cnt]):
+            # No tie at the threshold: exactly torch.topk's index set.
+            idx = torch.nonzero(logits[r, : int(lengths[r])] != float("-inf")).flatten()
+            ref_set = set(idx[torch.topk(v, cnt).indices].tolist())
+            assert set(got_r) == ref_set, f"{label}: row {r} differs from torch.topk"
+    valid = pos >= 0
+    want_slots = page_lookup(torch.where(valid, pos, 0), block_table, rows_per_table)
+    assert torch.equal(slots[valid].long(), want_slots[valid]), f"{label}: slots through the page table"
+
+
+def check_topk(device, gen, big):
+    if big:
+        R, L, k, block = 64, 70_000, 2048, 1024
+    else:
+        R, L, k, block = 6, 1200, 100, 512
+    # Random logits; row lengths around k (below, equal, just above) and long.
+    logits = torch.randn(R, L, generator=gen)
+    lengths = torch.randint(k + 1, L + 1, (R,), generator=gen, dtype=torch.int32)
+    lengths[0], lengths[1], lengths[2], lengths[3] = 0, k - 7, k, k + 1
+    # Poison past each row's length: never read, so never selected.
+    past = torch.arange(L)[None, :] >= lengths[:, None].long()
+    logits = torch.where(past, torch.full_like(logits, float("nan")), logits)
+    logits[4, past[4]] = float("inf")
+    _topk_case(device, gen, logits, lengths, k, 1, block, "random")
+
+    # Heavy ties (a handful of integer levels), -0.0 vs +0.0, -inf holes and a
+    # NaN; MTP-style rows sharing a table row.
+    levels = torch.randint(-2, 3, (R, L), generator=gen).float()
+    levels[levels == 0] = torch.where(torch.rand((levels == 0).sum(), generator=gen) < 0.5, -0.0, 0.0)
+    levels[torch.rand(R, L, generator=gen) < 0.2] = float("-inf")
+    levels[5, 7] = float("nan")
+    lengths = torch.full((R,), L, dtype=torch.int32)
+    lengths[1] = k + 3  # few candidates left after the -inf holes
+    _topk_case(device, gen, levels, lengths, k, 2, block, "ties")
+
+    # Every logit equal (the whole row is the tie group), and a row of all -inf.
+    same = torch.full((2, L), 0.5)
+    same[1] = float("-inf")
+    _topk_case(device, gen, same, torch.tensor([L, L], dtype=torch.int32), k, 1, block, "constant")
+
+    # Exactly k logits far above the rest: the first pass's bin is taken whole
+    # (early exit), so the remaining passes are skipped.
+    exact = torch.randn(1, L, generator=gen)
+    exact[0, torch.randperm(L, generator=gen)[:k]] = 100.0 + torch.rand(k, generator=gen)
+    _topk_case(device, gen, exact, torch.tensor([L], dtype=torch.int32), k, 1, block, "exact")
+
+    # Values differing only in the lowest key bits: all four radix passes run.
+    base = torch.full((1, L), 1.0).view(torch.int32)
+    close = (base + torch.randint(0, 300, (1, L), generator=gen, dtype=torch.int32)).view(torch.float32)
+    _topk_case(device, gen, close, torch.tensor([L], dtype=torch.int32), k, 1, block, "close")
+
+
+CHECKS = {
+    "fp8_rounding": check_fp8_rounding,
+    "mla_write": check_mla_write,
+    "indexer_write": check_indexer_write,
+    "mla_dequant": check_mla_dequant,
+    "indexer_gather": check_indexer_gather,
+    "index_transform": check_index_transform,
+    "topk": check_topk,
+}
+
+
+def run_check(name: str, device: str, seed: int, big: bool) -> None:
+    gen = torch.Generator().manual_seed(seed + sum(map(ord, name)))
+    CHECKS[name](device, gen, big)
+
+
+# ---------------------------------------------------------------------------
+# interpreter mode: one subprocess runs every check on CPU tensors
+# ---------------------------------------------------------------------------
+
+
+def _worker_main(argv: list[str]) -> None:
+    """``python test_triton_kernels.py SEED``: run CHECKS in the interpreter, print JSON results."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "the worker must run with TRITON_INTERPRET=1"
+    seed = int(argv[0])
+    results = {}
+    for name in CHECKS:
+        try:
+            run_check(name, "cpu", seed, big=False)
+            results[name] = "ok"
+        except Exception:  # report every check, not just the first failure
+            results[name] = traceback.format_exc()
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, str]:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), str(SEED)],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, (
+        f"interpreter worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_kernel_interpreter(name, interpreter_results):
+    result = interpreter_results[name]
+    assert result == "ok", f"ATTN_TEST_SEED={SEED}\n{result}"
+
+
+# ---------------------------------------------------------------------------
+# compiled, on the GPU
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_kernel_gpu(name):
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET for the GPU tests"
+    print(f"ATTN_TEST_SEED={SEED}")
+    run_check(name, "cuda", SEED, big=True)
+
+
+@pytest.mark.gpu
+def test_pool_beyond_2_31_bytes_gpu():
+    """Slots whose byte offset exceeds 2^31 (int64 addressing) in a 2.1 GB MLA pool."""
+    from attention import cuda as ck
+
+    fmt = MlaFp8Format(512, 64)
+    num_pages = (2**31 // fmt.bytes_per_page) + 300
+    pool = torch.zeros(num_pages, PAGE_SIZE, fmt.bytes_per_token, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator().manual_seed(SEED)
+    n = 200
+    slots = torch.cat([torch.arange(5), num_pages * PAGE_SIZE - 1 - torch.randperm(250 * PAGE_SIZE, generator=gen)[: n - 5]])
+    assert int(slots.max()) * fmt.bytes_per_token > 2**31
+    latent = torch.randn(n, 512, generator=gen)
+    rope = torch.randn(n, 64, generator=gen)
+    ck.write_mla_fp8(pool, slots.cuda(), latent.cuda(), rope.cuda())
+    want = quantize_mla_fp8(latent, rope, fmt)
+    got_bytes = pool.view(-1, fmt.bytes_per_token)[slots.cuda()].cpu()
+    assert torch.equal(got_bytes, want)
+    got = ck.dequantize_mla_fp8(pool, slots.cuda(), fmt).cpu()
+    lat, rp = dequantize_mla_fp8(want, fmt)
+    assert torch.equal(got.view(torch.int16), torch.cat([lat, rp], 1).to(torch.bfloat16).view(torch.int16))
+
+
+# ---------------------------------------------------------------------------
+# compiles for sm_90 without a GPU
+# ---------------------------------------------------------------------------
+
+
+def _compile_worker() -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from attention.cuda import cache_write, dequant, index_transform, topk
+
+    def compile_one(fn, sig, consts, num_warps):
+        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts)
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+    i64, i32 = "i64", "i32"
+    mla = dict(R=512, D=64, NT=4, NT_P2=4, D_P2=64, TILE=128, PAGE=64, BLOCK_T=8)
+    for lat_t in ("*fp32", "*bf16"):
+        compile_one(
+            cache_write._write_mla_fp8_kernel,
+            dict(pool_ptr="*u8", page_stride=i64, token_stride=i64, slots_ptr="*i64", n_tokens=i32,
+                 latent_ptr=lat_t, latent_stride=i64, rope_ptr=lat_t, rope_stride=i64),
+            dict(mla, LATENT_BF16=lat_t == "*bf16", ROPE_BF16=lat_t == "*bf16"), 4,
+        )
+    compile_one(
+        cache_write._write_indexer_fp8_kernel,
+        dict(pool_ptr="*u8", page_stride=i64, slots_ptr="*i32", n_tokens=i32, k_ptr="*bf16", k_stride=i64),
+        dict(HD=128, HD_P2=128, PAGE=64, K_BF16=True, BLOCK_T=16), 4,
+    )
+    compile_one(
+        dequant._dequant_mla_fp8_kernel,
+        dict(pool_ptr="*u8", page_stride=i64, token_stride=i64, slots_ptr="*i64", n_tokens=i32,
+             out_ptr="*i16", out_stride=i64),
+        mla, 4,
+    )
+    compile_one(
+        dequant._gather_indexer_fp8_kernel,
+        dict(pool_ptr="*u8", page_stride=i64, slots_ptr="*i64", n_tokens=i32, k_out_ptr="*u8",
+             k_out_stride=i64, scale_out_ptr="*i32"),
+        dict(HD=128, HD_P2=128, PAGE=64, BLOCK_T=16), 4,
+    )
+    compile_one(
+        index_transform._positions_to_slots_kernel,
+        dict(pos_ptr="*i32", pos_stride=i64, out_ptr="*i32", out_stride=i64, K=i32, bt_ptr="*i32",
+             bt_stride=i64, bt_cols=i32, rows_per_table=i32, lengths_ptr="*i32"),
+        dict(HAS_LENGTHS=True, PAGE=64, BLOCK=256), 4,
+    )
+    for write_slots in (True, False):
+        compile_one(
+            topk._topk_kernel,
+            dict(logits_ptr="*fp32", logits_stride=i64, L=i32, lengths_ptr="*i32", K=i32, bt_ptr="*i32",
+                 bt_stride=i64, bt_cols=i32, rows_per_table=i32, slots_ptr="*i32", pos_ptr="*i32",
+                 out_stride=i64),
+            dict(WRITE_SLOTS=write_slots, WRITE_POS=True, PAGE=64, BLOCK=1024), 8,
+        )
+    print("COMPILED")
+
+
+def test_kernels_compile_for_sm90(tmp_path):
+    # A subprocess: compiling needs TRITON_INTERPRET unset at import, and a
+    # private cache dir makes it really compile (no stale cubin from a run).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--compile"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0 and "COMPILED" in proc.stdout, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--compile"]:
+        _compile_worker()
+    else:
+        _worker_main(sys.argv[1:])

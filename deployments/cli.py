@@ -3,6 +3,7 @@
     dsa-pd make-tiny --arch {deepseek_v32,glm_moe_dsa} OUT [--seed N] [--fp8]
     dsa-pd generate MODEL_DIR [--prompt TEXT | --token-ids 1,2,3] [--max-new-tokens N] ...
     dsa-pd generate --tiny ARCH ...   (makes the tiny model into a cache dir first)
+    dsa-pd check CONFIG.yaml [...] [--gpu-memory-gib G]   (validate serve configs offline)
 """
 
 from __future__ import annotations
@@ -65,6 +66,32 @@ def _generate(args) -> int:
     return 0
 
 
+def _check(args) -> int:
+    """Validate serve config YAMLs: exit 0 when all are valid, 1 on violations, 2 on unreadable files."""
+    import yaml
+
+    from deployments.serve_config import check_serve_config, format_report
+
+    gpu_bytes = None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * (1 << 30))
+    worst = 0
+    for path in args.configs:
+        try:
+            doc = yaml.safe_load(Path(path).read_text())
+        except OSError as e:
+            print(f"error: cannot read {path}: {e}", file=sys.stderr)
+            worst = 2
+            continue
+        except yaml.YAMLError as e:
+            print(f"error: {path} is not valid YAML: {e}", file=sys.stderr)
+            worst = 2
+            continue
+        report = check_serve_config(doc, gpu_memory_bytes=gpu_bytes)
+        print(format_report(path, report, gpu_bytes))
+        if not report.ok:
+            worst = max(worst, 1)
+    return worst
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsa-pd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("check", help="validate serve config YAMLs (every violation, with its path) without a cluster")
+    p.add_argument("configs", nargs="+", metavar="CONFIG.yaml", help="`serve run` config files")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="memory of one GPU for the budget rule (default: each pool's gpu_memory_gib)")
+    p.set_defaults(func=_check)
 
     args = parser.parse_args(argv)
     from models.config import ConfigError

@@ -1,0 +1,286 @@
+"""Typed arguments of the Ray Serve application (``deployments.app:build_app``).
+
+Every serve config in ``configs/`` names ``import_path:
+deployments.app:build_app`` and passes an ``args`` mapping; that mapping is
+an :class:`AppConfig`. Serve validates typed builder arguments itself, and
+``dsa-pd check CONFIG.yaml`` validates the same models offline, so a typo or
+an out-of-range value is reported with its path (``decode.num_pages``)
+before anything is placed on a GPU.
+
+These models hold only what can be checked field by field; rules that relate
+fields to each other or to the checkpoint (tensor-parallel divisibility,
+memory budget, prefill/decode agreement, feature conflicts) live in
+:mod:`deployments.controller`, which reports all of them at once.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "APP_IMPORT_PATH",
+    "AppConfig",
+    "Autoscaling",
+    "Features",
+    "ModelSource",
+    "PoolConfig",
+    "RouterConfig",
+    "TinyModelSpec",
+    "TransferConfig",
+    "default_cache_dir",
+]
+
+APP_IMPORT_PATH = "deployments.app:build_app"
+"""The ``import_path`` every serve config of this project uses."""
+
+RouterPolicy = Literal["least_loaded", "prefix_affinity", "round_robin"]
+
+
+def default_cache_dir() -> Path:
+    """Where tiny models are made: ``$DSA_PD_CACHE`` or ``~/.cache/dsa-pd`` (as ``dsa-pd generate --tiny``)."""
+    return Path(os.environ.get("DSA_PD_CACHE", Path.home() / ".cache" / "dsa-pd"))
+
+
+class _Strict(BaseModel):
+    # extra="forbid": a misspelt key is an error naming its path instead of a
+    # silently ignored setting. Frozen: the validated config is shared by the
+    # controller, the placement plan and every replica, and must not drift.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TinyModelSpec(_Strict):
+    """A tiny random checkpoint (``models.tiny.make_tiny``), made on first start into the cache dir."""
+
+    arch: Literal["deepseek_v32", "glm_moe_dsa"] = Field(description="Architecture of the tiny model.")
+    seed: int = Field(0, ge=0, description="Weights are a function of the seed only.")
+    fp8: bool = Field(False, description="Store weights block-quantized fp8 (128x128), as the real releases.")
+
+    @property
+    def dir_name(self) -> str:
+        """Directory name in the cache; the same one ``dsa-pd generate --tiny`` uses, so the cache is shared."""
+        return f"tiny-{self.arch}-s{self.seed}{'-fp8' if self.fp8 else ''}"
+
+    def config_dict(self) -> dict[str, Any]:
+        """The ``config.json`` contents ``make_tiny`` writes, without making the checkpoint.
+
+        Lets ``dsa-pd check`` validate a tiny config on a machine where the
+        model was never made (tests compare this with a made checkpoint).
+        """
+        from models.tiny import tiny_config_kwargs
+        from models.weights import FP8_QUANTIZATION_CONFIG
+
+        raw = dict(tiny_config_kwargs(self.arch), model_type=self.arch)
+        if self.fp8:
+            raw["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+        return raw
+
+
+class ModelSource(_Strict):
+    """Where the weights come from: a checkpoint directory or a tiny-model spec (exactly one).
+
+    ``config`` is an inline copy of the checkpoint's ``config.json``. It lets
+    real-scale configs (DeepSeek-V3.2, GLM-5) be validated on a machine that
+    does not hold the checkpoint; where ``path/config.json`` exists it is the
+    truth and the controller reports any field on which the copy disagrees.
+    """
+
+    path: str | None = Field(None, description="Hugging Face checkpoint directory (config.json, safetensors).")
+    tiny: TinyModelSpec | None = Field(None, description="Make a tiny random checkpoint instead of loading one.")
+    cache_dir: str | None = Field(
+        None, description="Where tiny models are made; default $DSA_PD_CACHE or ~/.cache/dsa-pd."
+    )
+    config: dict[str, Any] | None = Field(
+        None, description="Inline copy of config.json, for validating a checkpoint that is not on this machine."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + completion served; default the model's max_position_embeddings."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSource":
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("give exactly one of model.path (a checkpoint) or model.tiny (a tiny-model spec)")
+        if self.tiny is not None and self.config is not None:
+            # A tiny model's config is known from its spec; a second copy could only disagree.
+            raise ValueError("model.config mirrors a checkpoint's config.json; it cannot be given with model.tiny")
+        return self
+
+    def checkpoint_dir(self, make: bool = False) -> Path:
+        """The checkpoint directory; for a tiny spec, made into the cache dir when ``make`` and missing.
+
+        Making is atomic (a temporary directory renamed into place): the
+        prefill and decode replicas of one node start at the same time and
+        must never load a half-written checkpoint, nor fail because the other
+        one finished first.
+        """
+        if self.path is not None:
+            return Path(self.path)
+        assert self.tiny is not None
+        cache = Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+        out = cache / self.tiny.dir_name
+        if not make or (out / "config.json").exists():
+            return out
+        from models.tiny import make_tiny
+
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f".{self.tiny.dir_name}.{uuid.uuid4().hex}"
+        try:
+            make_tiny(self.tiny.arch, tmp, seed=self.tiny.seed, fp8=self.tiny.fp8)
+            try:
+                os.rename(tmp, out)
+            except OSError:
+                # Another replica renamed its copy first; theirs is identical (same seed).
+                if not (out / "config.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out
+
+    @property
+    def default_served_name(self) -> str:
+        if self.tiny is not None:
+            return f"tiny-{self.tiny.arch}"
+        return Path(str(self.path)).name or str(self.path)
+
+
+class Autoscaling(_Strict):
+    """Serve autoscaling bounds of a pool (replaces ``num_replicas``)."""
+
+    min_replicas: int = Field(
+        1, ge=1, description="At least 1: a cold replica loads its weights for minutes, so no scale-to-zero."
+    )
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, description="Requests per replica Serve aims for; default the pool's max_batch_size."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "Autoscaling":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) must be <= max_replicas ({self.max_replicas})"
+            )
+        return self
+
+
+class PoolConfig(_Strict):
+    """One pool of replicas (prefill or decode) and the engine settings of each replica.
+
+    A replica is one Serve replica that owns ``tensor_parallel_size`` rank
+    workers; with one rank the worker runs in-process. ``num_gpus`` is per
+    replica: a fraction (e.g. 0.5) lets both pools share one GPU for the
+    single-GPU demo; with tensor parallelism it must equal the rank count.
+    """
+
+    num_replicas: int | None = Field(None, ge=1, description="Fixed replica count (default 1); or use autoscaling.")
+    autoscaling: Autoscaling | None = Field(None, description="Autoscaling bounds instead of num_replicas.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica; fractions allowed with one rank.")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs per rank worker (per replica when it has one rank).")
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks (GPUs) per replica.")
+    gpus_per_node: int = Field(8, ge=1, description="GPUs of one node; a replica's ranks are packed on one node.")
+    gpu_memory_gib: float = Field(80.0, gt=0, description="Memory of one GPU (80 for H100, 139 for H200).")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of GPU memory the replica may plan with (the rest: CUDA context, NCCL)."
+    )
+    workspace_gib: float = Field(2.0, ge=0, description="Allowance for activations and kernel workspaces per rank.")
+    backend: Literal["reference", "cuda"] = Field(
+        "reference", description="Attention backend: 'reference' (pure torch) or 'cuda' (flash_mla, deep_gemm)."
+    )
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weights and activations dtype.")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto", description="'fp8': serving byte formats (656-byte MLA, 132-byte indexer tokens); 'auto': dtype."
+    )
+    page_size: int = Field(64, ge=1, description="Tokens per cache page; the DSA byte formats fix it at 64.")
+    chunk_size: int = Field(4096, ge=1, description="Prefill tokens per forward chunk (pages are pushed per chunk).")
+    num_pages: int = Field(512, ge=1, description="Page pool size per rank (every layer's caches share page ids).")
+    mtp_draft_tokens: int = Field(
+        0,
+        ge=0,
+        le=3,  # DeepGEMM's paged indexer runs next_n = draft + 1 <= 4 (DESIGN.md)
+        description="MTP draft tokens per decode step (0 = no MTP). On prefill, > 0 runs the MTP layer so its "
+        "cache pages are filled for decode; prefill and decode must agree on whether MTP is on.",
+    )
+    max_batch_size: int = Field(32, ge=1, description="Most requests in one forward.")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Serve's per-replica request cap; default 2 x max_batch_size (one batch queued)."
+    )
+
+    @model_validator(mode="after")
+    def _replicas(self) -> "PoolConfig":
+        if self.num_replicas is not None and self.autoscaling is not None:
+            raise ValueError("give num_replicas or autoscaling, not both")
+        return self
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether this pool loads the MTP layer (and has cache pages for it)."""
+        return self.mtp_draft_tokens > 0
+
+    @property
+    def ongoing_requests_cap(self) -> int:
+        return self.max_ongoing_requests or 2 * self.max_batch_size
+
+
+class RouterConfig(_Strict):
+    """How the ingress picks a decode replica and the decode replica a prefill replica."""
+
+    policy: RouterPolicy = Field(
+        "least_loaded",
+        description="'least_loaded' (fewest ongoing requests), 'prefix_affinity' (same prompt prefix -> same "
+        "prefill replica), 'round_robin'.",
+    )
+    prefix_affinity_pages: int = Field(
+        4, ge=1, description="Leading 64-token pages of the prompt hashed by 'prefix_affinity'."
+    )
+
+
+class TransferConfig(_Strict):
+    """KV page transfer (prefill -> decode over NIXL)."""
+
+    deadline_s: float = Field(30.0, gt=0, description="A transfer not complete by then is aborted, pages freed.")
+    warmup_at_start: bool = Field(
+        True, description="Transfer once between every prefill/decode rank pair at start: a new pair's first "
+        "transfer is ~10x slower (DESIGN.md)."
+    )
+
+
+class Features(_Strict):
+    """Feature switches; the controller rejects combinations that cannot work."""
+
+    two_batch_overlap: bool = Field(
+        False, description="Overlap two micro-batches (compute vs communication); not with top-k sharing."
+    )
+    mtp_topk_reuse: bool = Field(
+        False, description="Reuse the indexer top-k of the first MTP draft step in later draft steps."
+    )
+    draft_topk: int = Field(1, ge=1, description="Candidate tokens per MTP draft step (1 = a chain).")
+
+
+class AppConfig(_Strict):
+    """Everything ``deployments.app:build_app`` takes (the ``args`` of a serve config)."""
+
+    model: ModelSource
+    served_model_name: str | None = Field(None, description="The OpenAI `model` name; default from the source.")
+    prefill: PoolConfig = Field(default_factory=PoolConfig)
+    decode: PoolConfig = Field(default_factory=PoolConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
+    features: Features = Field(default_factory=Features)
+
+    @property
+    def model_name(self) -> str:
+        """The name clients pass as ``model``."""
+        return self.served_model_name or self.model.default_served_name
+
+    def pool(self, role: str) -> PoolConfig:
+        """The ``"prefill"`` or ``"decode"`` pool."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        return self.prefill if role == "prefill" else self.decode

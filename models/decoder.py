@@ -25,9 +25,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype) if dense else MoE(cfg, tp, dtype)
 
     def forward(self, x, cos, sin, batch: ForwardBatch, cache, layer: int, backend,
-                shared: SelectedTokens | None) -> tuple[torch.Tensor, SelectedTokens]:
+                shared: SelectedTokens | None, reuse: SelectedTokens | None = None) -> tuple[torch.Tensor, SelectedTokens]:
         """x ``[T, hidden]`` -> (``[T, hidden]``, top-k selection of this layer)."""
-        h, selected = self.self_attn(self.input_layernorm(x), cos, sin, batch, cache, layer, backend, shared)
+        h, selected = self.self_attn(self.input_layernorm(x), cos, sin, batch, cache, layer, backend, shared, reuse)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, selected

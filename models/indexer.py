@@ -68,18 +68,24 @@ class Indexer(nn.Module):
         rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
         return torch.cat([apply_rope(rot, cos, sin, self.rope_interleaved), rest], dim=-1)
 
+    def write_keys(self, x, cos, sin, batch: ForwardBatch, cache, layer: int) -> None:
+        """Compute and cache this step's indexer keys only (a step that reuses an
+        earlier top-k still leaves its keys for later queries)."""
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin).float()
+        if self.hadamard:
+            # Orthonormal: q.k is unchanged, but outliers spread out before fp8.
+            k = k @ self.rotation
+        cache.write_index(layer, batch.out_slots, k)
+
     def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, cache, layer: int, backend) -> SelectedTokens:
         """x: ``[T, hidden]``, q_resid: ``[T, q_lora]``; writes this step's keys to
         ``cache`` layer ``layer`` and returns the top-k selection of every token."""
         T = x.shape[0]
-        q = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin)
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        self.write_keys(x, cos, sin, batch, cache, layer)
+        q = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin).float()
         weights = self.weights_proj(x.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
-        q, k = q.float(), k.float()
         if self.hadamard:
-            # Orthonormal: q.k is unchanged, but outliers spread out before fp8.
-            q, k = q @ self.rotation, k @ self.rotation
-        cache.write_index(layer, batch.out_slots, k)
+            q = q @ self.rotation
         if cache.spec.kv_cache_dtype == "fp8":
             q, q_scale = quantize_query_fp8(q)
             weights = weights * q_scale  # relu(s * x) = s * relu(x) for s > 0

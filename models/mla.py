@@ -46,8 +46,13 @@ class MLAttention(nn.Module):
         return w[:, : self.nope], w[:, self.nope :]
 
     def forward(self, x, cos, sin, batch: ForwardBatch, cache, layer: int, backend,
-                shared: SelectedTokens | None) -> tuple[torch.Tensor, SelectedTokens]:
-        """x: ``[T, hidden]`` -> (``[T, hidden]``, the top-k selection used)."""
+                shared: SelectedTokens | None, reuse: SelectedTokens | None = None) -> tuple[torch.Tensor, SelectedTokens]:
+        """x: ``[T, hidden]`` -> (``[T, hidden]``, the top-k selection used).
+
+        ``shared``: the selection of the previous computing layer, used by a
+        layer without an indexer (GLM-5 top-k sharing). ``reuse``: a selection
+        an indexer-owning layer takes instead of computing its own (MTP draft
+        steps with top-k reuse)."""
         T = x.shape[0]
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(T, self.n_heads, self.nope + self.rope)
@@ -57,7 +62,10 @@ class MLAttention(nn.Module):
         k_pe = apply_rope(kv[:, None, self.rank :], cos, sin, interleaved=True)[:, 0]
         cache.write_mla(layer, batch.out_slots, latent, k_pe)
 
-        if self.indexer is not None:
+        if self.indexer is not None and reuse is not None:
+            self.indexer.write_keys(x, cos, sin, batch, cache, layer)
+            selected = reuse
+        elif self.indexer is not None:
             selected = self.indexer(x, q_resid, cos, sin, batch, cache, layer, backend)
         elif shared is not None:
             selected = shared

@@ -86,14 +86,16 @@ class DsaForCausalLM(nn.Module):
         """hidden ``[n, hidden]`` -> fp32 logits ``[n, vocab]``."""
         return self.lm_head(hidden).float()
 
-    def mtp_forward(self, batch: ForwardBatch, prev_hidden: torch.Tensor, cache, backend, depth: int = 0) -> torch.Tensor:
-        """One MTP step. ``batch.input_ids`` are the *next* tokens (shifted by
-        one), ``prev_hidden`` ``[T, hidden]`` the target's normed hidden states at
-        the same positions. Returns fp32 draft logits ``[T, vocab]`` and
-        the MTP hidden state (for chained drafts)."""
+    def mtp_forward(self, batch: ForwardBatch, prev_hidden: torch.Tensor, cache, backend, depth: int = 0,
+                    reuse: SelectedTokens | None = None) -> tuple[torch.Tensor, torch.Tensor, SelectedTokens]:
+        """One MTP step over ``batch``, whose ``input_ids`` are the tokens *after*
+        each position (shifted by one) and ``prev_hidden`` ``[T, hidden]`` the
+        target's (or the previous draft step's) hidden states at the same
+        positions. Returns (fp32 draft logits ``[T, vocab]``, MTP hidden
+        ``[T, hidden]`` for chained drafts, the top-k selection used)."""
         mtp = self.mtp[depth]
         emb = mtp.embed_tokens(batch.input_ids)
         x = mtp.eh_proj(torch.cat([mtp.enorm(emb), mtp.hnorm(prev_hidden.to(emb.dtype))], dim=-1))
         cos, sin = self.rotary(batch.positions, x.dtype)
-        x, _ = mtp.decoder(x, cos, sin, batch, cache, self.cfg.num_hidden_layers + depth, backend, None)
-        return mtp.shared_head.head(mtp.shared_head.norm(x)).float(), x
+        x, selected = mtp.decoder(x, cos, sin, batch, cache, self.cfg.num_hidden_layers + depth, backend, None, reuse)
+        return mtp.shared_head.head(mtp.shared_head.norm(x)).float(), x, selected

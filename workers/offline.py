@@ -12,12 +12,14 @@ import torch
 
 from attention.backend import get_backend
 from attention.cache import PagedKVCache
-from attention.formats import pages_for_tokens
 from models.batch import ForwardMode
 from models.loader import load_model
+from workers.engine import Engine
 from workers.model_runner import ModelRunner, WorkItem, cache_spec_for
 from workers.page_pool import PagePool
-from workers.sampler import SamplingParams, sample
+from workers.request import Request
+from workers.sampler import SamplingParams
+from workers.scheduler import SchedulerConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -33,7 +35,8 @@ class LLM:
 
     def __init__(self, model_dir: str | Path, backend: str = "reference", device: str = "cpu",
                  dtype: str = "float32", kv_cache_dtype: str = "auto", num_pages: int = 512,
-                 hadamard: bool | None = None):
+                 hadamard: bool | None = None, mtp_draft_tokens: int = 0, mtp_topk_reuse: bool = False,
+                 chunk_size: int = 256, max_batch_size: int = 64, pd: bool = False):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if kv_cache_dtype not in ("auto", "fp8"):
@@ -47,6 +50,19 @@ class LLM:
         self.pool = PagePool(num_pages)
         self.cache = PagedKVCache(cache_spec_for(self.model, num_pages, kv_cache_dtype), device)
         self.runner = ModelRunner(self.model, self.cache, get_backend(backend), device)
+        sched = SchedulerConfig(max_batch_size=max_batch_size, chunk_size=chunk_size, mtp_draft_tokens=mtp_draft_tokens)
+        self.engine = Engine(self.runner, self.pool, sched, self.cfg.eos_token_ids, mtp_topk_reuse,
+                             detokenize=self._detokenizer())
+        self._next_id = 0
+
+    def _detokenizer(self):
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.model_dir)
+        except (OSError, ValueError):
+            return None  # token-id-only checkpoint: stop strings are refused
+        return lambda ids: tok.decode(ids)
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 ``[len(token_ids), vocab]``: the logits after every prompt token."""
@@ -60,31 +76,50 @@ class LLM:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False) -> list[list[int]]:
+                 stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
+                 stop: tuple[str, ...] = ()) -> list[list[int]]:
         """Generate for every prompt; returns the new token ids of each (ending at
-        the first EOS / stop token, which is included, unless ``ignore_eos``)."""
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop_token_ids), ignore_eos)
+        the first EOS / stop token, which is included, unless ``ignore_eos``).
+        With ``seed``, request ``i`` samples from its own generator seeded
+        ``seed + i``: reproducible whatever else is in the batch."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        stops = set(params.stop_token_ids) | (set() if ignore_eos else set(self.cfg.eos_token_ids))
-        gens = [torch.Generator().manual_seed(seed + i) if seed is not None else None for i in range(len(prompts))]
-        pages = []
+        reqs = []
+        for i, p in enumerate(prompts):
+            params = SamplingParams(max_new_tokens, temperature, top_p, top_k,
+                                    None if seed is None else seed + i, tuple(stop_token_ids), ignore_eos, tuple(stop))
+            reqs.append(Request(f"offline-{self._next_id}", list(p), params))
+            self._next_id += 1
+        for r in reqs:
+            rejected = self.engine.add_request(r)
+            if rejected is not None:
+                for other in reqs:
+                    self.engine.abort(other.request_id)
+                raise ValueError(rejected.error)
         try:
-            for p in prompts:
-                pages.append(tuple(self.pool.allocate(pages_for_tokens(len(p) + max_new_tokens))))
-            items = [WorkItem(tuple(p), 0, pg) for p, pg in zip(prompts, pages)]
-            batch, hidden = self.runner.forward(ForwardMode.EXTEND, items)
-            logits = self.runner.last_token_logits(batch, hidden)
-            outs = [[sample(logits[i], params, gens[i])] for i in range(len(prompts))]
-            live = [i for i in range(len(prompts)) if outs[i][-1] not in stops and max_new_tokens > 1]
-            while live:
-                items = [WorkItem((outs[i][-1],), len(prompts[i]) + len(outs[i]) - 1, pages[i]) for i in live]
-                batch, hidden = self.runner.forward(ForwardMode.DECODE, items)
-                logits = self.runner.last_token_logits(batch, hidden)
-                for row, i in enumerate(live):
-                    outs[i].append(sample(logits[row], params, gens[i]))
-                live = [i for i in live if outs[i][-1] not in stops and len(outs[i]) < max_new_tokens]
-            return outs
-        finally:
-            for pg in pages:
-                self.pool.free(list(pg))
+            while any(not r.finished for r in reqs):
+                self._step()
+        except BaseException:
+            for r in reqs:
+                self.engine.abort(r.request_id)
+            raise
+        return [list(r.output) for r in reqs]
+
+    def _step(self) -> None:
+        self.engine.step()
+
+    def stats(self) -> dict:
+        """MTP acceptance counts, page-pool free counts and step counters."""
+        s = self.engine.stats
+        return {
+            "mtp_drafted": s.mtp_drafted,
+            "mtp_accepted": s.mtp_accepted,
+            "mtp_acceptance_rate": s.mtp_acceptance_rate,
+            "mtp_accepted_histogram": dict(s.accepted_histogram),
+            "steps": s.steps,
+            "prefill_tokens": s.prefill_tokens,
+            "decode_tokens": s.decode_tokens,
+            "preemptions": s.preemptions,
+            "pool_free_pages": self.pool.free_count,
+            "pool_total_pages": self.pool.num_pages,
+        }

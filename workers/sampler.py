@@ -16,6 +16,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop_strings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -146,7 +146,7 @@ def test_mtp_layer_loaded_and_runnable(tiny):
         # MTP input at position i: token i + 1 with the target hidden at i.
         shifted = llm.runner.build_batch(ForwardMode.EXTEND, [WorkItem(tuple(ids[1:]) + (0,), 0, pages)])
         with torch.inference_mode():
-            draft, _ = llm.model.mtp_forward(shifted, hidden, llm.cache, llm.runner.backend)
+            draft, _, _ = llm.model.mtp_forward(shifted, hidden, llm.cache, llm.runner.backend)
     finally:
         llm.pool.free(list(pages))
     assert draft.shape == (40, llm.cfg.vocab_size) and torch.isfinite(draft).all()

@@ -1,0 +1,77 @@
+"""A request's life in one replica: tokens, pages, sampling state, MTP state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from workers.sampler import SamplingParams
+
+
+class RequestState(Enum):
+    WAITING = "waiting"            # queued, no pages yet
+    PREFILLING = "prefilling"      # pages held, prompt chunks being computed
+    AWAITING_KV = "awaiting_kv"    # decode side of PD: pages reserved, transfer in flight
+    RUNNING = "running"            # in the decode batch
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    LENGTH = "length"     # max_new_tokens reached
+    STOP = "stop"         # EOS, a stop token id or a stop string
+    ABORT = "abort"       # aborted by the caller (client disconnect, cancel)
+    ERROR = "error"       # transfer failure, rejected at admission, ...
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    ``num_computed``: tokens of ``token_ids`` whose target KV is in the cache.
+    ``pending_hidden``: fp32/dtype ``[m, hidden]`` target hidden states of
+    positions ``[pending_start, pending_start + m)`` whose MTP cache entries are
+    not written yet (the MTP layer needs the *next* token of each, known only
+    after it is sampled or accepted).
+    ``drafts``: draft tokens proposed for the next verify step, with
+    ``draft_probs`` (``[k, vocab]`` fp32, sampling mode only).
+    """
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    state: RequestState = RequestState.WAITING
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None
+    pending_hidden: torch.Tensor | None = None
+    pending_start: int = 0
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    arrival: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError(f"request {self.request_id}: the prompt is empty")
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.state, self.finish_reason, self.error = RequestState.FINISHED, reason, error

@@ -1,0 +1,179 @@
+"""Continuous batching with chunked prefill.
+
+Every step the scheduler (1) makes sure each running request has pages for
+what the step will write, preempting the newest running request when the pool
+runs dry, (2) puts every running request in the decode batch, and (3) fills a
+prefill token budget (``chunk_size``) with the next chunks of prompts,
+admitting waiting requests while pages allow. A long prompt is thus split into
+chunks that interleave with decode steps of other requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from attention.formats import pages_for_tokens
+from workers.page_pool import PagePool
+from workers.request import FinishReason, Request, RequestState
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 64
+    chunk_size: int = 256          # prefill tokens per step (all requests together)
+    mtp_draft_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.chunk_size < 1:
+            raise ValueError("max_batch_size and chunk_size must be >= 1")
+        if not 0 <= self.mtp_draft_tokens <= 3:
+            raise ValueError(f"mtp_draft_tokens must be in 0..3, got {self.mtp_draft_tokens}")
+
+
+def tokens_to_hold(num_tokens: int, draft_tokens: int) -> int:
+    """Cache positions a running request may write in its next step.
+
+    A verify step writes positions up to ``num_tokens - 1 + k``; the draft
+    chain after it writes MTP positions up to ``num_tokens + 2k - 1``.
+    """
+    return num_tokens + 2 * draft_tokens + 1
+
+
+def prefill_length(req: Request) -> int:
+    """Tokens a (re)admitted request must prefill: the whole prompt for a new
+    request; all but the last token for one resumed after preemption (its last
+    token is the next decode input)."""
+    return req.num_tokens - 1 if req.output else len(req.prompt)
+
+
+@dataclass
+class PrefillChunk:
+    request: Request
+    start: int
+    end: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == prefill_length(self.request)
+
+
+@dataclass
+class Schedule:
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, cfg: SchedulerConfig):
+        self.pool, self.cfg = pool, cfg
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.running: list[Request] = []
+        self._arrivals = 0
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Request) -> None:
+        """Queue a request; one that can never fit the pool is finished with an error."""
+        need = pages_for_tokens(tokens_to_hold(len(req.prompt) + req.params.max_new_tokens, self.cfg.mtp_draft_tokens))
+        if need > self.pool.num_pages:
+            req.finish(FinishReason.ERROR, f"request needs {need} pages of 64 tokens "
+                                           f"(prompt {len(req.prompt)} + max_new_tokens {req.params.max_new_tokens}); "
+                                           f"the pool has {self.pool.num_pages}")
+            return
+        req.arrival = self._arrivals
+        self._arrivals += 1
+        req.state = RequestState.WAITING
+        self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """A request whose KV arrived from a prefill peer joins the decode batch."""
+        req.state = RequestState.RUNNING
+        req.arrival = self._arrivals
+        self._arrivals += 1
+        self.running.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of every queue and free its pages (finish or abort)."""
+        for q in (self.prefilling, self.running):
+            if req in q:
+                q.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.release_pages(req)
+
+    def release_pages(self, req: Request) -> None:
+        if req.pages:
+            self.pool.free(req.pages)
+            req.pages = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    # --------------------------------------------------------------- schedule
+    def _grow(self, req: Request, tokens: int) -> bool:
+        need = pages_for_tokens(tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if need > self.pool.free_count:
+            return False
+        req.pages.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, victim: Request, out: Schedule) -> None:
+        # Recompute preemption: drop the KV, keep the tokens; re-admission
+        # prefills prompt + output (all but the last token).
+        self.running.remove(victim)
+        self.release_pages(victim)
+        victim.num_computed = 0
+        victim.pending_hidden, victim.drafts, victim.draft_probs = None, [], None
+        victim.state = RequestState.WAITING
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+
+    def schedule(self) -> Schedule:
+        out = Schedule()
+        k = self.cfg.mtp_draft_tokens
+        # 1. Pages for running requests, oldest first; preempt the newest on shortage.
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if req not in self.running:
+                continue
+            while not self._grow(req, tokens_to_hold(req.num_tokens, k)):
+                victim = max(self.running, key=lambda r: r.arrival)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+        out.decode = sorted(self.running, key=lambda r: r.arrival)[: self.cfg.max_batch_size]
+
+        # 2. Prefill chunks within the token budget.
+        budget = self.cfg.chunk_size
+        for req in list(self.prefilling):
+            if budget == 0:
+                break
+            end = min(prefill_length(req), req.num_computed + budget)
+            out.prefill.append(PrefillChunk(req, req.num_computed, end))
+            budget -= end - req.num_computed
+        while budget > 0 and self.waiting and len(self.running) + len(self.prefilling) < self.cfg.max_batch_size:
+            req = self.waiting[0]
+            hold = tokens_to_hold(prefill_length(req) + 1, k)
+            if pages_for_tokens(hold) > self.pool.free_count:
+                break  # stays queued until pages free up
+            self.waiting.popleft()
+            req.pages = self.pool.allocate(pages_for_tokens(hold))
+            req.state = RequestState.PREFILLING
+            self.prefilling.append(req)
+            end = min(prefill_length(req), budget)
+            out.prefill.append(PrefillChunk(req, 0, end))
+            budget -= end
+        return out
+
+    def prefill_done(self, req: Request) -> None:
+        self.prefilling.remove(req)
+        req.state = RequestState.RUNNING
+        self.running.append(req)

@@ -280,6 +280,11 @@ def weight_bytes_per_rank(
     return int(rank_plain * elem + rank_quant * quant)
 
 
+def format_bytes(n: int) -> str:
+    """``1.50 GiB`` / ``12.3 MiB``: GiB down to 1 GiB, MiB below (tiny models)."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Per-rank memory plan of a pool: weights + page pool + workspace against the GPU budget."""
@@ -303,11 +308,6 @@ class MemoryEstimate:
         """The most pages that fit next to the weights and workspace (0 if none)."""
         free = self.budget_bytes - self.weights_bytes - self.workspace_bytes
         return max(free // self.bytes_per_page, 0)
-
-
-def format_bytes(n: int) -> str:
-    """``1.50 GiB`` / ``12.3 MiB``: GiB down to 1 GiB, MiB below (tiny models)."""
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
 
     def describe(self) -> str:
         return (

@@ -484,10 +484,12 @@ def _model_rules(role: str, pool: PoolConfig, app_cfg: AppConfig, m: ModelConfig
     for name, total in sharded:
         if total % tp:
             divisible = False
+            note = ""
+            if name == "num_attention_heads":
+                note = f" (the {m.index_n_heads} indexer heads are replicated, so they need not divide)"
             out.append(Violation(
                 f"{role}.tensor_parallel_size",
-                f"tensor_parallel_size {tp} does not divide {name} ({total}); the indexer heads "
-                f"({m.index_n_heads}) are replicated, so they need not divide",
+                f"tensor_parallel_size {tp} does not divide {name} ({total}): models/ splits it across ranks{note}",
             ))
     if divisible and tp > 1 and pool.backend == "cuda" and m.weight_block_size is not None:
         bh, bw = m.weight_block_size

@@ -1,0 +1,47 @@
+"""Shared helpers of the deployment tests: serve-config args and model configs (imported, not a conftest)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import yaml
+
+from models.config import config_from_dict
+from models.tiny import tiny_config_kwargs
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+YAMLS = ("tiny_pd.yaml", "tiny_pd_gpu.yaml", "dsv32_pd.yaml", "glm5_pd.yaml")
+
+
+def yaml_args(name: str) -> dict:
+    """The ``args`` of the (single) application in ``configs/<name>``."""
+    doc = yaml.safe_load((CONFIGS / name).read_text())
+    return copy.deepcopy(doc["applications"][0]["args"])
+
+
+def merged(base: dict, **sections) -> dict:
+    """``base`` with ``sections`` merged in one level deep (``decode={"num_pages": 3}`` keeps decode's other keys)."""
+    out = copy.deepcopy(base)
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+def tiny_raw(arch: str = "deepseek_v32", **overrides) -> dict:
+    """A tiny model's config.json contents, with ``overrides``."""
+    return dict(tiny_config_kwargs(arch, **overrides), model_type=arch)
+
+
+def tiny_model(arch: str = "deepseek_v32", **overrides):
+    return config_from_dict(tiny_raw(arch, **overrides))
+
+
+@functools.cache
+def real_model(name: str):
+    """The ``ModelConfig`` of ``configs/<name>``'s inline config.json copy (cached: parsing is slowish)."""
+    return config_from_dict(yaml_args(name)["model"]["config"])

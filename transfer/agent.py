@@ -55,6 +55,11 @@ class TransferAgent:
     ``regions``: `CacheRegionLike` objects (all on one device). They are
     registered with NIXL here and stay registered until `close`; the
     tensors are kept referenced so their memory outlives the registration.
+    ``progress_thread``: NIXL's background progress thread (its default;
+    keep it). It costs about half a core spinning, but without it a WRITE
+    over a transport that needs the target's CPU (TCP, shared memory) only
+    advances while *both* processes are inside `state` / `take`: a busy or
+    blocked peer stalls the transfer (seen in the two-process DRAM tests).
     """
 
     def __init__(
@@ -65,6 +70,7 @@ class TransferAgent:
         *,
         backends: tuple[str, ...] = ("UCX",),
         epoch: Optional[int] = None,
+        progress_thread: bool = True,
     ):
         from nixl._api import nixl_agent, nixl_agent_config  # deferred: importing nixl loads UCX
 
@@ -76,10 +82,12 @@ class TransferAgent:
         self.worker_id = worker_id
         self.epoch = new_epoch() if epoch is None else int(epoch)
         self.name = agent_name(worker_id, self.epoch)
-        self._nixl = nixl_agent(self.name, nixl_agent_config(backends=list(backends)))
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends))
+        self._nixl = nixl_agent(self.name, config)
         self._mem = self.table.mem_type
         reg = [(e.base_addr, e.nbytes, e.device_id, f"{e.layer}:{e.kind}") for e in self.table]
         self._reg_descs = self._nixl.register_memory(reg, self._mem)
+        self._peers: set[str] = set()
         self._inbox: deque[tuple[str, messages.Message]] = deque()
         self._closed = False
         self.foreign_notifs = 0
@@ -94,10 +102,13 @@ class TransferAgent:
     def load_peer(self, metadata: bytes) -> str:
         """Load a peer's NIXL metadata; returns its agent name."""
         name = self._nixl.add_remote_agent(metadata)
-        return name.decode() if isinstance(name, bytes) else str(name)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        self._peers.add(name)
+        return name
 
     def drop_peer(self, name: str) -> None:
         """Forget a peer's metadata and disconnect (best effort: the peer may be dead)."""
+        self._peers.discard(name)
         try:
             self._nixl.remove_remote_agent(name)
         except Exception as e:  # noqa: BLE001 - a dead peer must not stop cleanup
@@ -179,9 +190,11 @@ class TransferAgent:
     # -- lifetime -----------------------------------------------------------
 
     def close(self) -> None:
-        """Deregister the regions. The agent must not be used afterwards."""
+        """Disconnect from every peer and deregister the regions. The agent must not be used afterwards."""
         if not self._closed:
             self._closed = True
+            for name in list(self._peers):
+                self.drop_peer(name)
             try:
                 self._nixl.deregister_memory(self._reg_descs)
             except Exception as e:  # noqa: BLE001

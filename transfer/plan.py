@@ -73,6 +73,43 @@ def select_regions(
     return keys
 
 
+def check_pages(
+    local: RegionTable,
+    remote: RegionTable,
+    local_pages: Sequence[int] | np.ndarray,
+    remote_pages: Sequence[int] | np.ndarray,
+    *,
+    layers: Optional[Iterable[int]] = None,
+    kinds: Optional[Iterable[str]] = None,
+) -> tuple[np.ndarray, np.ndarray, list[tuple[int, str]]]:
+    """Validate a page pairing without building descriptors; returns (local, remote, region keys).
+
+    Raises `PlanError` on unequal page counts, out-of-range or duplicate
+    pages, regions missing on the peer or differing page sizes.
+    """
+    lp = _as_pages(local_pages, "local")
+    rp = _as_pages(remote_pages, "remote")
+    if lp.size != rp.size:
+        raise PlanError(f"{lp.size} local pages but {rp.size} remote pages")
+    keys = select_regions(local, layers, kinds)
+    lmax = int(lp.max()) if lp.size else -1
+    rmax = int(rp.max()) if rp.size else -1
+    for key in keys:
+        if key not in remote:
+            raise PlanError(f"peer has no region (layer={key[0]}, kind={key[1]!r})")
+        le, re_ = local.get(*key), remote.get(*key)
+        if le.bytes_per_page != re_.bytes_per_page:
+            raise PlanError(
+                f"region (layer={key[0]}, kind={key[1]!r}): {le.bytes_per_page} bytes per page locally, "
+                f"{re_.bytes_per_page} on the peer"
+            )
+        if lmax >= le.num_pages:
+            raise PlanError(f"local page {lmax} out of range for {le.num_pages} pages")
+        if rmax >= re_.num_pages:
+            raise PlanError(f"remote page {rmax} out of range for {re_.num_pages} pages")
+    return lp, rp, keys
+
+
 def build_plan(
     local: RegionTable,
     remote: RegionTable,
@@ -86,42 +123,17 @@ def build_plan(
     """Plan copying ``local_pages[i] -> remote_pages[i]`` in every selected region.
 
     ``merge=False`` keeps one descriptor per (region, page) (for benchmarks).
-    Raises `PlanError` on unequal page counts, out-of-range or duplicate
-    pages, regions missing on the peer or differing page sizes.
+    Raises `PlanError` as `check_pages` does.
     """
-    lp = _as_pages(local_pages, "local")
-    rp = _as_pages(remote_pages, "remote")
-    if lp.size != rp.size:
-        raise PlanError(f"{lp.size} local pages but {rp.size} remote pages")
-    keys = select_regions(local, layers, kinds)
+    lp, rp, keys = check_pages(local, remote, local_pages, remote_pages, layers=layers, kinds=kinds)
 
-    src_parts, dst_parts, len_parts = [], [], []
-    for layer, kind in keys:
-        le = local.get(layer, kind)
-        try:
-            re_ = remote.get(layer, kind)
-        except KeyError:
-            raise PlanError(f"peer has no region (layer={layer}, kind={kind!r})") from None
-        if le.bytes_per_page != re_.bytes_per_page:
-            raise PlanError(
-                f"region (layer={layer}, kind={kind!r}): {le.bytes_per_page} bytes per page locally, "
-                f"{re_.bytes_per_page} on the peer"
-            )
-        if lp.size and lp.max() >= le.num_pages:
-            raise PlanError(f"local page {int(lp.max())} out of range for {le.num_pages} pages")
-        if rp.size and rp.max() >= re_.num_pages:
-            raise PlanError(f"remote page {int(rp.max())} out of range for {re_.num_pages} pages")
-        bpp = le.bytes_per_page
-        src_parts.append(le.base_addr + lp * bpp)
-        dst_parts.append(re_.base_addr + rp * bpp)
-        len_parts.append(np.full(lp.size, bpp, dtype=np.int64))
-
-    if src_parts:
-        src = np.concatenate(src_parts)
-        dst = np.concatenate(dst_parts)
-        length = np.concatenate(len_parts)
-    else:
-        src = dst = length = np.zeros(0, dtype=np.int64)
+    # Rows ordered region-major, then by page position: [regions, pages] flattened.
+    bpp = np.array([local.get(*k).bytes_per_page for k in keys], dtype=np.int64)[:, None]
+    lbase = np.array([local.get(*k).base_addr for k in keys], dtype=np.int64)[:, None]
+    rbase = np.array([remote.get(*k).base_addr for k in keys], dtype=np.int64)[:, None]
+    src = (lbase + lp[None, :] * bpp).reshape(-1)
+    dst = (rbase + rp[None, :] * bpp).reshape(-1)
+    length = np.broadcast_to(bpp, (len(keys), lp.size)).reshape(-1)
 
     if merge and src.size > 1:
         # Row i continues row i-1 iff it starts where i-1 ends on both sides.

@@ -34,7 +34,7 @@ from transfer.agent import TransferAgent, Xfer
 from transfer.errors import PlanError
 from transfer.handshake import Peer, PeerBook
 from transfer.messages import ChunkDone, PushAborted, PushCancelled, encode
-from transfer.plan import build_plan, finished_pages
+from transfer.plan import build_plan, check_pages, finished_pages
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +143,9 @@ class Pusher:
                 f"{len(local_pages)} local and {len(remote_pages)} remote"
             )
         peer = self.peers.get(peer_agent)
-        lp = np.asarray(local_pages, dtype=np.int64)
-        rp = np.asarray(remote_pages, dtype=np.int64)
         # Validate the whole request now so a bad page list fails before any byte moves.
-        build_plan(self.agent.table, peer.regions, lp, rp, layers=self.layers, kinds=self.kinds, merge=self.merge)
+        lp, rp, _ = check_pages(self.agent.table, peer.regions, local_pages, remote_pages,
+                                layers=self.layers, kinds=self.kinds)
         now = self.clock()
         self._jobs[request_id] = _Job(request_id, peer, prompt_len, lp, rp, now, now + deadline_s)
 
@@ -185,8 +184,8 @@ class Pusher:
                 job.inflight.append(self.agent.write(job.peer.agent_name, plan, encode(msg)))
                 job.nbytes += plan.nbytes
             else:
-                # A final chunk with no new page (the prompt ended on a page
-                # boundary already pushed): the count still has to reach decode.
+                # A last chunk without pages (only an empty prompt has one):
+                # the count still has to reach decode.
                 self.agent.notify(job.peer.agent_name, msg)
         except Exception as e:  # noqa: BLE001 - any transport error fails this request only
             self._results.append(self._finish(job, PushStatus.FAILED, f"posting chunk {index}: {e}", tell_peer=True))

@@ -15,7 +15,7 @@ destination addresses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
 
 from transfer.errors import RegionError
@@ -123,9 +123,11 @@ class RegionTable:
     """
 
     entries: tuple[RegionEntry, ...]
+    _by_key: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         keys = [e.key for e in self.entries]
+        object.__setattr__(self, "_by_key", {e.key: e for e in self.entries})
         if len(set(keys)) != len(keys):
             dup = sorted({k for k in keys if keys.count(k) > 1})
             raise RegionError(f"duplicate (layer, kind) regions: {dup}")
@@ -145,10 +147,10 @@ class RegionTable:
         return iter(self.entries)
 
     def get(self, layer: int, kind: str) -> RegionEntry:
-        for e in self.entries:
-            if e.layer == layer and e.kind == kind:
-                return e
-        raise KeyError((layer, kind))
+        return self._by_key[(layer, kind)]
+
+    def __contains__(self, key: RegionKey) -> bool:
+        return key in self._by_key
 
     def keys(self) -> list[RegionKey]:
         return [e.key for e in self.entries]

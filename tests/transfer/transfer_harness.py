@@ -20,6 +20,14 @@ from typing import Any, Optional
 CHILD_LIFETIME_S = 120.0
 
 
+def _context():
+    """Fork children from a server that imported torch once (spawning re-imports it per child:
+    seconds each on a 2-core CI box). NIXL is only imported in the child, after the fork."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy"])
+    return ctx
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Caches of the test model: per layer MLA and index pages, plus a state kind on some layers.
@@ -298,7 +306,7 @@ class WorkerProc:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.conn, child = ctx.Pipe()
         kwargs = dict(worker_id=self.worker_id, geometry=self.geometry, num_pages=self.num_pages, seed=self.seed)
         self.proc = ctx.Process(target=_child_main, args=(child, kwargs), daemon=True)

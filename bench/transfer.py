@@ -1,0 +1,414 @@
+#!/usr/bin/env python
+"""NIXL push bench: one DeepSeek-V3.2 request's pages, prefill process -> decode process.
+
+Geometry (defaults): 61 layers x (41,984 B MLA + 8,448 B indexer) per 64-token
+page = 3.08 MB per page; requests of 8k and 32k prompt tokens (394 MB and
+1.58 GB). The prefill process pushes (NIXL WRITE) every page of every layer
+into the pages the decode process reserved, through `transfer.Pusher` /
+`transfer.Receiver` exactly as serving does.
+
+Reported, all from one run:
+- the reference: a torch copy of the same number of bytes, prefill device ->
+  decode device, in the prefill process (the device-to-device roofline);
+- the first (cold) request after the pair starts, and with ``--warmup`` the
+  warm-up cost paid at start instead;
+- warm requests (median of ``--reps``) with and without descriptor merging;
+- each as GB/s and as a fraction of the reference copy.
+
+GPU (the default): ``python bench/transfer.py [--devices 0,1] [--warmup]``.
+CPU smoke run: ``python bench/transfer.py --device cpu --layers 4 --tokens 512,2048``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_BENCH = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_BENCH)
+# Run as a script, sys.path[0] is bench/ and `import transfer` would find this
+# file; the repository root must come first.
+sys.path[:] = [_ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != _BENCH]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from typing import Any, Optional  # noqa: E402
+
+from attention.formats import PAGE_SIZE, pages_for_tokens  # noqa: E402
+
+DSV32_LAYERS = 61
+DSV32_MLA_BYTES = 64 * 656  # 41,984: fp8 latent + scales + bf16 rope, per 64-token page
+DSV32_INDEX_BYTES = 64 * 132  # 8,448: fp8 keys + f32 scales
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    device: str  # "cuda" or "cpu"
+    prefill_device: int
+    decode_device: int
+    layers: int
+    mla_bytes: int
+    index_bytes: int
+    pool_pages: int
+    layout: str  # "contiguous" | "runs" | "random"
+    deadline_s: float
+    progress_thread: bool
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.layers * (self.mla_bytes + self.index_bytes)
+
+
+def page_ids(layout: str, n: int, pool_pages: int, rng: random.Random) -> list[int]:
+    """``n`` page ids of a ``pool_pages`` pool as a page pool would hand them out.
+
+    contiguous: a fresh pool (ascending ids). runs: a fragmented pool, random
+    runs of 1-16 consecutive pages in random order. random: no two adjacent.
+    """
+    if layout == "contiguous":
+        return list(range(n))
+    if layout == "random":
+        return rng.sample(range(pool_pages), n)
+    runs, p = [], 0
+    while p < pool_pages:
+        k = rng.randint(1, 16)
+        runs.append(list(range(p, min(p + k, pool_pages))))
+        p += k
+    rng.shuffle(runs)
+    return [q for run in runs for q in run][:n]
+
+
+# -- the two sides (each in its own process) -----------------------------------------
+
+
+class Side:
+    def __init__(self, role: str, cfg: BenchConfig):
+        import torch
+
+        from transfer import CacheRegion, CompatInfo, PeerBook, Pusher, Receiver, TransferAgent
+
+        self.cfg, self.role = cfg, role
+        if cfg.device == "cuda":
+            dev_id = cfg.prefill_device if role == "prefill" else cfg.decode_device
+            torch.cuda.set_device(dev_id)
+            self.dev = torch.device("cuda", dev_id)
+        else:
+            # One copy thread, like UCX's own memcpy: an OpenMP team on a busy
+            # CPU stalls on its slowest thread and distorts the reference.
+            torch.set_num_threads(1)
+            self.dev = torch.device("cpu")
+        gen = torch.Generator(device=self.dev).manual_seed(1 if role == "prefill" else 2)
+
+        def buf(bpp: int):
+            # Distinct random bytes per side so a missed page shows in the checksum.
+            return torch.randint(0, 256, (cfg.pool_pages, bpp), dtype=torch.uint8, device=self.dev, generator=gen)
+
+        self.regions = [
+            CacheRegion.of(layer, kind, buf(bpp))
+            for layer in range(cfg.layers)
+            for kind, bpp in (("mla", cfg.mla_bytes), ("index", cfg.index_bytes))
+        ]
+        if cfg.device == "cuda":
+            torch.cuda.synchronize()
+        compat = CompatInfo("bench/dsv32-shaped", cfg.layers, PAGE_SIZE, "fp8_656", "fp8_132", False)
+        self.agent = TransferAgent(f"bench-{role}", self.regions, compat, progress_thread=cfg.progress_thread)
+        self.book = PeerBook(self.agent)
+        self.pushers = {m: Pusher(self.agent, self.book, merge=m) for m in (True, False)}
+        self.receiver = Receiver(self.agent)
+
+    def name(self) -> str:
+        return self.agent.name
+
+    def offer(self) -> bytes:
+        return self.book.offer().to_bytes()
+
+    def respond(self, offer: bytes) -> bytes:
+        return self.book.respond(offer)
+
+    def accept(self, offer: bytes) -> str:
+        return self.book.accept(offer).agent_name
+
+    def info(self) -> dict[str, Any]:
+        import importlib.metadata as md
+
+        import torch
+
+        out = {"torch": torch.__version__, "nixl": md.version("nixl"), "device": str(self.dev)}
+        if self.cfg.device == "cuda":
+            out["gpu"] = torch.cuda.get_device_name(self.dev)
+            out["cuda"] = torch.version.cuda
+            out["gpu_count"] = torch.cuda.device_count()
+        else:
+            import platform
+
+            out["cpu"] = platform.processor() or platform.machine()
+            out["threads"] = torch.get_num_threads()
+        return out
+
+    def checksum(self, pages: list[int]) -> list[int]:
+        """Per region: sum_i (i+1) * sum(bytes of page pages[i]) (order-sensitive), int64."""
+        import torch
+
+        idx = torch.tensor(pages, dtype=torch.long, device=self.dev)
+        w = torch.arange(1, len(pages) + 1, dtype=torch.int64, device=self.dev)
+        return [int((r.tensor[idx].to(torch.int64).sum(dim=1) * w).sum()) for r in self.regions]
+
+    # decode side
+    def reserve(self, rid: str, peer: str, tokens: int, pages: list[int]) -> None:
+        self.receiver.expect(rid, peer, tokens, pages, self.cfg.deadline_s)
+
+    def wait(self) -> dict[str, Any]:
+        while True:
+            for r in self.receiver.poll():
+                return {"status": r.status.value, "seconds": r.seconds, "reason": r.reason}
+            time.sleep(0)  # yield: on a small CPU the pusher needs the core
+
+    # prefill side
+    def copy_reference(self, nbytes: int, reps: int) -> float:
+        """Median seconds of a torch copy of ``nbytes``, prefill device -> decode device."""
+        import torch
+
+        if self.cfg.device == "cuda":
+            src = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
+            dst = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", self.cfg.decode_device))
+            sync = torch.cuda.synchronize
+        else:
+            src = torch.empty(nbytes, dtype=torch.uint8)
+            dst = torch.empty(nbytes, dtype=torch.uint8)
+            sync = lambda: None  # noqa: E731
+        src.fill_(1)
+        dst.copy_(src)  # first touch / peer-access setup, not timed
+        sync()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            sync()
+            times.append(time.perf_counter() - t0)
+        del src, dst
+        return statistics.median(times)
+
+    def warm_up(self, peer: str) -> float:
+        return self.pushers[True].warm_up(peer, 0, 0)
+
+    def push(
+        self, rid: str, peer: str, tokens: int, local: list[int], remote: list[int], merge: bool, chunk_tokens: int
+    ) -> dict[str, Any]:
+        from transfer import build_plan
+
+        pusher = self.pushers[merge]
+        chunk = chunk_tokens or tokens
+        t0 = time.perf_counter()
+        pusher.begin(rid, peer, tokens, local, remote, self.cfg.deadline_s)
+        done = 0
+        while done < tokens:
+            done = min(done + chunk, tokens)
+            pusher.push(rid, done)
+        t_posted = time.perf_counter()
+        while True:
+            results = pusher.poll()
+            if results:
+                break
+        t1 = time.perf_counter()
+        (r,) = results
+        descs = build_plan(self.agent.table, self.book.get(peer).regions, local, remote, merge=merge).num_descriptors
+        return {"status": r.status.value, "reason": r.reason, "seconds": t1 - t0, "post_seconds": t_posted - t0,
+                "nbytes": r.nbytes, "descriptors": descs, "chunks": r.chunks}
+
+
+def _side_main(conn, role: str, cfg: BenchConfig) -> None:
+    try:
+        side = Side(role, cfg)
+    except Exception as e:  # noqa: BLE001
+        conn.send(("err", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            return
+        if method == "exit":
+            side.agent.close()
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(side, method)(*args)))
+        except Exception as e:  # noqa: BLE001
+            conn.send(("err", f"{type(e).__name__}: {e}"))
+
+
+class SideProc:
+    def __init__(self, role: str, cfg: BenchConfig):
+        ctx = mp.get_context("spawn")
+        self.role = role
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_side_main, args=(child, role, cfg), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def recv(self, timeout_s: float = 600.0):
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"{self.role}: no reply in {timeout_s}s")
+        tag, value = self.conn.recv()
+        if tag == "err":
+            raise RuntimeError(f"{self.role}: {value}")
+        return value
+
+    def send(self, method: str, *args) -> None:
+        self.conn.send((method, args))
+
+    def call(self, method: str, *args, timeout_s: float = 600.0):
+        self.send(method, *args)
+        return self.recv(timeout_s)
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("exit", timeout_s=30)
+        except Exception:  # noqa: BLE001
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# -- driver ------------------------------------------------------------------------
+
+
+class Pair:
+    def __init__(self, cfg: BenchConfig, seed: int):
+        self.cfg = cfg
+        self.rng = random.Random(seed)
+        self.pre = SideProc("prefill", cfg)
+        self.dec = SideProc("decode", cfg)
+        self.pre.recv()
+        self.dec.recv()
+        self.dec.call("accept", self.pre.call("respond", self.dec.call("offer")))
+        self.pre_name, self.dec_name = self.pre.call("name"), self.dec.call("name")
+        self.n = 0
+
+    def request(self, tokens: int, merge: bool, chunk_tokens: int, verify: bool) -> dict[str, Any]:
+        n = pages_for_tokens(tokens)
+        local = page_ids(self.cfg.layout, n, self.cfg.pool_pages, self.rng)
+        remote = page_ids(self.cfg.layout, n, self.cfg.pool_pages, self.rng)
+        rid = f"req{self.n}"
+        self.n += 1
+        self.dec.call("reserve", rid, self.pre_name, tokens, remote)
+        self.dec.send("wait")
+        res = self.pre.call("push", rid, self.dec_name, tokens, local, remote, merge, chunk_tokens)
+        got = self.dec.recv()
+        if res["status"] != "done" or got["status"] != "done":
+            raise RuntimeError(f"request {rid} failed: push {res}, receive {got}")
+        if verify and self.pre.call("checksum", local) != self.dec.call("checksum", remote):
+            raise RuntimeError(f"request {rid}: decode pages differ from prefill pages")
+        res["receive_seconds"] = got["seconds"]
+        return res
+
+    def close(self) -> None:
+        self.pre.close()
+        self.dec.close()
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--devices", default="0,0", help="prefill,decode CUDA ordinals (default 0,0: two processes on one GPU)")
+    ap.add_argument("--tokens", default="8192,32768", help="prompt lengths, comma-separated")
+    ap.add_argument("--layers", type=int, default=DSV32_LAYERS)
+    ap.add_argument("--mla-bytes", type=int, default=DSV32_MLA_BYTES)
+    ap.add_argument("--index-bytes", type=int, default=DSV32_INDEX_BYTES)
+    ap.add_argument("--layout", choices=("contiguous", "runs", "random"), default="runs",
+                    help="how page ids are scattered in both pools (default runs: 1-16 consecutive pages)")
+    ap.add_argument("--chunk-tokens", type=int, default=0, help="push in chunks of this many tokens (0: one chunk)")
+    ap.add_argument("--reps", type=int, default=5, help="warm repetitions per configuration (median)")
+    ap.add_argument("--warmup", action="store_true", help="warm the pair up at start (connect + one page per region)")
+    ap.add_argument("--no-verify", action="store_true", help="skip the page checksum comparison")
+    ap.add_argument("--deadline", type=float, default=120.0, help="per-request deadline, seconds")
+    ap.add_argument("--no-progress-thread", action="store_true",
+                    help="create the NIXL agents without their spinning progress thread")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args(argv)
+
+    tokens = [int(t) for t in args.tokens.split(",")]
+    pre_dev, dec_dev = (int(x) for x in args.devices.split(","))
+    max_pages = pages_for_tokens(max(tokens))
+    pool = max_pages if args.layout == "contiguous" else max_pages + max_pages // 4 + 16
+    cfg = BenchConfig(args.device, pre_dev, dec_dev, args.layers, args.mla_bytes, args.index_bytes, pool,
+                      args.layout, args.deadline, not args.no_progress_thread)
+    verify = not args.no_verify
+
+    pair = Pair(cfg, args.seed)
+    try:
+        info = pair.pre.call("info")
+        dec_info = pair.dec.call("info")
+        print(f"# transfer bench: NIXL WRITE push, prefill process -> decode process ({args.device})")
+        if args.device == "cuda":
+            print(f"# gpu: {info['gpu']} (prefill cuda:{pre_dev}) -> {dec_info['gpu']} (decode cuda:{dec_dev}); "
+                  f"{info['gpu_count']} visible")
+            print(f"# versions: torch {info['torch']}, CUDA {info['cuda']}, nixl {info['nixl']}")
+        else:
+            print(f"# cpu: {info['cpu']}, torch threads {info['threads']}")
+            print(f"# versions: torch {info['torch']}, nixl {info['nixl']}")
+        print(f"# geometry: {cfg.layers} layers x ({cfg.mla_bytes} MLA + {cfg.index_bytes} index) B/page = "
+              f"{cfg.bytes_per_page / 1e6:.3f} MB/page; pool {cfg.pool_pages} pages/side; layout {cfg.layout}; "
+              f"chunk {args.chunk_tokens or 'whole prompt'}; NIXL progress thread {'on' if cfg.progress_thread else 'off'}")
+
+        report: dict[str, Any] = {"config": asdict(cfg), "info": info, "tokens": tokens, "rows": []}
+        warm_s = None
+        if args.warmup:
+            warm_s = pair.pre.call("warm_up", pair.dec_name)
+            print(f"warm-up at start: {warm_s * 1e3:.1f} ms")
+        report["warmup_seconds"] = warm_s
+
+        copy_s = {t: pair.pre.call("copy_reference", pages_for_tokens(t) * cfg.bytes_per_page, max(args.reps, 3))
+                  for t in tokens}
+        for t in tokens:
+            nb = pages_for_tokens(t) * cfg.bytes_per_page
+            print(f"reference torch copy {t:>6} tok: {nb / 1e6:9.1f} MB in {copy_s[t] * 1e3:8.2f} ms = "
+                  f"{gbps(nb, copy_s[t]):7.1f} GB/s")
+
+        first = pair.request(tokens[0], True, args.chunk_tokens, verify)
+        f_bw = gbps(first["nbytes"], first["seconds"])
+        print(f"first request after start ({'warmed' if args.warmup else 'cold'}), {tokens[0]} tok merged: "
+              f"{first['seconds'] * 1e3:.2f} ms = {f_bw:.1f} GB/s = {f_bw / gbps(first['nbytes'], copy_s[tokens[0]]):.3f}"
+              f" of copy")
+        report["first"] = first
+
+        print(f"{'tokens':>6} {'merge':>5} {'descs':>7} {'MB':>9} {'post_ms':>8} {'push_ms':>9} {'GB/s':>8} "
+              f"{'fraction_of_copy':>16}")
+        for t in tokens:
+            for merge in (True, False):
+                runs = [pair.request(t, merge, args.chunk_tokens, verify and i == 0) for i in range(args.reps)]
+                sec = statistics.median(r["seconds"] for r in runs)
+                post = statistics.median(r["post_seconds"] for r in runs)
+                nb = runs[0]["nbytes"]
+                bw = gbps(nb, sec)
+                frac = bw / gbps(nb, copy_s[t])
+                print(f"{t:>6} {'yes' if merge else 'no':>5} {runs[0]['descriptors']:>7} {nb / 1e6:>9.1f} "
+                      f"{post * 1e3:>8.2f} {sec * 1e3:>9.2f} {bw:>8.1f} {frac:>16.3f}")
+                report["rows"].append({"tokens": t, "merge": merge, "descriptors": runs[0]["descriptors"],
+                                       "nbytes": nb, "push_seconds": sec, "post_seconds": post, "gbps": bw,
+                                       "copy_seconds": copy_s[t], "fraction_of_copy": frac})
+        if verify:
+            print("verified: decode pages equal prefill pages (per-region checksums)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+    finally:
+        pair.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""bench/transfer.py runs end to end on CPU/DRAM with small sizes (numbers are not checked)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_transfer_cpu_smoke(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "transfer.py"), "--device", "cpu", "--layers", "3",
+           "--tokens", "256,1000", "--reps", "2", "--warmup", "--json", str(out)]
+    env = dict(os.environ, UCX_NET_DEVICES="lo")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "fraction_of_copy" in proc.stdout and "verified" in proc.stdout
+    report = json.loads(out.read_text())
+    assert [(r["tokens"], r["merge"]) for r in report["rows"]] == [(256, True), (256, False), (1000, True), (1000, False)]
+    assert all(r["gbps"] > 0 and r["fraction_of_copy"] > 0 for r in report["rows"])
+    assert report["warmup_seconds"] is not None and report["first"]["status"] == "done"
+    # Unmerged: one descriptor per (region, page); 3 layers x 2 kinds x 16 pages.
+    assert [r["descriptors"] for r in report["rows"] if not r["merge"]] == [3 * 2 * 4, 3 * 2 * 16]

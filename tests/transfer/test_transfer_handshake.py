@@ -1,0 +1,127 @@
+"""Handshake and peer book with real NIXL agents in one process, and a push between
+two `attention.cache.PagedKVCache`s through their ``regions()`` (the integration seam)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from transfer import (
+    CacheRegion,
+    CompatibilityError,
+    CompatInfo,
+    HandshakeOffer,
+    PeerBook,
+    Pusher,
+    Receiver,
+    StaleEpochError,
+    TransferAgent,
+    TransferError,
+    UnknownPeerError,
+)
+
+COMPAT = CompatInfo("test/model", 2, 64, "fp8_656", "fp8_132", True)
+
+
+def regions(num_pages: int, index_bytes: int = 40):
+    return [CacheRegion.of(layer, kind, torch.zeros(num_pages, bpp, dtype=torch.uint8))
+            for layer in range(2) for kind, bpp in (("mla", 96), ("index", index_bytes))]
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    agent = TransferAgent("pre", regions(8), COMPAT)
+    yield PeerBook(agent)
+    agent.close()
+
+
+def test_offer_roundtrip_and_idempotent_accept(prefill):
+    dec = TransferAgent("dec-a", regions(12), COMPAT)
+    book = PeerBook(dec)
+    offer = book.offer()
+    assert HandshakeOffer.from_bytes(offer.to_bytes()) == offer
+    peer = PeerBook.accept(prefill, offer.to_bytes())
+    assert peer.agent_name == dec.name == f"dec-a@{dec.epoch}"
+    assert prefill.accept(offer) is peer  # same epoch again: no reload
+    book.accept(prefill.offer())
+    assert prefill.get(dec.name).regions == dec.table
+    with pytest.raises(TransferError, match="malformed"):
+        HandshakeOffer.from_bytes(b"{}")
+    prefill.forget(dec.name)
+    assert not prefill.knows(dec.name)
+    dec.close()
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [({"num_layers": 3}, "num_layers"), ({"has_mtp": False}, "has_mtp"), ({"page_size": 256}, "page_size"),
+     ({"kv_format": "bf16_576"}, "kv_format"), ({"model": "other"}, "model")],
+)
+def test_mismatch_is_refused_naming_the_field(prefill, change, field):
+    dec = TransferAgent("dec-m", regions(12), dataclasses.replace(COMPAT, **change))
+    with pytest.raises(CompatibilityError) as err:
+        prefill.respond(PeerBook(dec).offer().to_bytes())
+    assert err.value.fields == (field,) and field in str(err.value)
+    assert not prefill.knows(dec.name)
+    dec.close()
+
+
+def test_region_geometry_mismatch_is_refused(prefill):
+    dec = TransferAgent("dec-g", regions(12, index_bytes=44), COMPAT)
+    with pytest.raises(CompatibilityError, match=r"regions\[layer=0,kind=index\]\.bytes_per_page: local=40 remote=44"):
+        prefill.accept(PeerBook(dec).offer())
+    dec.close()
+
+
+def test_restart_replaces_old_epoch_and_refuses_stale_offers(prefill):
+    first = TransferAgent("dec-r", regions(12), COMPAT)
+    old_offer = PeerBook(first).offer()
+    prefill.accept(old_offer)
+    second = TransferAgent("dec-r", regions(12), COMPAT)
+    assert second.epoch > first.epoch and second.name != first.name
+    with pytest.raises(UnknownPeerError, match="handshake again"):
+        prefill.get(second.name)
+    prefill.accept(PeerBook(second).offer())
+    assert prefill.get(second.name).epoch == second.epoch
+    with pytest.raises(UnknownPeerError, match="known epoch"):
+        prefill.get(first.name)
+    with pytest.raises(StaleEpochError):
+        prefill.accept(old_offer)
+    assert [p.agent_name for p in prefill.peers() if p.worker_id == "dec-r"] == [second.name]
+    prefill.forget(second.name)
+    first.close()
+    second.close()
+
+
+def test_push_between_paged_kv_caches_through_regions():
+    """`PagedKVCache.regions()` objects are registered and pushed as they come."""
+    cache_mod = pytest.importorskip("attention.cache")
+    spec = cache_mod.CacheSpec(num_layers=3, num_pages=10, kv_lora_rank=64, rope_dim=16, index_head_dim=32,
+                               kv_cache_dtype="fp8", dtype=torch.bfloat16, indexer_layers=(True, False, True))
+    src, dst = cache_mod.PagedKVCache(spec, "cpu"), cache_mod.PagedKVCache(spec, "cpu")
+    for r in src.regions():
+        r.tensor.copy_(torch.randint(0, 256, r.tensor.shape, dtype=torch.uint8))
+    compat = dataclasses.replace(COMPAT, num_layers=3)
+    pa, da = TransferAgent("pre-kv", src.regions(), compat), TransferAgent("dec-kv", dst.regions(), compat)
+    assert sorted(pa.table.keys()) == [(0, "index"), (0, "mla"), (1, "mla"), (2, "index"), (2, "mla")]
+    pb, db = PeerBook(pa), PeerBook(da)
+    db.accept(pb.respond(db.offer().to_bytes()))
+    pusher, receiver = Pusher(pa, pb), Receiver(da)
+    receiver.expect("r", pa.name, 150, [7, 2, 3], 10.0)
+    pusher.begin("r", da.name, 150, [0, 1, 5], [7, 2, 3], 10.0)
+    pusher.push("r", 64)
+    pusher.push("r", 150)
+    pushed, got, t_end = [], [], time.monotonic() + 10
+    while (not pushed or not got) and time.monotonic() < t_end:
+        pushed += pusher.poll()
+        got += receiver.poll()
+    assert [r.status.value for r in pushed + got] == ["done", "done"]
+    for s, d in zip(src.regions(), dst.regions()):
+        assert torch.equal(d.tensor[[7, 2, 3]], s.tensor[[0, 1, 5]])
+        untouched = [p for p in range(10) if p not in (7, 2, 3)]
+        assert not d.tensor[untouched].any()
+    pa.close()
+    da.close()

@@ -1,0 +1,240 @@
+"""Pusher / Receiver state machines against a scripted fake agent (no NIXL, injected clock)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from transfer import CompatInfo, PlanError, Pusher, PushStatus, Receiver, ReceiveStatus, UnknownPeerError
+from transfer.agent import Xfer
+from transfer.handshake import Peer
+from transfer.messages import ChunkDone, PushAborted, PushCancelled, decode
+from transfer.regions import RegionEntry, RegionTable
+
+COMPAT = CompatInfo("m", 2, 64, "fp8_656", "fp8_132", True)
+
+
+def table(base: int, num_pages: int = 32) -> RegionTable:
+    return RegionTable(tuple(
+        RegionEntry(layer, kind, base + i * 10**6, bpp, num_pages, "DRAM", 0)
+        for i, (layer, kind, bpp) in enumerate([(0, "mla", 100), (0, "index", 40), (1, "mla", 100), (1, "index", 40)])
+    ))
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+@dataclass
+class FakeAgent:
+    """Records WRITEs and notifications; the test sets each WRITE's state and injects inbound messages."""
+
+    name: str
+    table: RegionTable = field(default_factory=lambda: table(1 << 20))
+    writes: list = field(default_factory=list)
+    sent: list = field(default_factory=list)
+    inbox: list = field(default_factory=list)
+    fail_write: bool = False
+    fail_notify: bool = False
+    released: int = 0
+
+    def write(self, peer, plan, notif):
+        if self.fail_write:
+            raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+        x = Xfer(handle=None, peer=peer, nbytes=plan.nbytes)
+        self.writes.append((x, plan, decode(notif)))
+        return x
+
+    def state(self, x):
+        return x.state
+
+    def release(self, x):
+        self.released += 1
+        return True
+
+    def notify(self, peer, msg):
+        if self.fail_notify:
+            raise RuntimeError("unreachable")
+        self.sent.append((peer, msg))
+
+    def take(self, *types):
+        got = [m for m in self.inbox if isinstance(m[1], types)]
+        self.inbox = [m for m in self.inbox if not isinstance(m[1], types)]
+        return got
+
+    def connect(self, peer):
+        pass
+
+
+class FakeBook:
+    def __init__(self, *peers):
+        self._p = {p.agent_name: p for p in peers}
+
+    def get(self, name):
+        if name not in self._p:
+            raise UnknownPeerError(name)
+        return self._p[name]
+
+
+DEC = Peer("dec", 1, "dec@1", table(1 << 30, 48), COMPAT)
+
+
+def make_pusher(**kw):
+    agent, clock = FakeAgent("pre@1", **kw), Clock()
+    return Pusher(agent, FakeBook(DEC), clock=clock), agent, clock
+
+
+# -- pusher ----------------------------------------------------------------------
+
+
+def test_push_chunks_follow_finished_pages_and_complete():
+    pusher, agent, _ = make_pusher()
+    pusher.begin("r", "dec@1", 300, [0, 1, 2, 3, 4], [9, 10, 11, 20, 21], 10.0)
+    assert pusher.push("r", 50)  # no full page yet: nothing sent
+    assert agent.writes == []
+    pusher.push("r", 130)  # pages 0-1
+    pusher.push("r", 300)  # pages 2-4 incl. partial last page
+    assert [w[1].num_pages for w in agent.writes] == [2, 3]
+    assert [w[2] for w in agent.writes] == [ChunkDone("r", 0), ChunkDone("r", 1, 2, 5)]
+    # Chunk 1: per region [2 -> 11] and [3-4 -> 20-21] -> 2 descriptors x 4 regions.
+    assert agent.writes[1][1].num_descriptors == 8
+    assert pusher.poll() == []  # WRITEs still in flight
+    for x, _, _ in agent.writes:
+        x.state = "DONE"
+    (res,) = pusher.poll()
+    assert (res.request_id, res.status, res.pages, res.chunks) == ("r", PushStatus.DONE, (0, 1, 2, 3, 4), 2)
+    assert res.nbytes == 5 * 280 and agent.sent == [] and not pusher.active
+    assert not pusher.push("r", 300)  # finished request: ignored
+
+
+def test_final_chunk_without_new_pages_is_a_standalone_notification():
+    pusher, agent, _ = make_pusher()
+    pusher.begin("r", "dec@1", 128, [0, 1], [0, 1], 10.0)
+    pusher.push("r", 127)  # page 0 final
+    pusher.push("r", 128)  # page 1 final, last chunk
+    assert [w[1].num_pages for w in agent.writes] == [1, 1]
+    # An empty prompt has no page to write, but its count must still reach decode.
+    pusher.begin("e", "dec@1", 0, [], [], 10.0)
+    pusher.push("e", 0)
+    assert len(agent.writes) == 2
+    assert agent.sent == [("dec@1", ChunkDone("e", 0, 1, 0))]
+    (res,) = pusher.poll()
+    assert res.request_id == "e" and res.status is PushStatus.DONE
+
+
+def test_push_rejects_bad_requests():
+    pusher, agent, _ = make_pusher()
+    with pytest.raises(UnknownPeerError):
+        pusher.begin("r", "dec@0", 64, [0], [0], 1.0)
+    with pytest.raises(PlanError, match="needs 2 pages"):
+        pusher.begin("r", "dec@1", 65, [0], [0], 1.0)
+    with pytest.raises(PlanError, match="out of range"):
+        pusher.begin("r", "dec@1", 64, [0], [48], 1.0)
+    assert not pusher.active
+    pusher.begin("r", "dec@1", 200, [0, 1, 2, 3], [0, 1, 2, 3], 1.0)
+    with pytest.raises(ValueError, match="already"):
+        pusher.begin("r", "dec@1", 64, [0], [0], 1.0)
+    pusher.push("r", 130)
+    with pytest.raises(ValueError, match="backwards"):
+        pusher.push("r", 64)
+
+
+def test_write_error_fails_only_that_request_and_tells_decode():
+    pusher, agent, _ = make_pusher()
+    pusher.begin("a", "dec@1", 64, [0], [0], 10.0)
+    pusher.begin("b", "dec@1", 64, [1], [1], 10.0)
+    pusher.push("a", 64)
+    pusher.push("b", 64)
+    agent.writes[0][0].state = "ERR"
+    agent.writes[1][0].state = "DONE"
+    res = {r.request_id: r for r in pusher.poll()}
+    assert res["a"].status is PushStatus.FAILED and res["b"].status is PushStatus.DONE
+    assert agent.sent == [("dec@1", PushAborted("a", "WRITE failed"))]
+
+
+def test_post_error_fails_request_even_if_abort_cannot_be_sent():
+    pusher, agent, _ = make_pusher(fail_write=True, fail_notify=True)
+    pusher.begin("a", "dec@1", 64, [0], [0], 10.0)
+    assert not pusher.push("a", 64)
+    (res,) = pusher.poll()
+    assert res.status is PushStatus.FAILED and "NIXL_ERR_REMOTE_DISCONNECT" in res.reason and res.pages == (0,)
+
+
+def test_push_deadline_and_cancel_and_abort_and_peer_lost():
+    pusher, agent, clock = make_pusher()
+    for rid in "abcd":
+        pusher.begin(rid, "dec@1", 200, [4 * "abcd".index(rid) + i for i in range(4)], list(range(4)), 1.0 if rid == "a" else 5.0)
+    pusher.push("a", 64)
+    agent.inbox.append(("dec@1", PushCancelled("b", "client gone")))
+    agent.inbox.append(("dec@0", PushCancelled("c", "stale epoch")))  # not the request's peer: ignored
+    clock.t = 1.5
+    res = {r.request_id: r for r in pusher.poll()}
+    assert res["a"].status is PushStatus.EXPIRED and res["b"].status is PushStatus.CANCELLED and set(res) == {"a", "b"}
+    assert agent.released == 1  # a's in-flight WRITE released (cancelled)
+    assert [m for _, m in agent.sent] == [PushAborted("a", res["a"].reason)]  # no abort echo for a cancel
+    assert pusher.abort("c", "prefill OOM").status is PushStatus.FAILED
+    assert pusher.abort("c", "again") is None
+    (lost,) = pusher.peer_lost("dec@1")
+    assert lost.request_id == "d" and lost.status is PushStatus.FAILED and not pusher.active
+
+
+# -- receiver ----------------------------------------------------------------------
+
+
+def make_receiver():
+    agent, clock = FakeAgent("dec@1"), Clock()
+    return Receiver(agent, clock=clock), agent, clock
+
+
+def test_receiver_completes_on_count_in_any_order():
+    recv, agent, _ = make_receiver()
+    recv.expect("r", "pre@1", 300, [7, 8, 9, 10, 11], 5.0)
+    agent.inbox += [("pre@1", ChunkDone("r", 2, 3, 5)), ("pre@1", ChunkDone("r", 0))]
+    assert recv.poll() == []
+    agent.inbox += [("pre@1", ChunkDone("r", 0)), ("pre@1", ChunkDone("r", 1))]  # a duplicate is harmless
+    (res,) = recv.poll()
+    assert (res.status, res.pages, res.chunks) == (ReceiveStatus.DONE, (7, 8, 9, 10, 11), 3)
+
+
+def test_receiver_ignores_late_unknown_and_other_epoch_notifications():
+    recv, agent, clock = make_receiver()
+    recv.expect("r", "pre@2", 64, [0], 1.0)
+    agent.inbox += [("pre@1", ChunkDone("r", 0, 1, 1)),  # the dead epoch of the same prefill
+                    ("pre@2", ChunkDone("zzz", 0, 1, 1))]  # never expected
+    assert recv.poll() == [] and recv.ignored_notifs == 2
+    clock.t = 2.0
+    (res,) = recv.poll()
+    assert res.status is ReceiveStatus.EXPIRED and res.chunks == 0
+    assert agent.sent == [("pre@2", PushCancelled("r", res.reason))]
+    agent.inbox += [("pre@2", ChunkDone("r", 0, 1, 1)), ("pre@2", PushAborted("r", "late"))]
+    assert recv.poll() == [] and recv.ignored_notifs == 4
+    with pytest.raises(ValueError, match="fresh id"):
+        recv.expect("r", "pre@2", 64, [0], 1.0)
+
+
+def test_receiver_failures():
+    recv, agent, _ = make_receiver()
+    recv.expect("short", "pre@1", 130, [0, 1, 2], 5.0)
+    recv.expect("bad_index", "pre@1", 64, [3], 5.0)
+    recv.expect("aborted", "pre@1", 64, [4], 5.0)
+    recv.expect("gone", "pre@1", 64, [5], 5.0)
+    recv.expect("other", "pre@9", 64, [6], 5.0)
+    agent.inbox += [("pre@1", ChunkDone("short", 0, 1, 2)),  # prefill counted 2 pages, decode reserved 3
+                    ("pre@1", ChunkDone("bad_index", 3)), ("pre@1", ChunkDone("bad_index", 0, 1, 1)),
+                    ("pre@1", PushAborted("aborted", "WRITE failed"))]
+    res = {r.request_id: r for r in recv.poll()}
+    assert {k: r.status for k, r in res.items()} == dict.fromkeys(["short", "bad_index", "aborted"], ReceiveStatus.FAILED)
+    assert "pushed 2 pages, 3 reserved" in res["short"].reason
+    assert "prefill aborted: WRITE failed" == res["aborted"].reason
+    assert recv.cancel("gone", "client disconnected").status is ReceiveStatus.CANCELLED
+    assert ("pre@1", PushCancelled("gone", "client disconnected")) in agent.sent
+    assert recv.cancel("gone", "x") is None
+    (lost,) = recv.peer_lost("pre@9")
+    assert lost.request_id == "other" and lost.pages == (6,) and not recv.active
+    with pytest.raises(PlanError, match="needs 2 pages"):
+        recv.expect("n", "pre@1", 65, [0], 1.0)

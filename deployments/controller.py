@@ -118,7 +118,9 @@ def violations_from_pydantic(err: pydantic.ValidationError, prefix: str = "") ->
             msg = str(e.get("ctx", {}).get("error", msg.removeprefix("Value error, ")))
         elif e["type"] == "extra_forbidden":
             msg = "unknown field (a typo?)"
-        elif e["type"] != "missing":
+        elif e["type"] == "missing":
+            msg = "required field missing"
+        else:
             msg = f"{msg} (got {e.get('input')!r})"
         out.append(Violation(path or "(root)", msg))
     return out

@@ -10,6 +10,7 @@ weights are read.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,7 +61,10 @@ class ServeConfigReport:
 
 def _serve_schema_violations(doc: Any) -> list[Violation]:
     # Imported here: Ray takes seconds to import and only this check needs it.
-    from ray.serve.schema import ServeDeploySchema
+    # Its pydantic-v1-style field declarations warn on import; not our users' concern.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from ray.serve.schema import ServeDeploySchema
 
     try:
         ServeDeploySchema.model_validate(doc)

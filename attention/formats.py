@@ -105,6 +105,11 @@ class MlaFp8Format:
     Tiles are ``FP8_TILE`` (128) consecutive latent elements; the last tile is
     narrower when ``kv_lora_rank`` is not a multiple of 128 (tiny test models).
     For kv_lora_rank 512 / rope 64 this is FlashMLA's 656-byte token.
+
+    :func:`quantize_mla_fp8` rounds ``amax / 448`` once (IEEE division), which makes
+    re-quantizing a dequantized token byte-identical. Caches written elsewhere
+    may round the scale differently (the H100 golden cache is one ulp off in
+    ~14% of tiles, e.g. ``amax * (1/448)``); readers only rely on the bytes.
     """
 
     kv_lora_rank: int

@@ -119,7 +119,7 @@ class Side:
         self.agent = TransferAgent(f"bench-{role}", self.regions, compat, progress_thread=cfg.progress_thread)
         self.book = PeerBook(self.agent)
         self.pushers = {m: Pusher(self.agent, self.book, merge=m) for m in (True, False)}
-        self.receiver = Receiver(self.agent)
+        self.receiver = Receiver(self.agent, self.book)
 
     def name(self) -> str:
         return self.agent.name

@@ -15,7 +15,8 @@ whatever the status):
 Each chunk is one WRITE over every selected region whose notification
 (`messages.ChunkDone`) reaches decode after the chunk's bytes; the last one
 carries the chunk count and page count. A request fails alone: a WRITE error,
-its deadline, a cancel from decode or a lost peer end that request, tell
+its deadline, a cancel from decode, a lost peer, or its peer leaving the
+`PeerBook` (forgotten, or superseded by a restart) end that request, tell
 decode (best effort) and hand its pages back.
 """
 
@@ -203,6 +204,12 @@ class Pusher:
                 self._results.append(self._finish(job, PushStatus.CANCELLED, f"decode: {msg.reason}", tell_peer=False))
         now = self.clock()
         for job in list(self._jobs.values()):
+            if not self.peers.knows(job.peer.agent_name):
+                # Forgotten, or superseded by a newer epoch of the same worker:
+                # its pages are gone with the old process.
+                reason = f"peer {job.peer.agent_name} forgotten or restarted"
+                self._results.append(self._finish(job, PushStatus.FAILED, reason, tell_peer=False))
+                continue
             states = [self.agent.state(x) for x in job.inflight]
             if "ERR" in states:
                 self._results.append(self._finish(job, PushStatus.FAILED, "WRITE failed", tell_peer=True))

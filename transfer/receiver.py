@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence
 from attention.formats import pages_for_tokens
 from transfer.agent import TransferAgent
 from transfer.errors import PlanError
+from transfer.handshake import PeerBook
 from transfer.messages import ChunkDone, PushAborted, PushCancelled
 
 log = logging.getLogger(__name__)
@@ -74,12 +75,23 @@ class _Wait:
 
 
 class Receiver:
-    """Tracks requests this decode worker expects from prefill peers. Drive from one thread."""
+    """Tracks requests this decode worker expects from prefill peers. Drive from one thread.
+
+    ``peers``: when given, `expect` requires a handshaked peer and a request
+    fails as soon as its peer leaves the book (forgotten, or superseded by a
+    restart: the old process will never complete it).
+    """
 
     def __init__(
-        self, agent: TransferAgent, *, clock: Callable[[], float] = time.monotonic, remember_finished: int = 65536
+        self,
+        agent: TransferAgent,
+        peers: Optional[PeerBook] = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        remember_finished: int = 65536,
     ):
         self.agent = agent
+        self.peers = peers
         self.clock = clock
         self._waits: dict[str, _Wait] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
@@ -102,6 +114,8 @@ class Receiver:
         n = pages_for_tokens(prompt_len)
         if len(pages) != n:
             raise PlanError(f"request {request_id!r}: prompt of {prompt_len} tokens needs {n} pages, got {len(pages)}")
+        if self.peers is not None:
+            self.peers.get(peer_agent)  # UnknownPeerError: handshake first
         now = self.clock()
         self._waits[request_id] = _Wait(request_id, peer_agent, tuple(int(p) for p in pages), now, now + deadline_s)
 
@@ -119,7 +133,9 @@ class Receiver:
                 out.append(res)
         now = self.clock()
         for w in list(self._waits.values()):
-            if now > w.deadline:
+            if self.peers is not None and not self.peers.knows(w.peer_agent):
+                out.append(self._end(w, ReceiveStatus.FAILED, f"peer {w.peer_agent} forgotten or restarted", False))
+            elif now > w.deadline:
                 reason = f"deadline of {w.deadline - w.started:.3f}s passed with {len(w.got)} chunk(s) received"
                 out.append(self._end(w, ReceiveStatus.EXPIRED, reason, tell_peer=True))
         return out

@@ -134,7 +134,7 @@ class RegionTable:
         if len({(e.mem_type, e.device_id) for e in self.entries}) > 1:
             raise RegionError("all regions of one agent must live on one device (one agent per rank)")
         spans = sorted((e.base_addr, e.base_addr + e.nbytes, e.key) for e in self.entries if e.nbytes)
-        for (s0, e0, k0), (s1, _e1, k1) in zip(spans, spans[1:]):
+        for (_s0, e0, k0), (s1, _e1, k1) in zip(spans, spans[1:]):
             if s1 < e0:
                 # Two regions aliasing the same bytes would let one request's
                 # push overwrite another cache.

@@ -80,13 +80,22 @@ class FakeBook:
             raise UnknownPeerError(name)
         return self._p[name]
 
+    def knows(self, name):
+        return name in self._p
+
+    def forget(self, name):
+        self._p.pop(name, None)
+
 
 DEC = Peer("dec", 1, "dec@1", table(1 << 30, 48), COMPAT)
+DEC2 = Peer("dec2", 1, "dec2@1", table(1 << 31, 48), COMPAT)
+PRE = Peer("pre", 1, "pre@1", table(1 << 20), COMPAT)
+PRE2 = Peer("pre", 2, "pre@2", table(1 << 20), COMPAT)
 
 
 def make_pusher(**kw):
     agent, clock = FakeAgent("pre@1", **kw), Clock()
-    return Pusher(agent, FakeBook(DEC), clock=clock), agent, clock
+    return Pusher(agent, FakeBook(DEC, DEC2), clock=clock), agent, clock
 
 
 # -- pusher ----------------------------------------------------------------------
@@ -183,12 +192,35 @@ def test_push_deadline_and_cancel_and_abort_and_peer_lost():
     assert lost.request_id == "d" and lost.status is PushStatus.FAILED and not pusher.active
 
 
+def test_push_fails_requests_of_a_forgotten_or_restarted_peer():
+    pusher, agent, _ = make_pusher()
+    pusher.begin("a", "dec@1", 64, [0], [0], 10.0)
+    pusher.begin("b", "dec2@1", 64, [1], [1], 10.0)
+    pusher.push("a", 64)
+    pusher.peers.forget("dec@1")  # e.g. a newer epoch of "dec" was accepted
+    (res,) = pusher.poll()
+    assert (res.request_id, res.status) == ("a", PushStatus.FAILED) and "restarted" in res.reason
+    assert pusher.active == ["b"] and agent.sent == []
+
+
 # -- receiver ----------------------------------------------------------------------
 
 
 def make_receiver():
     agent, clock = FakeAgent("dec@1"), Clock()
     return Receiver(agent, clock=clock), agent, clock
+
+
+def test_receiver_with_peer_book_requires_handshake_and_drops_superseded_peers():
+    agent, book = FakeAgent("dec@1"), FakeBook(PRE)
+    recv = Receiver(agent, book, clock=Clock())
+    with pytest.raises(UnknownPeerError):
+        recv.expect("x", "pre@2", 64, [0], 1.0)
+    recv.expect("r", "pre@1", 64, [0], 10.0)
+    assert recv.poll() == []
+    book.forget("pre@1")  # the prefill restarted as pre@2
+    (res,) = recv.poll()
+    assert res.status is ReceiveStatus.FAILED and res.pages == (0,) and agent.sent == []
 
 
 def test_receiver_completes_on_count_in_any_order():

@@ -185,21 +185,26 @@ def test_restarted_decode_is_rehandshaked_never_served_stale(pair):
         new_name = second.call("name")
         assert new_name != old_name and new_name.startswith("dec-r@")
         before, pre_snap = second.call("snapshot"), pre.call("snapshot")
-        pages = second.call("reserve", "r1", pre_name, 450, 20.0)
-        # Prefill has only the dead epoch's metadata: it must refuse, not push with it.
+        # Prefill has only the dead epoch's metadata: a request naming the new
+        # epoch must be refused, not pushed with the old metadata.
         with pytest.raises(RemoteError) as err:
-            pre.call("push", [("r1", new_name, 450, pages)], 128, 20.0)
+            pre.call("push", [("r1", new_name, 450, list(range(pages_for_tokens(450))))], 128, 20.0)
         assert err.value.type_name == "UnknownPeerError"
         assert pre.call("free_count") == pre_free
+        # ... and the new decode cannot expect pages from a prefill it has not handshaked.
+        with pytest.raises(RemoteError) as err:
+            second.call("reserve", "r1", pre_name, 450, 20.0)
+        assert err.value.type_name == "UnknownPeerError"
 
         handshake(second, pre)
+        pages = second.call("reserve", "r1b", pre_name, 450, 20.0)
         assert pre.call("knows", new_name) and not pre.call("knows", old_name)
         assert old_name not in pre.call("peer_names")
         second.send("wait", 20.0)
-        pushed = pre.call("push", [("r1", new_name, 450, pages)], 128, 20.0)
-        assert pushed["r1"]["status"] == "done"
+        pushed = pre.call("push", [("r1b", new_name, 450, pages)], 128, 20.0)
+        assert pushed["r1b"]["status"] == "done"
         assert [r["status"] for r in second.recv(30)] == ["done"]
-        assert_regions_equal(second.call("snapshot"), expected_decode(before, pre_snap, [(pushed["r1"]["pages"], pages)]))
+        assert_regions_equal(second.call("snapshot"), expected_decode(before, pre_snap, [(pushed["r1b"]["pages"], pages)]))
         # A delayed offer from the dead epoch cannot replace the live one.
         with pytest.raises(RemoteError) as err:
             pre.call("accept", old_offer)

@@ -119,7 +119,7 @@ class Worker:
         self.agent = TransferAgent(worker_id, self.regions, geometry.compat())
         self.book = PeerBook(self.agent)
         self.pusher = Pusher(self.agent, self.book)
-        self.receiver = Receiver(self.agent)
+        self.receiver = Receiver(self.agent, self.book)
         self.pool = PagePool(num_pages, seed)
 
     # -- identity / handshake --------------------------------------------------------
@@ -159,7 +159,11 @@ class Worker:
         from attention.formats import pages_for_tokens
 
         pages = self.pool.allocate(pages_for_tokens(prompt_len))
-        self.receiver.expect(request_id, prefill_agent, prompt_len, pages, deadline_s)
+        try:
+            self.receiver.expect(request_id, prefill_agent, prompt_len, pages, deadline_s)
+        except Exception:
+            self.pool.free(pages)
+            raise
         return pages
 
     def wait(self, timeout_s: float, until_idle: bool = True) -> list[dict[str, Any]]:

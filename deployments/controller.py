@@ -34,6 +34,8 @@ from attention.formats import PAGE_SIZE, IndexerFp8Format, MlaFp8Format, pages_f
 from deployments.app_config import APP_IMPORT_PATH, AppConfig, PoolConfig
 from models.config import ConfigError, ModelConfig, config_from_dict, load_config
 from transfer.compat import CompatInfo, diff_compat
+from workers.mtp import check_topk_reuse
+from workers.scheduler import tokens_to_hold
 
 __all__ = [
     "APP_IMPORT_PATH",
@@ -458,11 +460,11 @@ def _feature_rules(app_cfg: AppConfig, model_cfg: ModelConfig | None, out: list[
             f"{plan.source[shared[0]]}'s; from index_topk_freq / index_topk_pattern / indexer_types): "
             "set two_batch_overlap to false",
         ))
-    if f.mtp_topk_reuse and f.draft_topk != 1:
+    try:
+        check_topk_reuse(f.mtp_topk_reuse, f.draft_topk)  # the engine's own rule
+    except ValueError as e:
         out.append(Violation(
-            "features.mtp_topk_reuse",
-            f"reusing the indexer top-k across MTP draft steps needs draft_topk == 1 (one chain of drafts), "
-            f"got draft_topk {f.draft_topk}",
+            "features.mtp_topk_reuse", f"{e}: each draft step must extend one chain; set draft_topk to 1"
         ))
 
 
@@ -526,16 +528,19 @@ def _model_rules(role: str, pool: PoolConfig, app_cfg: AppConfig, m: ModelConfig
             ))
 
     max_len = app_cfg.model.max_model_len or m.max_position_embeddings
-    # Decode writes the KV of its draft tokens before verifying them, so a
-    # request at the length limit still needs room for the drafts.
-    tokens = max_len + (pool.mtp_draft_tokens if role == "decode" else 0)
+    tokens = max_len
+    if role == "decode" and pool.mtp_draft_tokens:
+        # A running request is at most max_len - 1 tokens long, but its verify
+        # step and draft chain write cache positions past its length: hold
+        # what the engine's scheduler reserves.
+        tokens = tokens_to_hold(max_len - 1, pool.mtp_draft_tokens)
     need = pages_for_tokens(tokens, pool.page_size)
     if pool.num_pages < need:
+        extra = f" + {tokens - max_len} positions written by MTP drafts" if tokens > max_len else ""
         out.append(Violation(
             f"{role}.num_pages",
             f"{pool.num_pages} pages hold {pool.num_pages * pool.page_size} tokens, less than one request of "
-            f"max_model_len {max_len}" + (f" + {pool.mtp_draft_tokens} draft tokens" if tokens > max_len else "")
-            + f": need at least {need} pages (or lower model.max_model_len)",
+            f"max_model_len {max_len}{extra}: need at least {need} pages (or lower model.max_model_len)",
         ))
 
     if pool.device == "cuda":

@@ -283,7 +283,12 @@ class _Request(BaseModel):
         return max(self.top_k, 0)
 
     def sampling_params(self, max_new_tokens: int, stop_token_ids: tuple[int, ...] = ()):
-        """``workers.sampler.SamplingParams`` for this request (stop strings are matched on text by the ingress)."""
+        """``workers.sampler.SamplingParams`` for this request.
+
+        ``max_new_tokens`` comes from :func:`check_prompt_length` (it needs
+        the prompt's token count); ``stop`` strings travel as
+        ``stop_strings`` (the engine matches them on detokenized text).
+        """
         from workers.sampler import SamplingParams
 
         return SamplingParams(
@@ -293,6 +298,7 @@ class _Request(BaseModel):
             top_k=self.effective_top_k,
             seed=self.seed,
             stop_token_ids=tuple(stop_token_ids),
+            stop_strings=self.stop_sequences,
         )
 
 

@@ -25,6 +25,7 @@ from deployments.controller import (
     weight_bytes_per_rank,
 )
 from models.model import DsaForCausalLM
+from workers.scheduler import tokens_to_hold
 from tests.deployments.app_fixtures import merged, real_model, tiny_model, tiny_raw, yaml_args
 
 CPU = yaml_args("tiny_pd.yaml")
@@ -90,7 +91,7 @@ def test_glm5_config_rejects_two_batch_overlap():
 def test_mtp_topk_reuse_needs_draft_topk_1():
     args = merged(GPU, features={"mtp_topk_reuse": True, "draft_topk": 2})
     v = only(validate(app(args), tiny_model()), "features.mtp_topk_reuse")
-    assert "draft_topk == 1" in v.message and "got draft_topk 2" in v.message
+    assert "requires draft top-k == 1 (got 2)" in v.message and "set draft_topk to 1" in v.message
     assert validate(app(merged(GPU, features={"mtp_topk_reuse": False, "draft_topk": 2})), tiny_model()) == []
 
 
@@ -210,9 +211,11 @@ def test_num_pages_fit_one_max_length_request():
     m = tiny_model()  # max_position_embeddings 2048 -> 32 pages
     v = only(validate(app(merged(CPU, prefill={"num_pages": 31})), m), "prefill.num_pages")
     assert "max_model_len 2048" in v.message and "at least 32 pages" in v.message
-    # Decode also needs room for the drafts written before verification.
+    # Decode also needs room for what verification and the draft chain write (tokens_to_hold).
+    assert tokens_to_hold(2047, 2) == 2052
     v = only(validate(app(merged(GPU, decode={"num_pages": 32, "mtp_draft_tokens": 2})), m), "decode.num_pages")
-    assert "+ 2 draft tokens" in v.message and "at least 33 pages" in v.message
+    assert "+ 4 positions written by MTP drafts" in v.message and "at least 33 pages" in v.message
+    assert validate(app(merged(GPU, decode={"num_pages": 33, "mtp_draft_tokens": 2})), m) == []
     # A lower max_model_len lowers the need.
     args = merged(CPU, model={"max_model_len": 1024}, prefill={"num_pages": 16})
     assert validate(app(args), m) == []

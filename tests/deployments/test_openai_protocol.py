@@ -69,7 +69,8 @@ def test_sampling_fields_and_conversion():
                        "stop": "\n"}, "completion")
     assert r.stop_sequences == ("\n",)
     sp = r.sampling_params(max_new_tokens=8, stop_token_ids=(257,))
-    assert sp == SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=40, seed=5, stop_token_ids=(257,))
+    assert sp == SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=40, seed=5, stop_token_ids=(257,),
+                                stop_strings=("\n",))
     r = parse_request({"model": "m", "prompt": "x", "stop": ["a", "bc"]}, "completion")
     assert r.stop_sequences == ("a", "bc")
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from attention.formats import pages_for_tokens
-from transfer_harness import Geometry, RemoteError, WorkerProc, handshake
+from tests.transfer.transfer_harness import Geometry, RemoteError, WorkerProc, handshake
 
 GEOM = Geometry()
 DEC_PAGES, PRE_PAGES = 64, 48

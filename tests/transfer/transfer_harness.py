@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-CHILD_LIFETIME_S = 120.0
+CHILD_LIFETIME_S = 300.0
 
 
 def _context():

@@ -78,6 +78,36 @@ class Engine:
         self.requests[req.request_id] = req
         return None
 
+    def admit_prefilled(self, req: Request, first_token: int, first_logprob: float,
+                        last_hidden: torch.Tensor) -> list[RequestOutput]:
+        """Join a request whose prompt KV is already in ``req.pages`` (pushed by a
+        prefill peer) to the running batch. ``last_hidden`` ``[hidden]``: the
+        target hidden state of the last prompt position."""
+        self.requests[req.request_id] = req
+        req.num_computed = len(req.prompt)
+        if self.k:
+            # The MTP entry of the last prompt position needs token 1: written
+            # here by the first draft step, as in monolithic mode.
+            req.pending_hidden = last_hidden.to(self.model.dtype)[None]
+            req.pending_start = len(req.prompt) - 1
+        self.scheduler.add_running(req)
+        out = RequestOutput(req.request_id, [], [])
+        req.output.append(first_token)
+        req.logprobs.append(first_logprob)
+        out.token_ids.append(first_token)
+        out.logprobs.append(first_logprob)
+        p = req.params
+        reason = None
+        if first_token in p.stop_token_ids or (first_token in self.eos and not p.ignore_eos):
+            reason = FinishReason.STOP
+        elif p.stop_strings and any(s in self.detokenize(req.output) for s in p.stop_strings):
+            reason = FinishReason.STOP
+        elif len(req.output) >= p.max_new_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self._finish(req, reason, out)
+        return [out]
+
     def abort(self, request_id: str) -> bool:
         """Abort at any phase; frees the request's pages. False if unknown/finished."""
         req = self.requests.pop(request_id, None)

@@ -17,7 +17,11 @@ from models.loader import load_model
 from workers.engine import Engine
 from workers.model_runner import ModelRunner, WorkItem, cache_spec_for
 from workers.page_pool import PagePool
-from workers.request import Request
+from workers.decode_worker import DecodeWorker
+from workers.kv_link import KVLink
+from workers.page_pool import PoolExhausted
+from workers.prefill_worker import PrefillTask, PrefillWorker
+from workers.request import FinishReason, Request, RequestState
 from workers.sampler import SamplingParams
 from workers.scheduler import SchedulerConfig
 
@@ -36,7 +40,8 @@ class LLM:
     def __init__(self, model_dir: str | Path, backend: str = "reference", device: str = "cpu",
                  dtype: str = "float32", kv_cache_dtype: str = "auto", num_pages: int = 512,
                  hadamard: bool | None = None, mtp_draft_tokens: int = 0, mtp_topk_reuse: bool = False,
-                 chunk_size: int = 256, max_batch_size: int = 64, pd: bool = False):
+                 chunk_size: int = 256, max_batch_size: int = 64, pd: bool = False,
+                 transfer_deadline_s: float = 600.0):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if kv_cache_dtype not in ("auto", "fp8"):
@@ -54,6 +59,22 @@ class LLM:
         self.engine = Engine(self.runner, self.pool, sched, self.cfg.eos_token_ids, mtp_topk_reuse,
                              detokenize=self._detokenizer())
         self._next_id = 0
+        self.pd = None
+        if pd:
+            # A second replica in-process: its own weights, cache and pool,
+            # linked to this one by real NIXL agents (DRAM on CPU).
+            pmodel = load_model(self.model_dir, _DTYPES[dtype], device, hadamard=hadamard)
+            ppool = PagePool(num_pages)
+            pcache = PagedKVCache(cache_spec_for(pmodel, num_pages, kv_cache_dtype), device)
+            prunner = ModelRunner(pmodel, pcache, get_backend(backend), device)
+            has_mtp = len(self.model.mtp) > 0
+            plink = KVLink.create("prefill-0", self.model_dir, pcache, has_mtp)
+            dlink = KVLink.create("decode-0", self.model_dir, self.cache, has_mtp)
+            dlink.handshake(plink)
+            # CPU prefill of a queue of prompts is slow: the deadline covers queueing + compute.
+            self.pd = _LocalPD(PrefillWorker(prunner, ppool, plink, chunk_size, mtp=mtp_draft_tokens > 0,
+                                             deadline_s=transfer_deadline_s),
+                               DecodeWorker(self.engine, dlink, deadline_s=transfer_deadline_s))
 
     def _detokenizer(self):
         try:
@@ -90,6 +111,8 @@ class LLM:
                                     None if seed is None else seed + i, tuple(stop_token_ids), ignore_eos, tuple(stop))
             reqs.append(Request(f"offline-{self._next_id}", list(p), params))
             self._next_id += 1
+        if self.pd is not None:
+            return self.pd.generate(reqs)
         for r in reqs:
             rejected = self.engine.add_request(r)
             if rejected is not None:
@@ -98,15 +121,12 @@ class LLM:
                 raise ValueError(rejected.error)
         try:
             while any(not r.finished for r in reqs):
-                self._step()
+                self.engine.step()
         except BaseException:
             for r in reqs:
                 self.engine.abort(r.request_id)
             raise
         return [list(r.output) for r in reqs]
-
-    def _step(self) -> None:
-        self.engine.step()
 
     def stats(self) -> dict:
         """MTP acceptance counts, page-pool free counts and step counters."""
@@ -122,4 +142,48 @@ class LLM:
             "preemptions": s.preemptions,
             "pool_free_pages": self.pool.free_count,
             "pool_total_pages": self.pool.num_pages,
+            **({"prefill_pool_free_pages": self.pd.prefill.pool.free_count} if self.pd else {}),
         }
+
+
+class _LocalPD:
+    """Drives a prefill and a decode worker in one process the way the Serve
+    deployments drive them across processes: decode reserves pages, prefill
+    computes and pushes, decode admits and decodes."""
+
+    def __init__(self, prefill: PrefillWorker, decode: DecodeWorker):
+        self.prefill, self.decode = prefill, decode
+
+    def generate(self, reqs: list[Request]) -> list[list[int]]:
+        queued = list(reqs)
+        try:
+            while queued or any(not r.finished for r in reqs):
+                while queued:
+                    r = queued[0]
+                    try:
+                        pages = self.decode.reserve(r, self.prefill.link.agent.name)
+                    except PoolExhausted:
+                        if not self.decode.has_work:
+                            raise
+                        break
+                    try:
+                        self.prefill.submit(PrefillTask(r.request_id, r.prompt, r.params,
+                                                        self.decode.link.agent.name, pages))
+                    except PoolExhausted:
+                        self.decode.abort(r.request_id)
+                        r.state = RequestState.WAITING
+                        r.finish_reason = None
+                        break
+                    queued.pop(0)
+                for res in self.prefill.step():
+                    self.decode.on_prefill_result(res)
+                self.decode.step()
+                failed = [r for r in reqs if r.finish_reason is FinishReason.ERROR]
+                if failed:
+                    raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
+        except BaseException:
+            for r in reqs:
+                self.prefill.abort(r.request_id)
+                self.decode.abort(r.request_id)
+            raise
+        return [list(r.output) for r in reqs]

@@ -1,0 +1,106 @@
+"""DecodeWorker: reserves pages for a request, waits for its KV to arrive from
+a prefill peer, then decodes it in the engine's running batch."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import torch
+
+from attention.formats import pages_for_tokens
+from transfer import Receiver, ReceiveStatus
+from workers.engine import Engine, RequestOutput
+from workers.kv_link import KVLink
+from workers.prefill_worker import PrefillResult
+from workers.request import FinishReason, Request, RequestState
+
+
+@dataclass
+class _Awaiting:
+    request: Request
+    transfer_done: bool = False
+    result: PrefillResult | None = None
+
+
+class DecodeWorker:
+    def __init__(self, engine: Engine, link: KVLink, deadline_s: float = 60.0):
+        self.engine, self.link, self.deadline_s = engine, link, deadline_s
+        self.receiver = Receiver(link.agent, link.peers)
+        self.awaiting: dict[str, _Awaiting] = {}
+
+    @property
+    def pool(self):
+        return self.engine.pool
+
+    def reserve(self, req: Request, prefill_agent: str) -> list[int]:
+        """Reserve ``ceil(prompt_len / 64)`` pages (the shared helper) and expect
+        them from ``prefill_agent``. Raises ``PoolExhausted`` / ``ValueError``."""
+        if req.request_id in self.awaiting or req.request_id in self.engine.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        pages = self.pool.allocate(pages_for_tokens(len(req.prompt)))
+        try:
+            self.receiver.expect(req.request_id, prefill_agent, len(req.prompt), pages, self.deadline_s)
+        except Exception:
+            self.pool.free(pages)
+            raise
+        req.pages, req.state = pages, RequestState.AWAITING_KV
+        self.awaiting[req.request_id] = _Awaiting(req)
+        return list(pages)
+
+    def on_prefill_result(self, result: PrefillResult) -> list[RequestOutput]:
+        """Prefill's answer (first token, last hidden); admits once the pages are in."""
+        a = self.awaiting.get(result.request_id)
+        if a is None:
+            return []  # aborted meanwhile: a late answer is ignored
+        if not result.ok:
+            self.receiver.cancel(result.request_id, result.error or "prefill failed")
+            return [self._fail(a, result.error or "prefill failed")]
+        a.result = result
+        return self._maybe_admit(a)
+
+    def abort(self, request_id: str) -> bool:
+        a = self.awaiting.pop(request_id, None)
+        if a is not None:
+            self.receiver.cancel(request_id, "aborted")
+            self.pool.free(a.request.pages)
+            a.request.pages = []
+            a.request.finish(FinishReason.ABORT)
+            return True
+        return self.engine.abort(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        for res in self.receiver.poll():
+            a = self.awaiting.get(res.request_id)
+            if a is None:
+                continue
+            if res.status is ReceiveStatus.DONE:
+                a.transfer_done = True
+                outs += self._maybe_admit(a)
+            else:
+                outs.append(self._fail(a, f"KV transfer {res.status.value}: {res.reason}"))
+        if self.engine.has_work:
+            outs += self.engine.step()
+        return outs
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.awaiting) or self.engine.has_work
+
+    def _fail(self, a: _Awaiting, reason: str) -> RequestOutput:
+        self.awaiting.pop(a.request.request_id, None)
+        self.pool.free(a.request.pages)
+        a.request.pages = []
+        a.request.finish(FinishReason.ERROR, reason)
+        return RequestOutput(a.request.request_id, [], [], True, FinishReason.ERROR.value, reason)
+
+    def _maybe_admit(self, a: _Awaiting) -> list[RequestOutput]:
+        if not (a.transfer_done and a.result is not None):
+            return []
+        self.awaiting.pop(a.request.request_id)
+        req, res = a.request, a.result
+        if res.generator_state is not None:
+            req.generator = torch.Generator()
+            req.generator.set_state(torch.load(io.BytesIO(res.generator_state)))
+        return self.engine.admit_prefilled(req, res.first_token, res.first_logprob, res.last_hidden)

@@ -1,0 +1,147 @@
+"""PrefillWorker: chunked prefill that pushes each finished chunk's pages to
+the decode replica over NIXL and returns the first token + last hidden state."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import torch
+
+from attention.formats import pages_for_tokens
+from models.batch import ForwardMode
+from transfer import Pusher, PushStatus
+from workers.kv_link import KVLink
+from workers.model_runner import ModelRunner, WorkItem
+from workers.page_pool import PagePool
+from workers.sampler import SamplingParams, sample
+
+
+@dataclass
+class PrefillTask:
+    """What decode asks of prefill: where the pages go, how to sample token 1."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    decode_agent: str
+    decode_pages: list[int]
+
+
+@dataclass
+class PrefillResult:
+    """first_token / first_logprob: the sampled token after the prompt.
+    last_hidden: fp32 ``[hidden]`` target hidden state of the last prompt
+    position (decode's first MTP draft needs it). generator_state: the
+    request's RNG after sampling (so decode continues the same stream).
+    ``ok`` is False when the push failed, expired or was cancelled."""
+
+    request_id: str
+    ok: bool
+    first_token: int = -1
+    first_logprob: float = 0.0
+    last_hidden: torch.Tensor | None = None
+    generator_state: bytes | None = None
+    error: str = ""
+
+
+@dataclass
+class _Active:
+    task: PrefillTask
+    pages: list[int]
+    done: int = 0
+    generator: torch.Generator | None = None
+    result: PrefillResult | None = None
+
+
+class PrefillWorker:
+    def __init__(self, runner: ModelRunner, pool: PagePool, link: KVLink, chunk_size: int = 256,
+                 mtp: bool = False, deadline_s: float = 60.0):
+        self.runner, self.pool, self.link = runner, pool, link
+        self.chunk_size, self.mtp, self.deadline_s = chunk_size, mtp, deadline_s
+        self.pusher = Pusher(link.agent, link.peers)
+        self.active: dict[str, _Active] = {}
+
+    def submit(self, task: PrefillTask) -> None:
+        """Allocate local pages and start tracking the push (raises ``PoolExhausted``)."""
+        n = len(task.token_ids)
+        pages = self.pool.allocate(pages_for_tokens(n))
+        try:
+            self.pusher.begin(task.request_id, task.decode_agent, n, pages, task.decode_pages, self.deadline_s)
+        except Exception:
+            self.pool.free(pages)
+            raise
+        gen = torch.Generator().manual_seed(task.params.seed) if task.params.seed is not None else None
+        self.active[task.request_id] = _Active(task, pages, generator=gen)
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        if request_id not in self.active:
+            return
+        # Ends the push (decode is told); its result is this call, not a later poll.
+        self.pusher.abort(request_id, reason)
+        self._release(request_id)
+
+    def _release(self, request_id: str) -> _Active | None:
+        a = self.active.pop(request_id, None)
+        if a is not None:
+            self.pool.free(a.pages)
+        return a
+
+    @torch.inference_mode()
+    def step(self) -> list[PrefillResult]:
+        """One round: the next chunk of every active request (one EXTEND
+        forward within ``chunk_size`` tokens), push what became final, and
+        return results of requests whose push ended."""
+        budget, items, chosen = self.chunk_size, [], []
+        for a in self.active.values():
+            n = len(a.task.token_ids)
+            if a.done >= n or budget == 0:
+                continue
+            end = min(n, a.done + budget)
+            items.append(WorkItem(tuple(a.task.token_ids[a.done:end]), a.done, tuple(a.pages)))
+            chosen.append((a, a.done, end))
+            budget -= end - a.done
+        if items:
+            self._run(items, chosen)
+        results = []
+        for res in self.pusher.poll():
+            a = self._release(res.request_id)
+            if a is None:
+                continue
+            if res.status is PushStatus.DONE and a.result is not None:
+                results.append(a.result)
+            else:
+                results.append(PrefillResult(res.request_id, False, error=f"push {res.status.value}: {res.reason}"))
+        return results
+
+    def _run(self, items, chosen) -> None:
+        model = self.runner.model
+        batch, hidden = self.runner.forward(ForwardMode.EXTEND, items)
+        ranges = batch.query_ranges()
+        mtp_items, mtp_hidden = [], []
+        for (a, start, end), (s0, s1) in zip(chosen, ranges):
+            n = len(a.task.token_ids)
+            if self.mtp:
+                # MTP cache for positions whose next token is in the prompt;
+                # position n-1 is written by decode once token 1 is known.
+                known_end = min(end, n - 1)
+                if known_end > start:
+                    mtp_items.append(WorkItem(tuple(a.task.token_ids[start + 1:known_end + 1]), start, tuple(a.pages)))
+                    mtp_hidden.append(hidden[s0:s0 + known_end - start])
+            a.done = end
+            if end == n:
+                logits = model.logits(hidden[s1 - 1:s1])
+                tok = sample(logits[0], a.task.params, a.generator)
+                state = None
+                if a.generator is not None:
+                    buf = io.BytesIO()
+                    torch.save(a.generator.get_state(), buf)
+                    state = buf.getvalue()
+                a.result = PrefillResult(a.task.request_id, True, tok, float(torch.log_softmax(logits[0], -1)[tok]),
+                                         hidden[s1 - 1].float().cpu().clone(), state)
+        if mtp_items:
+            mbatch = self.runner.build_batch(ForwardMode.EXTEND, mtp_items)
+            model.mtp_forward(mbatch, torch.cat(mtp_hidden), self.runner.cache, self.runner.backend)
+        # Push after the MTP layer wrote its pages too: a chunk's pages are final in every layer.
+        for a, _, end in chosen:
+            self.pusher.push(a.task.request_id, end)

@@ -92,20 +92,7 @@ class Engine:
             req.pending_start = len(req.prompt) - 1
         self.scheduler.add_running(req)
         out = RequestOutput(req.request_id, [], [])
-        req.output.append(first_token)
-        req.logprobs.append(first_logprob)
-        out.token_ids.append(first_token)
-        out.logprobs.append(first_logprob)
-        p = req.params
-        reason = None
-        if first_token in p.stop_token_ids or (first_token in self.eos and not p.ignore_eos):
-            reason = FinishReason.STOP
-        elif p.stop_strings and any(s in self.detokenize(req.output) for s in p.stop_strings):
-            reason = FinishReason.STOP
-        elif len(req.output) >= p.max_new_tokens:
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            self._finish(req, reason, out)
+        self._emit(req, first_token, first_logprob, out)
         return [out]
 
     def abort(self, request_id: str) -> bool:
@@ -148,23 +135,28 @@ class Engine:
         at max tokens / EOS / stop ids / stop strings."""
         out = self._out(outs, req)
         logprobs = torch.log_softmax(logits.float(), -1)
-        p = req.params
         for i, t in enumerate(tokens):
-            req.output.append(t)
-            lp = float(logprobs[i, t])
-            req.logprobs.append(lp)
-            out.token_ids.append(t)
-            out.logprobs.append(lp)
-            reason = None
-            if t in p.stop_token_ids or (t in self.eos and not p.ignore_eos):
-                reason = FinishReason.STOP
-            elif p.stop_strings and any(s in self.detokenize(req.output) for s in p.stop_strings):
-                reason = FinishReason.STOP
-            elif len(req.output) >= p.max_new_tokens:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                self._finish(req, reason, out)
+            if self._emit(req, t, float(logprobs[i, t]), out):
                 return
+
+    def _emit(self, req: Request, token: int, logprob: float, out: RequestOutput) -> bool:
+        """Append one token; finish the request (True) on a stop condition."""
+        req.output.append(token)
+        req.logprobs.append(logprob)
+        out.token_ids.append(token)
+        out.logprobs.append(logprob)
+        p = req.params
+        reason = None
+        if token in p.stop_token_ids or (token in self.eos and not p.ignore_eos):
+            reason = FinishReason.STOP
+        elif p.stop_strings and any(s in self.detokenize(req.output) for s in p.stop_strings):
+            reason = FinishReason.STOP
+        elif len(req.output) >= p.max_new_tokens:
+            reason = FinishReason.LENGTH
+        if reason is None:
+            return False
+        self._finish(req, reason, out)
+        return True
 
     def _finish(self, req: Request, reason: FinishReason, out: RequestOutput) -> None:
         self.scheduler.remove(req)

@@ -17,6 +17,16 @@ ignored and counted in ``ignored_notifs``.
 A request id must not be reused for a new attempt: a late notification of
 the old attempt could complete the new one. `expect` refuses ids that ended
 recently.
+
+Any-peer waits: ``expect(rid, None, ...)`` accepts the request from whichever
+handshaked peer (known to the `PeerBook`, when one is given) notifies about
+it first, and binds the wait to that peer from then on (later notifications
+from any other agent are ignored, and a bound wait fails when its peer leaves
+the book, as a named one does). This serves a decode replica that lets a
+load-aware router pick the prefill replica after the pages are reserved: the
+wait must exist before prefill can push, but who pushes is known only once
+it does. Until bound, nobody can be told of a cancel or an expiry: the caller
+stops the prefill call itself (the Serve deployments cancel it).
 """
 
 from __future__ import annotations
@@ -57,6 +67,8 @@ class ReceiveResult:
     chunks: int
     seconds: float
     reason: str = ""
+    peer_agent: Optional[str] = None
+    """The agent that pushed (None when an any-peer wait ended before anyone did)."""
 
     @property
     def ok(self) -> bool:
@@ -66,7 +78,7 @@ class ReceiveResult:
 @dataclass
 class _Wait:
     request_id: str
-    peer_agent: str
+    peer_agent: Optional[str]  # None: any handshaked peer, bound by its first notification
     pages: tuple[int, ...]
     started: float
     deadline: float
@@ -103,27 +115,35 @@ class Receiver:
         return list(self._waits)
 
     def expect(
-        self, request_id: str, peer_agent: str, prompt_len: int, pages: Sequence[int], deadline_s: float
+        self, request_id: str, peer_agent: Optional[str], prompt_len: int, pages: Sequence[int], deadline_s: float
     ) -> None:
         """Wait for ``request_id`` from ``peer_agent`` into ``pages``; call before prefill can push.
 
-        ``pages`` must hold ``pages_for_tokens(prompt_len)`` ids.
+        ``pages`` must hold ``pages_for_tokens(prompt_len)`` ids. ``peer_agent``
+        None: from whichever handshaked peer notifies first (module doc).
         """
         if request_id in self._waits or request_id in self._finished:
             raise ValueError(f"request id {request_id!r} already used: use a fresh id per attempt")
         n = pages_for_tokens(prompt_len)
         if len(pages) != n:
             raise PlanError(f"request {request_id!r}: prompt of {prompt_len} tokens needs {n} pages, got {len(pages)}")
-        if self.peers is not None:
+        if self.peers is not None and peer_agent is not None:
             self.peers.get(peer_agent)  # UnknownPeerError: handshake first
         now = self.clock()
         self._waits[request_id] = _Wait(request_id, peer_agent, tuple(int(p) for p in pages), now, now + deadline_s)
+
+    def peer_of(self, request_id: str) -> Optional[str]:
+        """The agent a waiting request expects (None: an any-peer wait not bound yet, or not waiting)."""
+        w = self._waits.get(request_id)
+        return None if w is None else w.peer_agent
 
     def poll(self) -> list[ReceiveResult]:
         """Read notifications and deadlines; returns the requests that ended since the last call."""
         out: list[ReceiveResult] = []
         for sender, msg in self.agent.take(ChunkDone, PushAborted):
             w = self._waits.get(msg.request_id)
+            if w is not None and w.peer_agent is None and (self.peers is None or self.peers.knows(sender)):
+                w.peer_agent = sender  # an any-peer wait binds to its first handshaked sender
             if w is None or sender != w.peer_agent:
                 self.ignored_notifs += 1
                 continue
@@ -133,7 +153,7 @@ class Receiver:
                 out.append(res)
         now = self.clock()
         for w in list(self._waits.values()):
-            if self.peers is not None and not self.peers.knows(w.peer_agent):
+            if self.peers is not None and w.peer_agent is not None and not self.peers.knows(w.peer_agent):
                 out.append(self._end(w, ReceiveStatus.FAILED, f"peer {w.peer_agent} forgotten or restarted", False))
             elif now > w.deadline:
                 reason = f"deadline of {w.deadline - w.started:.3f}s passed with {len(w.got)} chunk(s) received"
@@ -148,7 +168,10 @@ class Receiver:
         return self._end(w, ReceiveStatus.CANCELLED, reason, tell_peer=True)
 
     def peer_lost(self, peer_agent: str, reason: str = "peer lost") -> list[ReceiveResult]:
-        """Fail every request expected from ``peer_agent`` (it died); the peer is not contacted."""
+        """Fail every request expected from ``peer_agent`` (it died); the peer is not contacted.
+
+        Unbound any-peer waits are not affected: nothing says that peer would have pushed them.
+        """
         lost = [w for w in self._waits.values() if w.peer_agent == peer_agent]
         return [self._end(w, ReceiveStatus.FAILED, reason, tell_peer=False) for w in lost]
 
@@ -174,11 +197,11 @@ class Receiver:
         self._finished[w.request_id] = None
         while len(self._finished) > self._remember:
             self._finished.popitem(last=False)
-        if tell_peer:
+        if tell_peer and w.peer_agent is not None:
             try:
                 self.agent.notify(w.peer_agent, PushCancelled(w.request_id, reason))
             except Exception as e:  # noqa: BLE001 - the peer may be dead or never handshaked
                 log.debug("cancel notification to %s: %s", w.peer_agent, e)
         if status is not ReceiveStatus.DONE:
             log.warning("receive of %s from %s %s: %s", w.request_id, w.peer_agent, status.value, reason)
-        return ReceiveResult(w.request_id, status, w.pages, len(w.got), self.clock() - w.started, reason)
+        return ReceiveResult(w.request_id, status, w.pages, len(w.got), self.clock() - w.started, reason, w.peer_agent)

@@ -1,0 +1,189 @@
+"""Stand-ins for ``deep_gemm`` and ``flash_mla`` that run on CPU tensors.
+
+They let CI exercise the *glue* of the cuda backend (layouts, padding, dtypes,
+masking, chunking, metadata reuse) without a GPU: :func:`install` puts them
+in ``sys.modules`` under the real names. Each fake
+
+* asserts the argument contract the real SM90 kernel has (shapes, dtypes,
+  contiguity, ``next_n`` in {1, 2}, 64/128 heads, top-k in blocks of 64, the
+  metadata-reuse rule), so glue that would make the real kernel assert fails
+  here too;
+* computes its result with the torch reference (``attention.indexer``,
+  ``attention.sparse_mla``) from the kernel's own inputs;
+* returns results shaped the way the real kernels return them: logits as a
+  column slice of a row-padded buffer whose padding and (for paged logits,
+  ``clean_logits=False``) whose tail past each row's length hold garbage
+  (NaN and huge values), bf16 attention outputs.
+
+What they cannot show: the real kernels' numerics and speed. The ``gpu``
+tests in test_cuda_backend.py run the same checks against the real packages.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import torch
+
+from attention import indexer as ref_indexer
+from attention import sparse_mla as ref_mla
+from attention.formats import PAGE_SIZE, MlaFp8Format, dequantize_mla_fp8
+
+NUM_SMS = 132
+CALLS: dict[str, int] = {}
+
+
+def _count(name: str) -> None:
+    CALLS[name] = CALLS.get(name, 0) + 1
+
+
+def _garbage(shape) -> torch.Tensor:
+    g = torch.full(shape, 3.0e38)
+    g.view(-1)[::3] = float("nan")
+    g.view(-1)[1::3] = -7.0
+    return g
+
+
+def _padded_logits(rows: int, width: int) -> torch.Tensor:
+    """A garbage-filled buffer with DeepGEMM's padded row stride, sliced to ``[rows, width]``."""
+    stride = -(-(width + 256) // 256) * 256
+    return _garbage((rows + 1, stride))[:rows, :width]
+
+
+# ----------------------------------------------------------------------------- deep_gemm
+
+
+def get_num_sms() -> int:
+    return NUM_SMS
+
+
+def get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=None):
+    _count("get_paged_mqa_logits_metadata")
+    assert context_lens.dim() == 2 and context_lens.dtype == torch.int32 and context_lens.is_contiguous()
+    assert block_kv == PAGE_SIZE and num_sms == NUM_SMS
+    meta = torch.zeros(num_sms + 1, 2, dtype=torch.int32)
+    meta[0, 0] = context_lens.shape[0]
+    meta[0, 1] = context_lens.shape[1]
+    return meta
+
+
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+                         clean_logits=False, indices=None):
+    _count("fp8_paged_mqa_logits")
+    assert not clean_logits, "clean_logits must be False with 2-D context lengths"
+    assert q.dtype == torch.float8_e4m3fn and q.is_contiguous() and q.dim() == 4
+    B, next_n, H, D = q.shape
+    assert next_n in (1, 2), f"SM90 fp8_paged_mqa_logits takes next_n 1 or 2, got {next_n}"
+    assert H in (32, 64) and D == 128
+    assert kv_cache.dtype == torch.uint8 and kv_cache.dim() == 4 and kv_cache.shape[1:] == (PAGE_SIZE, 1, D + 4)
+    assert kv_cache.stride(1) == D + 4 and kv_cache.stride(3) == 1
+    assert weights.dtype == torch.float32 and weights.shape == (B * next_n, H) and weights.stride(1) == 1
+    assert context_lens.dtype == torch.int32 and context_lens.shape == (B, next_n) and context_lens.is_contiguous()
+    assert block_table.dtype == torch.int32 and block_table.shape[0] == B and block_table.stride(1) == 1
+    assert schedule_meta.shape == (NUM_SMS + 1, 2) and tuple(schedule_meta[0].tolist()) == (B, next_n), \
+        "schedule metadata built for another context-length shape"
+    # Pages past a row's context are not read by the kernel: the reference must not see them either.
+    ref = ref_indexer.paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    out = _padded_logits(B * next_n, max_context_len)
+    visible = torch.arange(max_context_len)[None, :] < context_lens.reshape(-1, 1).long()
+    out[visible] = ref[visible]
+    return out
+
+
+def fp8_mqa_logits(q, kv, weights, ks, ke, clean_logits=False, max_seqlen_k=0):
+    _count("fp8_mqa_logits")
+    k, k_scale = kv
+    assert q.dtype == torch.float8_e4m3fn and q.is_contiguous() and q.dim() == 3
+    S, H, D = q.shape
+    assert H in (32, 64) and D == 128
+    assert k.dtype == torch.float8_e4m3fn and k.is_contiguous() and k.shape[1] == D
+    assert k_scale.dtype == torch.float32 and k_scale.is_contiguous() and k_scale.shape == (k.shape[0],)
+    assert weights.dtype == torch.float32 and weights.shape == (S, H) and weights.stride(1) == 1
+    for t in (ks, ke):
+        assert t.dtype == torch.int32 and t.is_contiguous() and t.shape == (S,)
+    assert clean_logits and max_seqlen_k == 0
+    ref = ref_indexer.ragged_mqa_logits(q, k, k_scale, weights, ks, ke)
+    out = _padded_logits(S, k.shape[0])
+    out.copy_(ref)
+    return out
+
+
+# ----------------------------------------------------------------------------- flash_mla
+
+
+class FlashMLASchedMeta:
+    def __init__(self):
+        self.config = None
+
+
+def get_mla_metadata(*args, **kwargs):
+    _count("get_mla_metadata")
+    return FlashMLASchedMeta(), None
+
+
+def _check_heads(h):
+    assert h in (64, 128), f"FlashMLA sparse kernels take 64 or 128 heads, got {h}"
+
+
+def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                           num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=None,
+                           indices=None, use_legacy=False, **kw):
+    _count("flash_mla_with_kvcache")
+    assert use_legacy and is_fp8_kvcache is True and indices is not None and not causal
+    assert block_table is None and cache_seqlens is None and head_dim_v == 512
+    assert q.dtype == torch.bfloat16 and q.dim() == 4 and q.shape[-1] == 576 and q.stride(-1) == 1
+    b, s_q, h, _ = q.shape
+    _check_heads(h)
+    assert k_cache.dtype == torch.uint8 and k_cache.shape[1:] == (PAGE_SIZE, 1, 656)
+    assert indices.dtype == torch.int32 and indices.shape[:2] == (b, s_q) and indices.stride(-1) == 1
+    topk = indices.shape[2]
+    assert topk % 64 == 0, f"top-k {topk} is not a multiple of 64"
+    meta = tile_scheduler_metadata
+    assert isinstance(meta, FlashMLASchedMeta)
+    config = (b, s_q, h, topk)
+    if meta.config is None:
+        meta.config = config
+    assert meta.config == config, f"scheduling metadata of {meta.config} reused for {config}"
+    num_slots = k_cache.shape[0] * PAGE_SIZE
+    assert bool(((indices == -1) | ((indices >= 0) & (indices < num_slots))).all()), \
+        "the decode kernel reads any index other than -1"
+    fmt = MlaFp8Format(512, 64)
+    rows = k_cache.reshape(num_slots, 656)[indices.long().clamp(min=0)]
+    lat, rope = dequantize_mla_fp8(rows, fmt)
+    k = torch.cat([lat, rope], -1).view(b * s_q, topk, 576)
+    out, _, lse = ref_mla._attend(q.float().reshape(b * s_q, h, 576), k, (indices >= 0).reshape(b * s_q, topk),
+                                 softmax_scale, 512)
+    return out.view(b, s_q, h, 512).to(torch.bfloat16), lse.view(b, s_q, h).transpose(1, 2).contiguous()
+
+
+def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
+                         use_legacy=False, return_log2_lse=None):
+    _count("flash_mla_sparse_fwd")
+    assert use_legacy and d_v == 512
+    assert q.dtype == torch.bfloat16 and q.dim() == 3 and q.shape[-1] == 576 and q.stride(-1) == 1
+    _check_heads(q.shape[1])
+    assert kv.dtype == torch.bfloat16 and kv.dim() == 3 and kv.shape[1:] == (1, 576) and kv.stride(-1) == 1
+    assert indices.dtype == torch.int32 and indices.shape[:2] == (q.shape[0], 1) and indices.stride(-1) == 1
+    assert indices.shape[2] % 64 == 0, f"top-k {indices.shape[2]} is not a multiple of 64"
+    out, mx, lse = ref_mla.sparse_mla_prefill(q, kv, indices, sm_scale, d_v)
+    return out.to(torch.bfloat16), mx, lse
+
+
+# ----------------------------------------------------------------------------- install
+
+
+def install() -> None:
+    """Register the fakes as ``deep_gemm`` and ``flash_mla`` (and reset the backend's caches)."""
+    dg = types.ModuleType("deep_gemm")
+    for name in ("get_num_sms", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "fp8_mqa_logits"):
+        setattr(dg, name, globals()[name])
+    fm = types.ModuleType("flash_mla")
+    for name in ("get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "FlashMLASchedMeta"):
+        setattr(fm, name, globals()[name])
+    sys.modules["deep_gemm"] = dg
+    sys.modules["flash_mla"] = fm
+    from attention.cuda import _ext, mla
+
+    _ext.clear_caches()
+    mla.SCHED_META.clear()

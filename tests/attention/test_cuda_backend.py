@@ -1,0 +1,628 @@
+"""The ``cuda`` attention backend vs the ``reference`` backend.
+
+Three layers of tests:
+
+* host-side helpers (no kernels, CI): the one context-length helper for every
+  forward mode, the paged-logits layout plan, the ragged chunk planner;
+* ``test_*_fakes`` (CI): every ``check_*`` below, on CPU tensors, with the
+  Triton kernels in interpreter mode and ``deep_gemm`` / ``flash_mla``
+  replaced by the argument-checking stand-ins of ``cuda_fakes.py``: this pins
+  the glue (layouts, padding, masking, chunking, metadata reuse). It runs in a
+  subprocess because ``TRITON_INTERPRET`` must be set before triton is imported;
+* ``gpu``-marked: the same checks on the real kernels at serving-like sizes,
+  and ``LLM(backend="cuda")`` greedy output == ``LLM(backend="reference")``
+  on the same GPU for both tiny architectures (real attention dims).
+
+Inputs are random with a fresh seed per run (``ATTN_TEST_SEED`` replays one).
+Kernel outputs are allocated by the kernels themselves; the logits tails the
+paged kernel leaves as garbage are checked to come back ``-inf``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from attention import indexer as ref_indexer  # noqa: E402
+from attention import sparse_mla as ref_mla  # noqa: E402
+from attention.cache import CacheSpec, PagedKVCache  # noqa: E402
+from attention.cuda.logits import (  # noqa: E402
+    RaggedChunk,
+    indexer_context_lens,
+    paged_logits_layout,
+    plan_ragged_chunks,
+    ragged_logits_bytes,
+)
+from attention.formats import PAGE_SIZE, quantize_indexer_fp8  # noqa: E402
+
+SEED = int(os.environ.get("ATTN_TEST_SEED", secrets.randbits(31)))
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------
+# host-side helpers (CPU, CI)
+# ---------------------------------------------------------------------------
+
+
+def test_context_lens_decode():
+    seq = torch.tensor([1, 7, 64, 65, 4096])
+    ctx = indexer_context_lens(seq)
+    assert ctx.dtype == torch.int32 and ctx.is_contiguous() and ctx.shape == (5, 1)
+    assert ctx[:, 0].tolist() == seq.tolist()
+
+
+@pytest.mark.parametrize("next_n", [1, 2, 3, 4])
+def test_context_lens_target_verify(next_n):
+    seq = torch.tensor([next_n, next_n + 1, 100, 4096])
+    ctx = indexer_context_lens(seq, next_n)
+    assert ctx.shape == (4, next_n)
+    for b, L in enumerate(seq.tolist()):
+        # draft position j of a request of length L sees L - next_n + j + 1 keys
+        assert ctx[b].tolist() == [L - next_n + j + 1 for j in range(next_n)]
+    # the model's own recipe (positions + 1) agrees
+    pos = torch.cat([torch.arange(L - next_n, L) for L in seq.tolist()])
+    assert torch.equal(ctx.view(-1), (pos + 1).to(torch.int32))
+
+
+def test_context_lens_shorter_than_next_n_and_draft_extend():
+    # a context shorter than next_n: the rows before the first token see nothing
+    assert indexer_context_lens(torch.tensor([1, 2]), 4).tolist() == [[0, 0, 0, 1], [0, 0, 1, 2]]
+    # draft extend: q_len[b] real rows, padded to next_n with empty rows
+    ctx = indexer_context_lens(torch.tensor([10, 20, 5]), 3, q_lens=torch.tensor([1, 3, 0]))
+    assert ctx.tolist() == [[10, 0, 0], [18, 19, 20], [0, 0, 0]]
+    with pytest.raises(ValueError, match="q_lens"):
+        indexer_context_lens(torch.tensor([10]), 2, q_lens=torch.tensor([3]))
+    with pytest.raises(ValueError, match="next_n"):
+        indexer_context_lens(torch.tensor([10]), 0)
+
+
+def test_paged_logits_layout():
+    assert [(p.atom, p.groups, p.name) for p in map(paged_logits_layout, [1, 2, 3, 4, 6])] == [
+        (1, 1, "native"), (2, 1, "native"), (1, 3, "per_token"), (2, 2, "grouped2"), (2, 3, "grouped2")]
+    assert paged_logits_layout(4, "per_token").atom == 1
+    assert paged_logits_layout(2, "native").atom == 2
+    with pytest.raises(ValueError, match="natively"):
+        paged_logits_layout(3, "native")
+
+
+def _check_plan(ks, ke, budget, chunks):
+    S = len(ks)
+    assert chunks and chunks[0].r0 == 0 and chunks[-1].r1 == S
+    for a, b in zip(chunks, chunks[1:]):
+        assert a.r1 == b.r0
+    for c in chunks:
+        assert c.r1 > c.r0
+        for r in range(c.r0, c.r1):
+            if ke[r] > ks[r]:
+                assert c.k0 <= ks[r] and ke[r] <= c.k1, (c, r)
+        if c.r1 - c.r0 > 1:
+            assert ragged_logits_bytes(c.r1 - c.r0, c.k1 - c.k0) <= budget
+    # greedy: the next row would not have fitted
+    for a, b in zip(chunks, chunks[1:]):
+        rows = range(a.r0, b.r0 + 1)
+        lo = min([ks[r] for r in rows if ke[r] > ks[r]], default=0)
+        hi = max([ke[r] for r in rows if ke[r] > ks[r]], default=0)
+        assert ragged_logits_bytes(b.r0 + 1 - a.r0, max(hi - lo, 0)) > budget
+
+
+def test_plan_ragged_chunks_causal_prefill():
+    gen = torch.Generator().manual_seed(SEED)
+    # two packed requests: 300 rows over a 700-token prefix, then 500 rows from scratch
+    ks = [0] * 300 + [1000] * 500
+    ke = [700 + i + 1 for i in range(300)] + [1000 + i + 1 for i in range(500)]
+    for budget in (1, 4096, ragged_logits_bytes(10, 1000), ragged_logits_bytes(333, 1000), 1 << 40):
+        chunks = plan_ragged_chunks(ks, ke, budget)
+        _check_plan(ks, ke, budget, chunks)
+    assert len(plan_ragged_chunks(ks, ke, 1 << 40)) == 1
+    assert len(plan_ragged_chunks(ks, ke, 1)) == len(ks)  # a row over budget is its own chunk
+    # random windows, some empty
+    S = 200
+    a = torch.randint(0, 5000, (S,), generator=gen)
+    b = a + torch.randint(-50, 3000, (S,), generator=gen)
+    budget = int(torch.randint(10_000, 3_000_000, (1,), generator=gen))
+    _check_plan(a.tolist(), b.tolist(), budget, plan_ragged_chunks(a.tolist(), b.tolist(), budget))
+
+
+def test_plan_ragged_chunks_edges():
+    assert plan_ragged_chunks([], [], 100) == []
+    assert plan_ragged_chunks([5, 5], [5, 3], 1 << 20) == [RaggedChunk(0, 2, 0, 0)]  # no row sees anything
+    with pytest.raises(ValueError, match="budget"):
+        plan_ragged_chunks([0], [1], 0)
+
+
+def test_chunk_bytes_cover_deepgemm_padding():
+    # f32 rows padded to 1024 bytes with an extra KV block: 1 row x 1 key is one 256-float row
+    # (rounded up to the 2-row query block of 64 heads).
+    assert ragged_logits_bytes(1, 1) == 2 * 512 * 4
+    assert ragged_logits_bytes(2, 256) == 2 * 512 * 4
+    assert ragged_logits_bytes(3, 257) == 4 * 768 * 4
+
+
+def test_cuda_backend_unavailable_without_kernel_packages():
+    import importlib.util
+
+    from attention.backend import BackendUnavailableError, get_backend
+
+    if importlib.util.find_spec("flash_mla") and importlib.util.find_spec("deep_gemm") and torch.cuda.is_available():
+        pytest.skip("kernel packages present")
+    with pytest.raises(BackendUnavailableError, match="flash_mla.*deep_gemm"):
+        get_backend("cuda")
+
+
+# ---------------------------------------------------------------------------
+# checks shared by the fake-kernel (CPU) and GPU runs
+# ---------------------------------------------------------------------------
+
+
+def _be():
+    from attention.cuda.backend import make_backend
+
+    return make_backend()
+
+
+def _fp8_queries(shape, gen, device):
+    from models.indexer import quantize_query_fp8
+
+    q, scale = quantize_query_fp8(torch.randn(*shape, generator=gen))
+    return q.to(device), scale.to(device)
+
+
+def _index_cache(num_pages, gen, device):
+    spec = CacheSpec(num_layers=1, num_pages=num_pages, kv_lora_rank=512, rope_dim=64, index_head_dim=128,
+                     kv_cache_dtype="fp8", dtype=torch.bfloat16)
+    cache = PagedKVCache(spec, device)
+    slots = torch.arange(spec.num_slots)
+    k = torch.randn(spec.num_slots, 128, generator=gen) * torch.rand(spec.num_slots, 1, generator=gen) * 3
+    cache.write_index(0, slots.to(device), k.to(device))
+    return cache
+
+
+def _mla_cache(num_pages, gen, device):
+    spec = CacheSpec(num_layers=2, num_pages=num_pages, kv_lora_rank=512, rope_dim=64, index_head_dim=128,
+                     kv_cache_dtype="fp8", dtype=torch.bfloat16)
+    cache = PagedKVCache(spec, device)
+    n = spec.num_slots
+    latent = torch.randn(n, 512, generator=gen) * torch.rand(n, 1, generator=gen) * 2
+    rope = torch.randn(n, 64, generator=gen)
+    cache.write_mla(1, torch.arange(n).to(device), latent.to(device), rope.to(device))
+    return cache
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double().cpu(), ref.double().cpu()
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _check_logits(got, ref, label, tol=2e-3):
+    got, ref = got.float().cpu(), ref.float().cpu()
+    assert got.shape == ref.shape, f"{label}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    ref_inf = ref == NEG_INF
+    assert torch.equal(got == NEG_INF, ref_inf), (
+        f"{label}: -inf pattern differs at {torch.nonzero((got == NEG_INF) != ref_inf)[:5].tolist()}")
+    fin = ~ref_inf
+    assert bool(torch.isfinite(got[fin]).all()), f"{label}: non-finite logits where the reference is finite"
+    if bool(fin.any()):
+        scale = float(ref[fin].abs().max().clamp_min(1e-6))
+        err = float((got[fin] - ref[fin]).abs().max()) / scale
+        assert err <= tol, f"{label}: max |err| / max |ref| = {err:.2e} > {tol}"
+
+
+def check_paged_logits(device, gen, big):
+    from attention.cuda import logits as cl
+
+    be = _be()
+    B, H, D = (24, 64, 128) if big else (5, 64, 128)
+    max_seq = 9000 if big else 300
+    num_pages = B * (-(-max_seq // PAGE_SIZE)) + 7
+    cache = _index_cache(num_pages, gen, device)
+    for next_n in (1, 2, 3, 4):
+        for mode in ("auto", "per_token"):
+            for draft_extend in (False, True):
+                seq = torch.randint(next_n, max_seq + 1, (B,), generator=gen)
+                seq[0], seq[1], seq[2] = 1, next_n, PAGE_SIZE  # contexts shorter than / equal to next_n
+                q_lens = torch.randint(0, next_n + 1, (B,), generator=gen) if draft_extend else None
+                if q_lens is not None:
+                    q_lens[3] = 0  # a request with only padding rows
+                ctx = indexer_context_lens(seq, next_n, q_lens).to(device)
+                pages_per_req = -(-int(seq.max()) // PAGE_SIZE) + 2
+                # random page ids, also past each request's last page (never visible)
+                bt = torch.randint(0, num_pages, (B, pages_per_req), generator=gen, dtype=torch.int32).to(device)
+                max_len = int(seq.max()) + 37
+                q, _ = _fp8_queries((B, next_n, H, D), gen, device)
+                w = (torch.randn(B * next_n, H, generator=gen) * 0.1).to(device)
+                if mode == "auto":  # through the backend, as the model calls it
+                    got = be.paged_mqa_logits(q, cache.index[0], w, ctx, bt, max_len)
+                else:
+                    got = cl.paged_mqa_logits(q, cache.index[0], w, ctx, bt, max_len, layout=mode)
+                ref = ref_indexer.paged_mqa_logits(q, cache.index[0], w, ctx, bt, max_len)
+                _check_logits(got, ref, f"next_n={next_n} layout={mode} draft_extend={draft_extend}")
+
+
+def check_ragged_logits(device, gen, big):
+    be = _be()
+    from attention.cuda import logits as cl
+
+    H, D = 64, 128
+    # three packed requests: (prefix, new rows); the last with a long prefix
+    reqs = [(0, 700), (300, 500), (2000, 300)] if big else [(0, 40), (25, 30), (90, 20)]
+    ks, ke, start = [], [], 0
+    for prefix, rows in reqs:
+        ks += [start] * rows
+        ke += [start + prefix + i + 1 for i in range(rows)]
+        start += prefix + rows
+    N, S = start, len(ks)
+    ks[5], ke[5] = 7, 7  # an empty row
+    ks_t, ke_t = torch.tensor(ks, dtype=torch.int32).to(device), torch.tensor(ke, dtype=torch.int32).to(device)
+    q, _ = _fp8_queries((S, H, D), gen, device)
+    k8, ksc = quantize_indexer_fp8(torch.randn(N, D, generator=gen) * 2)
+    k8, ksc = k8.to(device), ksc.to(device)
+    w = (torch.randn(S, H, generator=gen) * 0.1).to(device)
+    ref = ref_indexer.ragged_mqa_logits(q, k8, ksc, w, ks_t, ke_t)
+    small = cl.ragged_logits_bytes(13, N // 3)
+    for budget in (small, 1 << 40):
+        got = cl.ragged_mqa_logits(q, k8, ksc, w, ks_t, ke_t, logits_budget_bytes=budget)
+        _check_logits(got, ref, f"ragged budget={budget}")
+    # the model's path: float keys read back from the fp8 cache, k_scale None
+    kf = k8.float() * ksc[:, None]
+    _check_logits(be.ragged_mqa_logits(q, kf, None, w, ks_t, ke_t), ref, "ragged float keys")
+
+    # chunked logits + top-k never holding [S, N]
+    topk = 512 if big else 16
+    bt_rows = torch.randint(0, 10_000, (S, -(-N // PAGE_SIZE)), generator=gen, dtype=torch.int32).to(device)
+    pos, slots = cl.ragged_topk(q, k8, ksc, w, ks_t, ke_t, topk, bt_rows, logits_budget_bytes=small)
+    _check_selection(pos, slots, ref, ke_t, topk, bt_rows, "ragged_topk")
+    # the reference backend's ragged_topk agrees on the same contract
+    from attention.backend import get_backend
+
+    rpos, rslots = get_backend("reference").ragged_topk(q, k8, ksc, w, ks_t, ke_t, topk, bt_rows)
+    _check_selection(rpos, rslots, ref, ke_t, topk, bt_rows, "reference ragged_topk")
+
+
+def _check_selection(pos, slots, ref_logits, lengths, topk, bt_rows, label, tol=2e-3):
+    """Top-k quality against reference logits: valid, distinct, and no unselected candidate clearly above."""
+    pos, slots, ref = pos.long().cpu(), slots.long().cpu(), ref_logits.float().cpu()
+    lengths = lengths.long().cpu()
+    assert pos.shape == (ref.shape[0], topk) and slots.shape == pos.shape, label
+    L = ref.shape[1]
+    for r in range(ref.shape[0]):
+        cand = (torch.arange(L) < lengths[r]) & (ref[r] != NEG_INF)
+        n_cand = int(cand.sum())
+        p = pos[r]
+        chosen = p[p >= 0]
+        assert len(chosen) == min(topk, n_cand), f"{label}: row {r} picked {len(chosen)} of {n_cand}"
+        assert bool((p[len(chosen):] == -1).all()), f"{label}: row {r} padding"
+        assert len(set(chosen.tolist())) == len(chosen), f"{label}: row {r} duplicates"
+        assert bool(cand[chosen].all()), f"{label}: row {r} picked a non-candidate"
+        if len(chosen) < n_cand:
+            scale = float(ref[r][cand].abs().max().clamp_min(1e-6))
+            rest = cand.clone()
+            rest[chosen] = False
+            gap = float(ref[r][rest].max() - ref[r][chosen].min()) / scale
+            assert gap <= tol, f"{label}: row {r} left out a logit {gap:.2e} above its selection"
+        if bt_rows is not None:
+            bt = bt_rows.long().cpu()
+            want = bt[r, chosen // PAGE_SIZE] * PAGE_SIZE + chosen % PAGE_SIZE
+            assert torch.equal(slots[r, : len(chosen)], want), f"{label}: row {r} slots"
+        else:
+            assert torch.equal(slots[r], p), f"{label}: row {r} slots == positions"
+
+
+def check_topk(device, gen, big):
+    be = _be()
+    R, L, topk = (64, 40_000, 2048) if big else (6, 700, 50)
+    logits = torch.randn(R, L, generator=gen)
+    logits[torch.rand(R, L, generator=gen) < 0.1] = NEG_INF
+    lengths = torch.randint(0, L + 1, (R,), generator=gen)
+    lengths[0], lengths[1] = 0, topk // 2
+    bt = torch.randint(0, 5000, (R, -(-L // PAGE_SIZE)), generator=gen, dtype=torch.int32)
+    pos, slots = be.topk_slots(logits.to(device), lengths.to(device), topk, bt.to(device))
+    rpos, rslots = ref_indexer.topk_slots(logits, lengths, topk, bt)
+    for r in range(R):  # random floats: no ties, so the selected sets are identical
+        assert set(pos[r].tolist()) == set(rpos[r].tolist()), f"row {r} positions"
+        assert set(slots[r].tolist()) == set(rslots[r].tolist()), f"row {r} slots"
+    pos2, slots2 = be.topk_slots(logits.to(device), lengths.to(device), topk, None)
+    assert torch.equal(pos2.cpu(), pos.cpu()) and torch.equal(slots2.cpu(), pos.cpu())
+
+
+def _prefill_case(device, gen, s, h, s_kv, topk, empty_row):
+    q = torch.randn(s, h, 576, generator=gen).to(torch.bfloat16)
+    kv = (torch.randn(s_kv, 1, 576, generator=gen) * 1.5).to(torch.bfloat16)
+    idx = torch.randint(-1, s_kv + 20, (s, 1, topk), generator=gen, dtype=torch.int32)  # -1 and >= s_kv invalid
+    idx[empty_row] = -1
+    idx[empty_row, 0, 0] = s_kv + 3
+    return q, kv, idx
+
+
+def check_sparse_prefill(device, gen, big):
+    be = _be()
+    cases = [(512, 128, 6000, 2048), (300, 16, 4000, 2048), (200, 64, 3000, 64)] if big else \
+        [(12, 16, 150, 16), (9, 64, 90, 128), (5, 128, 70, 40)]
+    scale = 576 ** -0.5
+    for s, h, s_kv, topk in cases:
+        q, kv, idx = _prefill_case(device, gen, s, h, s_kv, topk, empty_row=s // 2)
+        out, mx, lse = be.sparse_mla_prefill(q.to(device), kv.to(device), idx.to(device), scale, 512)
+        rout, rmx, rlse = ref_mla.sparse_mla_prefill(q, kv, idx, scale, 512)
+        label = f"prefill s={s} h={h} topk={topk}"
+        assert out.shape == (s, h, 512) and mx.shape == (s, h) and lse.shape == (s, h), label
+        keep = torch.ones(s, dtype=torch.bool)
+        keep[s // 2] = False
+        err = _rel_err(out.cpu()[keep], rout[keep])
+        assert err < 1e-2, f"{label}: out rel err {err:.2e}"
+        assert float((lse.cpu()[keep] - rlse[keep]).abs().max()) < 1e-2, f"{label}: lse"
+        assert float((mx.cpu()[keep] - rmx[keep]).abs().max()) < 1e-2, f"{label}: max_logits"
+
+
+def check_prefill_empty_rows(device, gen, big):
+    be = _be()
+    s, h, s_kv, topk = 8, 16, 100, 128
+    q, kv, idx = _prefill_case(device, gen, s, h, s_kv, topk, empty_row=3)
+    out, mx, lse = be.sparse_mla_prefill(q.to(device), kv.to(device), idx.to(device), 576 ** -0.5, 512)
+    assert bool((out[3] == 0).all()), "an empty row's output must be 0"
+    assert bool((lse[3] == float("inf")).all()) and bool((mx[3] == NEG_INF).all()), \
+        f"empty row: lse {lse[3, :2].tolist()} max_logits {mx[3, :2].tolist()}"
+
+
+def _decode_case(device, gen, cache, b, s_q, h, topk):
+    q = torch.randn(b, s_q, h, 576, generator=gen).to(torch.bfloat16)
+    n = cache.spec.num_slots
+    idx = torch.randint(0, n, (b, s_q, topk), generator=gen)
+    idx[torch.rand(b, s_q, topk, generator=gen) < 0.15] = -1
+    return q, idx
+
+
+def check_sparse_decode(device, gen, big):
+    be = _be()
+    cache = _mla_cache(400 if big else 12, gen, device)
+    cases = [(32, 1, 128, 2048), (16, 2, 16, 2048), (8, 4, 64, 2048), (4, 3, 32, 64)] if big else \
+        [(3, 1, 16, 64), (2, 2, 64, 128), (2, 4, 128, 40)]
+    scale = 576 ** -0.5
+    for b, s_q, h, topk in cases:
+        q, idx = _decode_case(device, gen, cache, b, s_q, h, topk)
+        for _ in range(2):  # the second call reuses the cached scheduling metadata
+            out, lse = be.sparse_mla_decode(q.to(device), cache, 1, idx.to(device), scale, 512)
+        rout, rlse = ref_mla.sparse_mla_decode(q, _cpu_cache(cache), 1, idx, scale, 512)
+        label = f"decode b={b} s_q={s_q} h={h} topk={topk}"
+        assert out.shape == (b, s_q, h, 512) and lse.shape == (b, h, s_q), label
+        err = _rel_err(out, rout)
+        assert err < 1e-2, f"{label}: out rel err {err:.2e}"
+        lerr = float((lse.cpu() - rlse).abs().max())
+        assert lerr < 1e-2, f"{label}: lse max abs err {lerr:.2e}"
+
+
+def check_decode_empty_rows(device, gen, big):
+    be = _be()
+    cache = _mla_cache(4, gen, device)
+    q, idx = _decode_case(device, gen, cache, 2, 2, 16, 64)
+    idx[1, 0] = -1
+    out, lse = be.sparse_mla_decode(q.to(device), cache, 1, idx.to(device), 576 ** -0.5, 512)
+    assert bool((out[1, 0] == 0).all()), "an empty row's output must be 0"
+    assert bool((lse[1, :, 0] == float("inf")).all()), f"empty row lse {lse[1, :3, 0].tolist()}"
+    # out-of-range indices are dropped like -1 (the kernel reads any other index)
+    idx2 = idx.clone()
+    idx2[0, 1, :5] = cache.spec.num_slots + 100
+    out2, _ = be.sparse_mla_decode(q.to(device), cache, 1, idx2.to(device), 576 ** -0.5, 512)
+    idx3 = idx.clone()
+    idx3[0, 1, :5] = -1
+    out3, _ = be.sparse_mla_decode(q.to(device), cache, 1, idx3.to(device), 576 ** -0.5, 512)
+    assert torch.equal(out2[0, 1].cpu(), out3[0, 1].cpu())
+
+
+def _cpu_cache(cache):
+    if cache.device.type == "cpu":
+        return cache
+    c = PagedKVCache(cache.spec, "cpu")
+    for i, t in enumerate(cache.mla):
+        c.mla[i].copy_(t.cpu())
+    return c
+
+
+def check_cache_writes(device, gen, big):
+    be = _be()
+    n_pages = 40 if big else 3
+    a = PagedKVCache(CacheSpec(2, n_pages, 512, 64, 128, "fp8", torch.bfloat16), device)
+    b = PagedKVCache(a.spec, device)
+    n = a.spec.num_slots // 2
+    slots = torch.randperm(a.spec.num_slots, generator=gen)[:n]
+    slots[:3] = -1
+    latent = torch.randn(n, 512, generator=gen).to(torch.bfloat16).to(device)
+    rope = torch.randn(n, 64, generator=gen).to(torch.bfloat16).to(device)
+    k = torch.randn(n, 128, generator=gen).to(device)
+    be.write_mla(a, 1, slots.to(device), latent, rope)
+    b.write_mla(1, slots.to(device), latent, rope)
+    be.write_index(a, 0, slots.to(device), k)
+    b.write_index(0, slots.to(device), k)
+    assert torch.equal(a.mla[1].cpu(), b.mla[1].cpu()) and torch.equal(a.index[0].cpu(), b.index[0].cpu())
+
+
+def check_refusals(device, gen, big):
+    be = _be()
+    for kwargs, match in [
+        (dict(kv_cache_dtype="auto"), "kv_cache_dtype='fp8'"),
+        (dict(kv_lora_rank=32), "kv_lora_rank = 512"),
+        (dict(rope_dim=16), "qk_rope_head_dim = 64"),
+        (dict(index_head_dim=32), "index_head_dim = 128"),
+    ]:
+        spec = dict(num_layers=1, num_pages=2, kv_lora_rank=512, rope_dim=64, index_head_dim=128,
+                    kv_cache_dtype="fp8", dtype=torch.bfloat16) | kwargs
+        with pytest.raises(ValueError, match=match):
+            be.check_cache_spec(CacheSpec(**spec))
+    be.check_cache_spec(CacheSpec(1, 2, 512, 64, 128, "fp8", torch.bfloat16))
+    cache = _index_cache(2, gen, device)
+    with pytest.raises(ValueError, match="index_n_heads"):
+        be.paged_mqa_logits(torch.zeros(1, 1, 16, 128).to(device), cache.index[0], torch.zeros(1, 16).to(device),
+                            torch.ones(1, 1, dtype=torch.int32).to(device), torch.zeros(1, 2, dtype=torch.int32).to(device), 64)
+    with pytest.raises(ValueError, match="576"):
+        be.sparse_mla_prefill(torch.zeros(2, 16, 48).to(device), torch.zeros(3, 1, 48).to(device),
+                              torch.zeros(2, 1, 4, dtype=torch.int32).to(device), 1.0, 32)
+    auto = PagedKVCache(CacheSpec(1, 2, 512, 64, 128, "auto", torch.bfloat16), device)
+    with pytest.raises(ValueError, match="fp8"):
+        be.sparse_mla_decode(torch.zeros(1, 1, 16, 576).to(device), auto, 0,
+                             torch.zeros(1, 1, 64, dtype=torch.int64).to(device), 1.0, 512)
+
+
+CHECKS = {
+    "paged_logits": check_paged_logits,
+    "ragged_logits": check_ragged_logits,
+    "topk": check_topk,
+    "sparse_prefill": check_sparse_prefill,
+    "prefill_empty_rows": check_prefill_empty_rows,
+    "sparse_decode": check_sparse_decode,
+    "decode_empty_rows": check_decode_empty_rows,
+    "cache_writes": check_cache_writes,
+    "refusals": check_refusals,
+}
+
+
+def run_check(name: str, device: str, seed: int, big: bool) -> None:
+    gen = torch.Generator().manual_seed(seed + sum(map(ord, name)))
+    CHECKS[name](device, gen, big)
+
+
+# ---------------------------------------------------------------------------
+# end to end: LLM(backend="cuda") vs LLM(backend="reference")
+# ---------------------------------------------------------------------------
+
+REAL_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128, index_n_heads=64,
+                 num_attention_heads=16, index_topk=64)
+PROMPT_LENS = (5, 70, 150, 260)
+
+
+def _prompts():
+    return [[40 + (i * 7 + j * 13) % 80 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
+
+
+def llm_outputs(model_dir, backend, device, max_new_tokens=24, **kw):
+    from workers.offline import LLM
+
+    llm = LLM(model_dir, backend=backend, device=device, dtype="bfloat16", kv_cache_dtype="fp8",
+              num_pages=64, chunk_size=128, **kw)
+    return llm.generate(_prompts(), max_new_tokens=max_new_tokens, ignore_eos=True)
+
+
+def make_real_dims_tiny(arch: str, out: Path) -> Path:
+    from models.tiny import make_tiny
+
+    return make_tiny(arch, out, seed=5, **REAL_DIMS)
+
+
+# ---------------------------------------------------------------------------
+# CPU: the glue on fake kernels, Triton in interpreter mode (one subprocess)
+# ---------------------------------------------------------------------------
+
+
+def _worker_main(argv: list[str]) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "the worker must run with TRITON_INTERPRET=1"
+    seed, tmp = int(argv[0]), Path(argv[1])
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import cuda_fakes
+
+    cuda_fakes.install()
+    results = {}
+    for name in CHECKS:
+        try:
+            run_check(name, "cpu", seed, big=False)
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc()
+    try:  # the whole model on the cuda backend's glue (CPU, fake kernels)
+        model = make_real_dims_tiny("glm_moe_dsa", tmp / "glm")
+        got = llm_outputs(model, "cuda", "cpu", max_new_tokens=3, mtp_draft_tokens=2)
+        want = llm_outputs(model, "reference", "cpu", max_new_tokens=3)
+        assert got == want, f"cuda {got} != reference {want}"
+        assert cuda_fakes.CALLS.get("fp8_paged_mqa_logits") and cuda_fakes.CALLS.get("flash_mla_with_kvcache")
+        results["llm"] = "ok"
+    except Exception:
+        results["llm"] = traceback.format_exc()
+    print("RESULTS " + json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def fake_results(tmp_path_factory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("cuda_fakes")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(SEED), str(tmp)],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, (
+        f"fake-kernel worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.parametrize("name", [*CHECKS, "llm"])
+def test_glue_on_fake_kernels(name, fake_results):
+    assert fake_results[name] == "ok", f"ATTN_TEST_SEED={SEED}\n{fake_results[name]}"
+
+
+def test_mask_tail_kernel_compiles_for_sm90():
+    """The one new Triton kernel compiles to an sm_90 cubin without a GPU."""
+    code = (
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from attention.cuda.logits import _mask_tail_kernel\n"
+        "src = ASTSource(fn=_mask_tail_kernel, signature={'logits_ptr': '*fp32', 'stride': 'i64', 'width': 'i32',"
+        " 'lens_ptr': '*i32', 'BLOCK': 'constexpr'}, constexprs={'BLOCK': 1024})\n"
+        "triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'num_warps': 4})\n"
+        "print('COMPILED')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert "COMPILED" in proc.stdout, proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------
+# GPU: the real kernels
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_cuda_backend_gpu(name):
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET for the GPU tests"
+    from attention.backend import get_backend
+
+    assert get_backend("cuda").name == "cuda"
+    print(f"ATTN_TEST_SEED={SEED}")
+    run_check(name, "cuda", SEED, big=True)
+
+
+@pytest.fixture(scope="module")
+def real_dims_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_real_dims")
+    return {arch: make_real_dims_tiny(arch, root / arch) for arch in ("deepseek_v32", "glm_moe_dsa")}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+def test_llm_cuda_greedy_equals_reference_gpu(arch, real_dims_models):
+    model = real_dims_models[arch]
+    got = llm_outputs(model, "cuda", "cuda")
+    want = llm_outputs(model, "reference", "cuda")
+    print(f"{arch}: cuda {got}\n{arch}: reference {want}")
+    assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_llm_cuda_mtp_greedy_equals_plain_gpu(k, real_dims_models):
+    """MTP verification runs decode with next_n = k + 1 (native, per-token, pairs)."""
+    model = real_dims_models["deepseek_v32"]
+    assert llm_outputs(model, "cuda", "cuda", mtp_draft_tokens=k) == llm_outputs(model, "cuda", "cuda")
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])

@@ -1,0 +1,311 @@
+#!/usr/bin/env python
+"""Attention kernels of the ``cuda`` backend at DeepSeek-V3.2 shapes (issue 3).
+
+Every figure is a ratio against something measured in the same run:
+
+1. roofs: a device-to-device copy (bytes read + written / time) and a bf16
+   matmul (``--mm`` cube, TFLOP/s);
+2. indexer decode (``paged_mqa_logits`` = DeepGEMM + tail mask) at ``--batch``
+   requests with contexts uniform in [context/2, 3*context/2], for each
+   ``--next-n``: the key bytes it must read (sum of contexts x 132 B, once per
+   request) plus the logits it writes, over its time, as a fraction of the
+   copy bandwidth; then the fused Triton top-k (k = 2048) on those logits vs
+   ``torch.topk`` on the same logits, and the whole indexer step;
+3. sparse prefill (``flash_mla_sparse_fwd``, h = 128 and 64, top-k 2048):
+   ``2 * s * h * topk * (576 + 512)`` FLOP over its time, as a fraction of the
+   bf16 matmul;
+4. sparse decode (``flash_mla_with_kvcache`` on the fp8 pool): the 656-byte
+   tokens it gathers over its time, vs the copy;
+5. one attention layer's decode step through the backend (Triton cache writes,
+   indexer logits, top-k, sparse decode, back to back) vs the sum of the
+   same kernels timed alone.
+
+``python bench/attention.py [--batch 128] [--context 32768] [--json out.json]``
+(needs a GPU with flash_mla and deep_gemm). Times are medians of
+``triton.testing.do_bench`` (L2 flushed between runs).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_BENCH = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_BENCH)
+sys.path[:] = [_ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != _BENCH]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import torch  # noqa: E402
+
+from attention.formats import PAGE_SIZE  # noqa: E402
+
+TOPK = 2048
+H_INDEX, D_INDEX = 64, 128
+INDEX_TOKEN_BYTES = 132
+MLA_TOKEN_BYTES = 656
+
+
+def bench(fn, rep_ms=200) -> float:
+    """Median milliseconds of ``fn``."""
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+
+def versions() -> dict:
+    import triton
+
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "triton": triton.__version__}
+    for pkg in ("sgl-flash-mla", "sgl-deep-gemm"):
+        try:
+            from importlib.metadata import version
+
+            out[pkg] = version(pkg)
+        except Exception:
+            out[pkg] = "?"
+    return out
+
+
+def roofs(args) -> dict:
+    n = 1 << 30
+    x = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 256)
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x))
+    copy_gbs = 2 * n / t / 1e6
+    del x, y
+    m = args.mm
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    t = bench(lambda: a @ b)
+    mm_tflops = 2 * m**3 / t / 1e9
+    return {"copy_GBps": copy_gbs, "bf16_mm_TFLOPs": mm_tflops}
+
+
+def _index_setup(B, context, next_n, gen):
+    from attention.cuda.logits import indexer_context_lens
+    from models.indexer import quantize_query_fp8
+
+    seq = torch.randint(context // 2, 3 * context // 2 + 1, (B,), generator=gen)
+    pages = [-(-int(s) // PAGE_SIZE) for s in seq]
+    num_pages = sum(pages) + 8
+    perm = torch.randperm(num_pages, generator=gen)
+    bt = torch.zeros(B, max(pages), dtype=torch.int32)
+    o = 0
+    for b, p in enumerate(pages):
+        bt[b, :p] = perm[o:o + p].to(torch.int32)
+        o += p
+    pool = torch.randint(0, 256, (num_pages, PAGE_SIZE * INDEX_TOKEN_BYTES), dtype=torch.uint8, device="cuda")
+    keys = pool[:, : PAGE_SIZE * D_INDEX]
+    keys[(keys & 0x7F) == 0x7F] = 0  # no NaN fp8 codes
+    # valid scales (small positive floats) in each page's scale area
+    pool[:, PAGE_SIZE * D_INDEX:] = (torch.rand(num_pages, PAGE_SIZE, device="cuda") * 0.01 + 1e-3).view(
+        torch.uint8).view(num_pages, -1)
+    q, qs = quantize_query_fp8(torch.randn(B * next_n, H_INDEX, D_INDEX, generator=gen))
+    w = torch.randn(B * next_n, H_INDEX, generator=gen) * qs * 0.01
+    ctx = indexer_context_lens(seq, next_n)
+    return (q.view(B, next_n, H_INDEX, D_INDEX).cuda(), pool, w.cuda(), ctx.cuda(), bt.cuda(),
+            int(seq.max()), int(seq.sum()))
+
+
+def indexer_decode(args, roof, gen) -> list[dict]:
+    from attention.cuda import backend as cb
+    from attention.cuda import logits as cl
+
+    rows = []
+    for next_n in args.next_n:
+        q, pool, w, ctx, bt, max_len, total = _index_setup(args.batch, args.context, next_n, gen)
+        B = args.batch
+        plan = cl.paged_logits_layout(next_n)
+        logits = cl.paged_mqa_logits(q, pool, w, ctx, bt, max_len)
+        t_logits = bench(lambda: cl.paged_mqa_logits(q, pool, w, ctx, bt, max_len))
+        lengths = ctx.view(-1)
+        bt_rows = bt.repeat_interleave(next_n, 0)
+        t_topk = bench(lambda: cb.topk_slots(logits, lengths, TOPK, bt_rows))
+        t_torch_topk = bench(lambda: torch.topk(logits, TOPK, dim=1))
+        t_step = bench(lambda: cb.topk_slots(cl.paged_mqa_logits(q, pool, w, ctx, bt, max_len), lengths, TOPK, bt_rows))
+        key_bytes = total * INDEX_TOKEN_BYTES  # each request's keys, read once
+        logit_bytes = B * next_n * max_len * 4
+        gbs = (key_bytes + logit_bytes) / t_logits / 1e6
+        rows.append({
+            "next_n": next_n, "layout": plan.name, "batch": B, "avg_context": total / B, "max_len": max_len,
+            "logits_ms": t_logits, "logits_GBps": gbs, "logits_frac_of_copy": gbs / roof["copy_GBps"],
+            "keys_read_x": plan.groups,
+            "fused_topk_ms": t_topk, "torch_topk_ms": t_torch_topk, "topk_speedup": t_torch_topk / t_topk,
+            "indexer_step_ms": t_step,
+            "step_frac_of_copy": (key_bytes + logit_bytes) / t_step / 1e6 / roof["copy_GBps"],
+        })
+        del q, pool, w, logits
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sparse_prefill(args, roof, gen) -> list[dict]:
+    from attention.cuda import mla
+
+    rows = []
+    s, s_kv = args.prefill_tokens, args.prefill_kv
+    kv = torch.randn(s_kv, 1, 576, device="cuda", dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(s_kv, device="cuda")[:TOPK] for _ in range(64)]).to(torch.int32)
+    idx = idx[torch.randint(0, 64, (s,), device="cuda")][:, None, :].contiguous()
+    for h in (128, 64):
+        q = torch.randn(s, h, 576, device="cuda", dtype=torch.bfloat16)
+        scale = 576 ** -0.5
+        t = bench(lambda: mla.sparse_mla_prefill(q, kv, idx, scale, 512))
+        flop = 2 * s * h * TOPK * (576 + 512)
+        tf = flop / t / 1e9
+        rows.append({"s": s, "h": h, "s_kv": s_kv, "topk": TOPK, "ms": t, "TFLOPs": tf,
+                     "frac_of_bf16_mm": tf / roof["bf16_mm_TFLOPs"]})
+        del q
+    return rows
+
+
+def _mla_cache(num_pages, device="cuda"):
+    from attention.cache import CacheSpec, PagedKVCache
+
+    spec = CacheSpec(num_layers=1, num_pages=num_pages, kv_lora_rank=512, rope_dim=64, index_head_dim=128,
+                     kv_cache_dtype="fp8", dtype=torch.bfloat16)
+    cache = PagedKVCache(spec, device)
+    n = spec.num_slots
+    for s0 in range(0, n, 1 << 20):
+        sl = torch.arange(s0, min(n, s0 + (1 << 20)), device=device)
+        cache.write_mla(0, sl, torch.randn(sl.numel(), 512, device=device), torch.randn(sl.numel(), 64, device=device))
+        cache.write_index(0, sl, torch.randn(sl.numel(), 128, device=device))
+    return cache
+
+
+def sparse_decode(args, roof, gen, cache) -> list[dict]:
+    from attention.cuda import mla
+
+    rows = []
+    B = args.batch
+    for s_q, h in ((1, 128), (2, 128), (1, 64)):
+        q = torch.randn(B, s_q, h, 576, device="cuda", dtype=torch.bfloat16)
+        idx = torch.randint(0, cache.spec.num_slots, (B, s_q, TOPK), device="cuda", dtype=torch.int32)
+        t = bench(lambda: mla.sparse_mla_decode(q, cache, 0, idx, 576 ** -0.5, 512))
+        gbs = B * s_q * TOPK * MLA_TOKEN_BYTES / t / 1e6
+        rows.append({"batch": B, "s_q": s_q, "h": h, "topk": TOPK, "ms": t, "gather_GBps": gbs,
+                     "frac_of_copy": gbs / roof["copy_GBps"]})
+    return rows
+
+
+def layer_step(args, roof, gen, cache) -> dict:
+    """One attention layer's decode step through the backend vs its kernels timed alone."""
+    from attention.cuda import backend as cb
+    from attention.cuda import logits as cl
+    from attention.cuda import mla
+
+    B = args.batch
+    # contexts live in the same pool as the MLA cache: reuse its index layer
+    num_pages = cache.spec.num_pages
+    seq = torch.randint(args.context // 2, 3 * args.context // 2 + 1, (B,), generator=gen)
+    seq = seq.clamp(max=(num_pages // B) * PAGE_SIZE)
+    per = num_pages // B
+    bt = torch.randperm(num_pages, generator=gen)[: B * per].view(B, per).to(torch.int32).cuda()
+    ctx = cl.indexer_context_lens(seq).cuda()
+    max_len = int(seq.max())
+    out_slots = (bt.long().gather(1, ((seq.cuda() - 1) // PAGE_SIZE)[:, None])[:, 0] * PAGE_SIZE
+                 + (seq.cuda() - 1) % PAGE_SIZE)
+    from models.indexer import quantize_query_fp8
+
+    qi, qs = quantize_query_fp8(torch.randn(B, H_INDEX, D_INDEX, device="cuda"))
+    w = torch.randn(B, H_INDEX, device="cuda") * qs * 0.01
+    q = torch.randn(B, 1, 128, 576, device="cuda", dtype=torch.bfloat16)
+    latent = torch.randn(B, 512, device="cuda", dtype=torch.bfloat16)
+    rope = torch.randn(B, 64, device="cuda", dtype=torch.bfloat16)
+    kidx = torch.randn(B, 128, device="cuda", dtype=torch.bfloat16)
+    qi4 = qi.view(B, 1, H_INDEX, D_INDEX)
+
+    def k_write():
+        cb.write_mla(cache, 0, out_slots, latent, rope)
+        cb.write_index(cache, 0, out_slots, kidx)
+
+    logits = cl.paged_mqa_logits(qi4, cache.index[0], w, ctx, bt, max_len)
+    slots = cb.topk_slots(logits, ctx.view(-1), TOPK, bt)[1].view(B, 1, TOPK)
+    parts = {
+        "cache_writes": bench(k_write),
+        "indexer_logits": bench(lambda: cl.paged_mqa_logits(qi4, cache.index[0], w, ctx, bt, max_len)),
+        "topk": bench(lambda: cb.topk_slots(logits, ctx.view(-1), TOPK, bt)),
+        "sparse_decode": bench(lambda: mla.sparse_mla_decode(q, cache, 0, slots, 576 ** -0.5, 512)),
+    }
+
+    def step():
+        k_write()
+        lg = cl.paged_mqa_logits(qi4, cache.index[0], w, ctx, bt, max_len)
+        sl = cb.topk_slots(lg, ctx.view(-1), TOPK, bt)[1].view(B, 1, TOPK)
+        mla.sparse_mla_decode(q, cache, 0, sl, 576 ** -0.5, 512)
+
+    t_step = bench(step)
+    total = sum(parts.values())
+    return {"batch": B, "avg_context": float(seq.float().mean()), **{f"{k}_ms": v for k, v in parts.items()},
+            "sum_of_kernels_ms": total, "step_ms": t_step, "step_over_sum": t_step / total}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--next-n", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--prefill-kv", type=int, default=32768)
+    ap.add_argument("--mm", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(args.seed)
+    res = {"versions": versions(), "args": vars(args)}
+    print(json.dumps(res["versions"]))
+    res["roofs"] = roof = roofs(args)
+    print(f"roofs: copy {roof['copy_GBps']:.0f} GB/s, bf16 matmul {roof['bf16_mm_TFLOPs']:.0f} TFLOP/s")
+
+    def section(name, fn, *a):
+        # one failing section must not cost the others (device time is scarce)
+        try:
+            res[name] = fn(*a)
+        except Exception:
+            import traceback
+
+            res[name] = None
+            res.setdefault("errors", {})[name] = traceback.format_exc()
+            print(f"{name} FAILED:\n{traceback.format_exc()}")
+        torch.cuda.empty_cache()
+
+    section("indexer_decode", indexer_decode, args, roof, gen)
+    section("sparse_prefill", sparse_prefill, args, roof, gen)
+    pages = args.batch * (-(-3 * args.context // 2 // PAGE_SIZE)) + 8
+    cache = _mla_cache(pages)
+    section("sparse_decode", sparse_decode, args, roof, gen, cache)
+    section("layer_step", layer_step, args, roof, gen, cache)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+    print("\nindexer decode (DeepGEMM paged logits + tail mask; fused top-k k=2048)")
+    print("| next_n | layout | B | avg ctx | logits ms | GB/s | of copy | fused top-k ms | torch.topk ms | step ms | step of copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in res["indexer_decode"] or []:
+        print(f"| {r['next_n']} | {r['layout']} | {r['batch']} | {r['avg_context']:.0f} | {r['logits_ms']:.3f} | "
+              f"{r['logits_GBps']:.0f} | {r['logits_frac_of_copy']:.2f} | {r['fused_topk_ms']:.3f} | "
+              f"{r['torch_topk_ms']:.3f} | {r['indexer_step_ms']:.3f} | {r['step_frac_of_copy']:.2f} |")
+    print("\nsparse prefill (flash_mla_sparse_fwd, top-k 2048)")
+    print("| s | h | s_kv | ms | TFLOP/s | of bf16 matmul |")
+    print("|---|---|---|---|---|---|")
+    for r in res["sparse_prefill"] or []:
+        print(f"| {r['s']} | {r['h']} | {r['s_kv']} | {r['ms']:.3f} | {r['TFLOPs']:.0f} | {r['frac_of_bf16_mm']:.2f} |")
+    print("\nsparse decode (flash_mla_with_kvcache, fp8 pool, top-k 2048)")
+    print("| B | s_q | h | ms | gather GB/s | of copy |")
+    print("|---|---|---|---|---|---|")
+    for r in res["sparse_decode"] or []:
+        print(f"| {r['batch']} | {r['s_q']} | {r['h']} | {r['ms']:.3f} | {r['gather_GBps']:.0f} | {r['frac_of_copy']:.2f} |")
+    ls = res["layer_step"]
+    if not ls:
+        return
+    print("\nattention layer decode step (B=%d, avg ctx %.0f)" % (ls["batch"], ls["avg_context"]))
+    print(" | ".join(f"{k} {v:.3f}" for k, v in ls.items() if k.endswith("_ms")))
+    print(f"step / sum of kernels = {ls['step_over_sum']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -115,17 +115,21 @@ def indexer_decode(args, roof, gen) -> list[dict]:
     from attention.cuda import logits as cl
 
     rows = []
-    for next_n in args.next_n:
+    cases = [(n, "auto") for n in args.next_n] + [(n, "per_token") for n in args.next_n if n > 2]
+    for next_n, mode in cases:
         q, pool, w, ctx, bt, max_len, total = _index_setup(args.batch, args.context, next_n, gen)
         B = args.batch
-        plan = cl.paged_logits_layout(next_n)
-        logits = cl.paged_mqa_logits(q, pool, w, ctx, bt, max_len)
-        t_logits = bench(lambda: cl.paged_mqa_logits(q, pool, w, ctx, bt, max_len))
+        plan = cl.paged_logits_layout(next_n, mode)
+        logits = cl.paged_mqa_logits(q, pool, w, ctx, bt, max_len, layout=mode)
+        t_logits = bench(lambda: cl.paged_mqa_logits(q, pool, w, ctx, bt, max_len, layout=mode))
         lengths = ctx.view(-1)
         bt_rows = bt.repeat_interleave(next_n, 0)
         t_topk = bench(lambda: cb.topk_slots(logits, lengths, TOPK, bt_rows))
         t_torch_topk = bench(lambda: torch.topk(logits, TOPK, dim=1))
-        t_step = bench(lambda: cb.topk_slots(cl.paged_mqa_logits(q, pool, w, ctx, bt, max_len), lengths, TOPK, bt_rows))
+        t_step = bench(lambda: cb.topk_slots(cl.paged_mqa_logits(q, pool, w, ctx, bt, max_len, layout=mode),
+                                             lengths, TOPK, bt_rows))
+        if next_n == 1:
+            res_topk = topk_tuning(logits, lengths, bt_rows, t_torch_topk)
         key_bytes = total * INDEX_TOKEN_BYTES  # each request's keys, read once
         logit_bytes = B * next_n * max_len * 4
         gbs = (key_bytes + logit_bytes) / t_logits / 1e6
@@ -139,7 +143,24 @@ def indexer_decode(args, roof, gen) -> list[dict]:
         })
         del q, pool, w, logits
         torch.cuda.empty_cache()
+    if 1 in args.next_n:
+        rows.append({"topk_tuning": res_topk})
     return rows
+
+
+def topk_tuning(logits, lengths, bt_rows, t_torch) -> list[dict]:
+    """The fused top-k kernel at several (block, num_warps) vs torch.topk on the same logits."""
+    from attention.cuda.topk import topk_slots
+
+    out = []
+    for block, warps in ((512, 4), (1024, 4), (1024, 8), (2048, 8), (2048, 16), (4096, 16), (4096, 32)):
+        try:
+            t = bench(lambda: topk_slots(logits, lengths, TOPK, bt_rows, return_positions=True,
+                                         block=block, num_warps=warps))
+            out.append({"block": block, "num_warps": warps, "ms": t, "vs_torch_topk": t / t_torch})
+        except Exception as exc:  # a config that does not compile
+            out.append({"block": block, "num_warps": warps, "error": str(exc)[:200]})
+    return out
 
 
 def sparse_prefill(args, roof, gen) -> list[dict]:
@@ -186,8 +207,10 @@ def sparse_decode(args, roof, gen, cache) -> list[dict]:
         idx = torch.randint(0, cache.spec.num_slots, (B, s_q, TOPK), device="cuda", dtype=torch.int32)
         t = bench(lambda: mla.sparse_mla_decode(q, cache, 0, idx, 576 ** -0.5, 512))
         gbs = B * s_q * TOPK * MLA_TOKEN_BYTES / t / 1e6
+        tf = 2 * B * s_q * h * TOPK * (576 + 512) / t / 1e9
         rows.append({"batch": B, "s_q": s_q, "h": h, "topk": TOPK, "ms": t, "gather_GBps": gbs,
-                     "frac_of_copy": gbs / roof["copy_GBps"]})
+                     "frac_of_copy": gbs / roof["copy_GBps"], "TFLOPs": tf,
+                     "frac_of_bf16_mm": tf / roof["bf16_mm_TFLOPs"]})
     return rows
 
 
@@ -286,19 +309,27 @@ def main() -> None:
     print("| next_n | layout | B | avg ctx | logits ms | GB/s | of copy | fused top-k ms | torch.topk ms | step ms | step of copy |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["indexer_decode"] or []:
+        if "topk_tuning" in r:
+            continue
         print(f"| {r['next_n']} | {r['layout']} | {r['batch']} | {r['avg_context']:.0f} | {r['logits_ms']:.3f} | "
               f"{r['logits_GBps']:.0f} | {r['logits_frac_of_copy']:.2f} | {r['fused_topk_ms']:.3f} | "
               f"{r['torch_topk_ms']:.3f} | {r['indexer_step_ms']:.3f} | {r['step_frac_of_copy']:.2f} |")
+    for r in res["indexer_decode"] or []:
+        if "topk_tuning" in r:
+            print("\nfused top-k (B x 1 rows of next_n=1 logits): block, num_warps -> ms (x torch.topk)")
+            print(", ".join(f"{t['block']}/{t['num_warps']}: " + (f"{t['ms']:.3f} ({t['vs_torch_topk']:.2f})"
+                                                               if "ms" in t else "error") for t in r["topk_tuning"]))
     print("\nsparse prefill (flash_mla_sparse_fwd, top-k 2048)")
     print("| s | h | s_kv | ms | TFLOP/s | of bf16 matmul |")
     print("|---|---|---|---|---|---|")
     for r in res["sparse_prefill"] or []:
         print(f"| {r['s']} | {r['h']} | {r['s_kv']} | {r['ms']:.3f} | {r['TFLOPs']:.0f} | {r['frac_of_bf16_mm']:.2f} |")
     print("\nsparse decode (flash_mla_with_kvcache, fp8 pool, top-k 2048)")
-    print("| B | s_q | h | ms | gather GB/s | of copy |")
-    print("|---|---|---|---|---|---|")
+    print("| B | s_q | h | ms | gather GB/s | of copy | TFLOP/s | of bf16 matmul |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in res["sparse_decode"] or []:
-        print(f"| {r['batch']} | {r['s_q']} | {r['h']} | {r['ms']:.3f} | {r['gather_GBps']:.0f} | {r['frac_of_copy']:.2f} |")
+        print(f"| {r['batch']} | {r['s_q']} | {r['h']} | {r['ms']:.3f} | {r['gather_GBps']:.0f} | "
+              f"{r['frac_of_copy']:.2f} | {r['TFLOPs']:.0f} | {r['frac_of_bf16_mm']:.2f} |")
     ls = res["layer_step"]
     if not ls:
         return

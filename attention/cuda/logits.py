@@ -28,7 +28,12 @@ in every layout.
 
 With 2-D context lengths the kernel must run with ``clean_logits=False`` and
 leaves garbage past each row's length: :func:`mask_logits_tail` (a Triton
-kernel that writes only the tail) sets it to ``-inf``.
+kernel that writes only the tail) sets it to ``-inf``. Measured on the H100:
+the kernel sizes the work of a multi-row request by the context of its last
+row, so rows whose context exceeds the last row's (draft-extend padding rows
+of context 0 after real rows) came back as garbage; the kernel is therefore
+handed the running maximum of the context lengths along each request's rows,
+and the true lengths are applied by the mask.
 
 Prefill
 -------
@@ -316,12 +321,16 @@ def paged_mqa_logits(
     q8, w = _fp8_query(q, weights)
 
     plan = paged_logits_layout(next_n, layout)
+    ctx_k = ctx.view(B * plan.groups, plan.atom)
+    if plan.atom > 1:
+        # The kernel sizes a request's work by the context of its *last* row
+        # (verification rows grow by one key per row). Draft-extend padding
+        # rows (context 0) after real rows would hide the real rows' keys, so
+        # the kernel gets the running max; the mask below uses the true lengths.
+        ctx_k = ctx_k.cummax(dim=1).values.contiguous()
     if plan.groups > 1:
         q8 = q8.view(B * plan.groups, plan.atom, H, D)
-        ctx_k = ctx.view(B * plan.groups, plan.atom)
         bt = bt.repeat_interleave(plan.groups, dim=0)
-    else:
-        ctx_k = ctx
     dg = _ext.deep_gemm()
     dev = (q.device.index or 0) if q.device.type == "cuda" else 0
     schedule = dg.get_paged_mqa_logits_metadata(ctx_k, PAGE_SIZE, _ext.num_sms(dev))

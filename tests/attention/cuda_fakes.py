@@ -86,7 +86,10 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
     # Pages past a row's context are not read by the kernel: the reference must not see them either.
     ref = ref_indexer.paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
     out = _padded_logits(B * next_n, max_context_len)
-    visible = torch.arange(max_context_len)[None, :] < context_lens.reshape(-1, 1).long()
+    # As measured on the H100: a request's work is sized by its last row's context,
+    # so keys a row sees beyond that come back as garbage.
+    span = context_lens[:, -1:].expand(B, next_n).reshape(-1, 1).long()
+    visible = torch.arange(max_context_len)[None, :] < torch.minimum(context_lens.reshape(-1, 1).long(), span)
     out[visible] = ref[visible]
     return out
 

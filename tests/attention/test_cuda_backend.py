@@ -687,6 +687,30 @@ def test_llm_cuda_matches_reference_gpu(arch, dtype, real_dims_models):
 
 
 @pytest.mark.gpu
+def test_reference_cpu_vs_gpu_noise_floor_gpu(real_dims_models):
+    """Diagnostic: the *same* reference backend on CPU vs GPU (bf16), teacher-forced as above.
+
+    Nothing to tune here: it records how far two correct runs of one bf16 model drift
+    apart on two devices, the scale against which the cuda-vs-reference numbers are read.
+    """
+    from workers.offline import LLM
+
+    model = real_dims_models["deepseek_v32"]
+    kw = dict(backend="reference", dtype="bfloat16", kv_cache_dtype="fp8", num_pages=64, chunk_size=128)
+    gpu, cpu = LLM(model, device="cuda", **kw), LLM(model, device="cpu", **kw)
+    prompts = _prompts()[:3]
+    g_out = gpu.generate(prompts, max_new_tokens=12, ignore_eos=True)
+    c_out = cpu.generate(prompts, max_new_tokens=12, ignore_eos=True)
+    rel, flips = [], 0
+    for p, cont in zip(prompts, g_out):
+        lg, lc = teacher_forced_logits(gpu, p, cont), teacher_forced_logits(cpu, p, cont)
+        rel += [float((lc[i] - lg[i]).abs().max() / lg[i].abs().max()) for i in range(len(cont))]
+        flips += int((lc.argmax(-1) != lg.argmax(-1)).sum())
+    print(f"NOISE reference cpu vs gpu bf16: greedy_equal={g_out == c_out} max_rel_err={max(rel):.3e} "
+          f"argmax_disagreements={flips}/{len(rel)}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_llm_cuda_mtp_greedy_equals_plain_gpu(k, real_dims_models):
     """MTP verification runs decode with next_n = k + 1 (native, per-token, pairs)."""

@@ -4,6 +4,7 @@
     dsa-pd generate MODEL_DIR [--prompt TEXT | --token-ids 1,2,3] [--max-new-tokens N] ...
     dsa-pd generate --tiny ARCH ...   (makes the tiny model into a cache dir first)
     dsa-pd check CONFIG.yaml [...] [--gpu-memory-gib G]   (validate serve configs offline)
+    dsa-pd serve CONFIG.yaml [SERVE RUN OPTIONS]   (check, then `serve run`; exit 1 on a violation)
 """
 
 from __future__ import annotations
@@ -92,6 +93,42 @@ def _check(args) -> int:
     return worst
 
 
+def _serve(args) -> int:
+    """`dsa-pd check` the config, then replace this process with `serve run CONFIG ...`.
+
+    Ray's `serve run` keeps running when the application fails to build (the
+    build error, with every violation, is in its log and in `serve status`);
+    this exits 1 with the report before Ray is started.
+    """
+    import shutil
+
+    import yaml
+
+    from deployments.app import serving_violations
+    from deployments.app_config import APP_IMPORT_PATH, AppConfig
+
+    check = argparse.Namespace(configs=[args.config], gpu_memory_gib=args.gpu_memory_gib)
+    code = _check(check)
+    if code:
+        return code
+    # What the controller accepts for planning but these deployments cannot serve yet.
+    extra = []
+    for app in yaml.safe_load(Path(args.config).read_text())["applications"]:
+        if app.get("import_path") == APP_IMPORT_PATH:
+            extra += serving_violations(AppConfig.model_validate(app.get("args") or {}))
+    if extra:
+        print(f"{args.config}: cannot be served yet:")
+        print("\n".join(f"  args.{v}" for v in extra))
+        return 1
+    exe = shutil.which("serve")
+    if exe is None:
+        print("error: the `serve` command (ray[serve]) is not on PATH", file=sys.stderr)
+        return 2
+    sys.stdout.flush()
+    os.execv(exe, [exe, "run", args.config, *args.serve_args])
+    return 0  # not reached
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsa-pd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="memory of one GPU for the budget rule (default: each pool's gpu_memory_gib)")
     p.set_defaults(func=_check)
+
+    p = sub.add_parser("serve", help="check a serve config, then start it with `serve run` (exit 1 on a violation)")
+    p.add_argument("config", metavar="CONFIG.yaml")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="passed on to `serve run`")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="memory of one GPU for the budget rule (default: each pool's gpu_memory_gib)")
+    p.set_defaults(func=_serve)
 
     args = parser.parse_args(argv)
     from models.config import ConfigError

@@ -4,8 +4,9 @@ Covers ``POST /v1/completions`` and ``POST /v1/chat/completions``. Pure data
 and conversions; the ingress deployment does the I/O. What we do not
 support is an error, never silently ignored: ``n`` other than 1, a batch of
 prompts, tools, or any field OpenAI does not define (OpenAI itself answers
-"Unrecognized request argument supplied"). ``top_k`` is an extension (0 or
--1 = off).
+"Unrecognized request argument supplied"). ``top_k`` (0 or -1 = off) and
+``ignore_eos`` (keep generating past EOS, for load tests and benchmarks) are
+extensions, as in vLLM.
 
 Errors follow OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``; :func:`error_from_exception` maps our exceptions to an
@@ -233,6 +234,7 @@ class _Request(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="Extension: sample from the k most likely tokens; 0 or -1 = off.")
     seed: int | None = None
+    ignore_eos: bool = Field(False, description="Extension: do not stop at the model's EOS token.")
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: "StreamOptions | None" = None
@@ -298,6 +300,7 @@ class _Request(BaseModel):
             top_k=self.effective_top_k,
             seed=self.seed,
             stop_token_ids=tuple(stop_token_ids),
+            ignore_eos=self.ignore_eos,
             stop_strings=self.stop_sequences,
         )
 

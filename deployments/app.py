@@ -1,0 +1,103 @@
+"""``deployments.app:build_app``: the Ray Serve application (the ``import_path`` of every config).
+
+Order of work: validate the whole config with the controller (every
+violation at once; nothing is placed when one exists), make the tiny model
+on first start, then build the graph with the placement plan's options:
+
+    OpenAIIngress --(DecodeRouter)--> DecodeServer --(PrefillRouter)--> PrefillServer
+           \\                              |                               |
+            `-------------- PeerDirectory <-------------------------------'
+
+`serve run configs/tiny_pd.yaml` calls this in Serve's build task; a
+violation raises `AppConfigError`, whose message lists every violation with
+its path, and the application goes to DEPLOY_FAILED with that message
+without starting a replica. (`dsa-pd check` runs the same validation without
+a cluster.)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from deployments.app_config import AppConfig
+from deployments.controller import ROLES, AppConfigError, Violation, check_args, plan_placement
+
+log = logging.getLogger("ray.serve")
+
+DIRECTORY_TTL_S = 10.0
+"""A replica whose heartbeats stopped this long is treated as gone by its peers."""
+
+
+def serving_violations(cfg: AppConfig) -> list[Violation]:
+    """What the controller accepts for planning but these deployments cannot serve yet."""
+    out = []
+    for role in ROLES:
+        tp = cfg.pool(role).tensor_parallel_size
+        if tp > 1:
+            out.append(Violation(f"{role}.tensor_parallel_size",
+                                 f"serving with tensor_parallel_size {tp} needs rank workers, not built yet: use 1"))
+    return out
+
+
+def _router_config(router_cls: type, cfg: AppConfig, role: str) -> RequestRouterConfig:
+    from deployments.router import ROUTING_STATS_PERIOD_S
+
+    pool = cfg.pool(role)
+    return RequestRouterConfig(
+        request_router_class=router_cls,
+        request_router_kwargs={"policy": cfg.router.policy,
+                               # Affinity may cost a few queued requests, never a full batch.
+                               "affinity_slack": max(1, pool.max_batch_size // 4)},
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        request_routing_stats_timeout_s=10 * ROUTING_STATS_PERIOD_S,
+    )
+
+
+def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
+    """Validate ``args`` (an `AppConfig` mapping), make the model if it is a tiny spec, and build the app."""
+    result = check_args(args)
+    violations = list(result.violations)
+    if result.app_cfg is not None:
+        violations += serving_violations(result.app_cfg)
+    if violations:
+        raise AppConfigError(violations)
+    cfg = result.app_cfg
+    assert cfg is not None
+
+    # Imported after validation: a bad config fails fast without loading torch-heavy modules.
+    from deployments.decode_server import DecodeServer
+    from deployments.ingress import OpenAIIngress
+    from deployments.peer_directory import PeerDirectory
+    from deployments.prefill_server import PrefillServer
+    from deployments.router import DecodeRouter, PrefillRouter
+
+    model_dir = str(cfg.model.checkpoint_dir(make=True))
+    log.info("serving %s from %s", cfg.model_name, model_dir)
+    plan = plan_placement(cfg)
+    app_args = cfg.model_dump(mode="json")
+
+    directory = serve.deployment(PeerDirectory).options(
+        name="PeerDirectory", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=1000,
+        # Every replica heartbeats twice a second: access logs would drown the rest.
+        logging_config={"enable_access_log": False},
+    ).bind(ttl_s=DIRECTORY_TTL_S)
+    prefill = serve.deployment(PrefillServer).options(
+        name="PrefillServer", request_router_config=_router_config(PrefillRouter, cfg, "prefill"),
+        **plan.prefill.deployment_options(),
+    ).bind(app_args, model_dir, directory)
+    decode = serve.deployment(DecodeServer).options(
+        name="DecodeServer", request_router_config=_router_config(DecodeRouter, cfg, "decode"),
+        **plan.decode.deployment_options(),
+    ).bind(app_args, model_dir, directory, prefill)
+    lo, hi = plan.decode.replica_range
+    ingress = serve.deployment(OpenAIIngress).options(
+        name="OpenAIIngress", ray_actor_options={"num_cpus": 0},
+        # Enough for every decode slot plus requests waiting on the routers.
+        max_ongoing_requests=max(256, 2 * hi * plan.decode.max_ongoing_requests),
+    ).bind(app_args, model_dir, decode, directory)
+    return ingress

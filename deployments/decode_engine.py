@@ -1,0 +1,135 @@
+"""The engine thread of a decode replica: runs a `DecodeWorker`.
+
+Per request (DESIGN.md, request path 2-5): `reserve` takes
+``ceil(prompt / 64)`` pages and opens an any-peer receive (the router picks
+the prefill replica after the pages are reserved; the receive binds to the
+handshaked prefill agent that pushes first), then emits `Reserved` on the
+request's stream. The replica calls a prefill replica and hands its answer to
+`prefill_result`; once the pages have landed too, the request joins the
+running batch and every step's `RequestOutput` is emitted on its stream.
+Requests that find the pool full wait here, in arrival order, until pages
+come back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from attention.formats import pages_for_tokens
+from deployments.engine_thread import EngineThread
+from workers.decode_worker import DecodeWorker
+from workers.engine import RequestOutput
+from workers.page_pool import PoolExhausted
+from workers.prefill_worker import PrefillResult
+from workers.request import FinishReason, Request
+
+log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """Emitted once a request's pages are reserved and its receive is open."""
+
+    pages: list[int]
+
+
+def error_output(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(request_id, [], [], True, FinishReason.ERROR.value, message)
+
+
+class DecodeEngine(EngineThread):
+    def __init__(self, worker: DecodeWorker):
+        super().__init__(f"decode:{worker.link.agent.worker_id}")
+        self.worker = worker
+        # One page no request ever uses: prefill replicas write their warm-up
+        # WRITE of a new pair into it.
+        self.warmup_page = worker.pool.allocate(1)[0]
+        self.pending: deque[Request] = deque()
+
+    @property
+    def agent_name(self) -> str:
+        return self.worker.link.agent.name
+
+    # ------------------------------------------------- commands (engine thread)
+    def reserve(self, req: Request) -> None:
+        """Reserve pages for ``req`` now or when some come back; emits `Reserved` (or an error output)."""
+        self.pending.append(req)
+        self._admit()
+
+    def prefill_result(self, result: PrefillResult) -> None:
+        for out in self.worker.on_prefill_result(result):
+            self.emit(out.request_id, out)
+
+    def abort(self, request_id: str) -> None:
+        """Client gone or prefill call failed: drop the request at whatever phase, freeing its pages."""
+        self.pending = deque(r for r in self.pending if r.request_id != request_id)
+        self.worker.abort(request_id)
+
+    def learn_peer(self, offer: bytes) -> str:
+        return self.worker.link.peers.accept(offer).agent_name
+
+    def forget_peer(self, agent_name: str) -> None:
+        """The prefill replica left the directory: requests it was pushing fail at the next poll."""
+        self.worker.link.peers.forget(agent_name)
+
+    # ------------------------------------------------------------ engine loop
+    def _admit(self) -> None:
+        while self.pending:
+            req = self.pending[0]
+            try:
+                pages = self.worker.reserve(req, None)
+            except PoolExhausted as e:
+                if self.worker.has_work:
+                    return  # running requests will free pages
+                self.pending.popleft()
+                self.emit(req.request_id, error_output(req.request_id, f"overloaded: decode pool: {e}"))
+                continue
+            except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: this request fails alone
+                self.pending.popleft()
+                self.emit(req.request_id, error_output(req.request_id, str(e)))
+                continue
+            self.pending.popleft()
+            self.emit(req.request_id, Reserved(pages))
+
+    def has_work(self) -> bool:
+        return bool(self.pending) or self.worker.has_work
+
+    def tick(self) -> bool:
+        computing = self.worker.engine.has_work
+        for out in self.worker.step():
+            self.emit(out.request_id, out)
+        if self.pending:
+            self._admit()
+        return computing
+
+    def snapshot(self) -> dict[str, Any]:
+        w, eng = self.worker, self.worker.engine
+        s = eng.stats
+        running = len(eng.scheduler.running) + len(eng.scheduler.prefilling)
+        queued = len(self.pending) + len(eng.scheduler.waiting)
+        return {
+            "agent": self.agent_name,
+            "free_pages": w.pool.free_count,
+            "total_pages": w.pool.num_pages,
+            "reserved_pages": 1,  # the warm-up page
+            "running": running,
+            "awaiting_kv": len(w.awaiting),
+            "queued": queued,
+            "requests": running + len(w.awaiting) + queued,
+            "queued_prompt_pages": sum(pages_for_tokens(len(r.prompt)) for r in self.pending),
+            "decode_tokens": s.decode_tokens,
+            "mtp_drafted": s.mtp_drafted,
+            "mtp_accepted": s.mtp_accepted,
+            "mtp_acceptance_rate": s.mtp_acceptance_rate,
+            "preemptions": s.preemptions,
+            "known_prefills": len(w.link.peers.peers()),
+        }
+
+    def fail_all(self, message: str) -> None:
+        for req in list(self.pending):
+            self.emit(req.request_id, error_output(req.request_id, message))
+        for rid in list(self.worker.awaiting) + list(self.worker.engine.requests):
+            self.emit(rid, error_output(rid, message))

@@ -1,0 +1,149 @@
+"""The decode deployment: one replica = one `DecodeWorker` on its engine thread; it
+orchestrates each request (DESIGN.md, request path).
+
+`generate` (streamed, routed here by `deployments.router.DecodeRouter`):
+
+1. reserve ``ceil(prompt / 64)`` pages and open an any-peer receive for them;
+2. call the prefill deployment (its router picks the least loaded prefill
+   replica this replica has handshaked with) with the task: request id,
+   token ids, sampling params, this agent's name and offer, the page ids;
+3. hand prefill's answer (first token, last hidden state) to the engine;
+   the request joins the running batch once its pages have landed;
+4. yield every `RequestOutput` until the request finishes.
+
+A cancelled call (client disconnect: Serve cancels the ingress request and
+its calls here) aborts the request on the engine thread, which frees its
+pages, and cancels the prefill call, which frees prefill's. A failed prefill
+call or transfer ends the request with an error output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from ray import serve
+
+from deployments.app_config import AppConfig
+from deployments.decode_engine import DecodeEngine, Reserved, error_output
+from deployments.metrics import DecodeMetrics
+from deployments.peer_sync import PeerSync
+from deployments.replica_build import build_decode_worker
+from workers.engine import RequestOutput
+from workers.prefill_worker import PrefillResult, PrefillTask
+from workers.request import Request
+from workers.sampler import SamplingParams
+
+log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
+
+PEER_WAIT_S = 300.0
+"""How long a new decode replica waits for a prefill peer before it reports ready anyway."""
+
+
+class DecodeServer:
+    async def __init__(self, app_args: dict[str, Any], model_dir: str, directory, prefill):
+        cfg = AppConfig.model_validate(app_args)
+        self.prefill = prefill
+        self.worker_id = f"decode-{serve.get_replica_context().replica_id.unique_id}"
+        worker = await asyncio.to_thread(build_decode_worker, cfg, model_dir, self.worker_id)
+        self.engine = DecodeEngine(worker)
+        self.agent = self.engine.agent_name
+        self.offer = worker.link.peers.offer().to_bytes()  # before the thread starts: nothing else uses the agent yet
+        self.engine.start()
+        self.metrics = DecodeMetrics()
+        self.sync = PeerSync(directory, "decode", self.worker_id, self.agent, self.offer, self._stats,
+                             learn=self._learn, forget=self._forget,
+                             extra={"warmup_page": self.engine.warmup_page})
+        await self.sync.start()
+        # Ready = able to serve: at least one prefill replica handshaked (and
+        # warmed up by it), unless prefill takes unusually long to come up.
+        if not await self.sync.wait_for_peer(PEER_WAIT_S):
+            log.warning("decode %s: no prefill replica after %.0fs; serving anyway", self.agent, PEER_WAIT_S)
+
+    def _stats(self) -> dict[str, Any]:
+        stats = self.engine.stats
+        self.metrics.update(stats)
+        return stats
+
+    async def _learn(self, entry: dict[str, Any]) -> None:
+        await self.engine.call(self.engine.learn_peer, entry["offer"])
+
+    async def _forget(self, agent: str) -> None:
+        await self.engine.call(self.engine.forget_peer, agent)
+
+    # ----------------------------------------------------------- Serve hooks
+    def record_routing_stats(self) -> dict[str, Any]:
+        return dict(self.engine.stats)
+
+    def check_health(self) -> None:
+        self.engine.check()
+
+    async def __del__(self):
+        await self.sync.stop()
+        self.engine.stop()
+
+    # -------------------------------------------------------------- requests
+    async def _await_prefill(self, task: PrefillTask, response) -> None:
+        """Hand the prefill replica's answer (or its failure) to the engine."""
+        try:
+            agent, result = await response
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the prefill replica died or raised: this request fails
+            result = PrefillResult(task.request_id, False, error=f"prefill call failed: {e}")
+        self.engine.post(self.engine.prefill_result, result)
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       prefix_hash: int | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs (see the module doc); the last one has ``finished`` set."""
+        start = time.monotonic()
+        stream = self.engine.open_stream(request_id)
+        prefill_call = None
+        finished = False
+        try:
+            if not self.sync.known:
+                await self.sync.wait_for_peer(PEER_WAIT_S)
+            self.engine.post(self.engine.reserve, Request(request_id, list(prompt), params))
+            item = await stream.get()
+            if isinstance(item, RequestOutput):  # refused before any page was taken
+                finished = True
+                yield item
+                return
+            assert isinstance(item, Reserved)
+            task = PrefillTask(request_id, list(prompt), params, self.agent, item.pages)
+            prefill_call = self.prefill.prefill.remote(
+                task, self.offer, known_prefills=tuple(sorted(self.sync.known)), prefix_hash=prefix_hash)
+            waiter = asyncio.create_task(self._await_prefill(task, prefill_call))
+            last = None
+            while not finished:
+                out = await stream.get()
+                now = time.monotonic()
+                if out.token_ids:
+                    if last is None:
+                        self.metrics.ttft.observe(now - start)
+                    else:
+                        self.metrics.itl.observe(now - last)
+                    last = now
+                    self.metrics.tokens.inc(len(out.token_ids))
+                finished = out.finished
+                if finished:
+                    self.metrics.requests.inc(tags={"finish_reason": out.finish_reason or "unknown"})
+                yield out
+        except asyncio.CancelledError:
+            log.info("decode %s: request %s cancelled", self.agent, request_id)
+            raise
+        except Exception as e:  # noqa: BLE001 - report, then clean up below
+            log.exception("decode %s: request %s failed", self.agent, request_id)
+            if not finished:
+                finished = True
+                yield error_output(request_id, f"decode failed: {e}")
+        finally:
+            self.engine.post(self.engine.abort, request_id)  # no-op when it finished
+            if prefill_call is not None and not waiter.done():
+                # Serve cancels the call on the prefill replica, which aborts
+                # the prefill and frees its pages.
+                prefill_call.cancel()
+                waiter.cancel()
+            self.engine.close_stream(request_id)

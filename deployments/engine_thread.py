@@ -1,0 +1,158 @@
+"""A replica's engine thread: the one thread that touches its worker.
+
+The workers (``PrefillWorker``, ``DecodeWorker``) and their NIXL agent are
+synchronous and not thread-safe, while a Serve replica serves requests on an
+asyncio event loop. So each replica runs one background thread that owns its
+worker: the event loop sends it commands through a thread-safe queue
+(`post`, `call`), the thread steps the worker whenever it has work, and
+per-request results go back to per-request ``asyncio.Queue`` s through
+``loop.call_soon_threadsafe`` (`open_stream` / `emit`).
+
+A subclass implements `has_work`, `tick` (one round of the worker) and
+`snapshot` (the load figures the router and ``/stats`` read). If a tick
+raises, the worker's state can no longer be trusted: every open stream gets
+the error, the thread stops, and `check` raises so Serve's health check
+replaces the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread died; the replica must be replaced."""
+
+
+class EngineThread:
+    IDLE_POLL_S = 0.1
+    """How long an idle thread blocks on its queue before re-checking for shutdown."""
+    WAIT_SLEEP_S = 0.002
+    """Pause between ticks that only polled the network (waiting for KV or WRITE
+    completions): a tight loop would take a core from the model on a small host."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.error: BaseException | None = None
+        self.stats: dict[str, Any] = {}
+        """Latest `snapshot`, replaced whole after every round (readers never see a half-updated dict)."""
+
+    # ------------------------------------------------------------ asyncio side
+    def start(self) -> None:
+        self.stats = self.snapshot()
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def check(self) -> None:
+        """Raise `EngineFailed` if the thread died (Serve's health check calls this)."""
+        if self.error is not None:
+            raise EngineFailed(f"{self.name} engine thread failed: {self.error!r}") from self.error
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stop.is_set():
+            raise EngineFailed(f"{self.name} engine thread exited")
+
+    def post(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` on the engine thread; errors are logged, not returned."""
+        self._commands.put((fn, args, None))
+
+    def call(self, fn: Callable, *args) -> asyncio.Future:
+        """Run ``fn(*args)`` on the engine thread; await the returned future for its result.
+
+        Cancelling the future before the thread picks the command up skips it.
+        """
+        cf: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, args, cf))
+        return asyncio.wrap_future(cf)
+
+    def open_stream(self, key: str) -> asyncio.Queue:
+        """A queue receiving what the thread `emit` s for ``key`` (call on the event loop)."""
+        q: asyncio.Queue = asyncio.Queue()
+        with self._streams_lock:
+            if key in self._streams:
+                raise ValueError(f"request id {key!r} is already in flight")
+            self._streams[key] = (asyncio.get_running_loop(), q)
+        return q
+
+    def close_stream(self, key: str) -> None:
+        with self._streams_lock:
+            self._streams.pop(key, None)
+
+    # -------------------------------------------------------------- thread side
+    def emit(self, key: str, item: Any) -> None:
+        """Hand ``item`` to ``key``'s stream (dropped if the stream was closed: the request is gone)."""
+        with self._streams_lock:
+            entry = self._streams.get(key)
+        if entry is not None:
+            loop, q = entry
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the loop closed (replica shutting down)
+                pass
+
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def tick(self) -> bool:
+        """One round of the worker; True if it computed (False: it only polled)."""
+        raise NotImplementedError
+
+    def snapshot(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def fail_all(self, message: str) -> None:
+        """Tell every open stream the engine failed (subclasses send their error item)."""
+
+    def _run_command(self, fn, args, cf) -> None:
+        if cf is not None and not cf.set_running_or_notify_cancel():
+            return  # its caller gave up before it ran
+        try:
+            result = fn(*args)
+        except Exception as e:  # noqa: BLE001 - a command's error belongs to its caller
+            if cf is not None:
+                cf.set_exception(e)
+            else:
+                log.exception("%s: command %s failed", self.name, getattr(fn, "__name__", fn))
+            return
+        if cf is not None:
+            cf.set_result(result)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=self.IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._run_command(*item)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.has_work())
+                if self.has_work():
+                    if not self.tick():
+                        time.sleep(self.WAIT_SLEEP_S)
+                self.stats = self.snapshot()
+        except BaseException as e:  # noqa: BLE001 - the replica must learn that its engine is gone
+            log.exception("%s engine thread failed", self.name)
+            self.error = e
+            self.fail_all(f"engine failed: {e!r}")

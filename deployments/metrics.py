@@ -1,0 +1,71 @@
+"""Serving metrics, through ``ray.serve.metrics``.
+
+Serve tags every series with its application, deployment and replica and
+exports it on Ray's Prometheus endpoint (each node's metrics export port,
+scraped by the chart's monitors), so no replica opens a port of its own.
+Per-request timings are taken in the decode replica, which sees every token
+leave: time to first token counts from the moment decode accepted the request
+(page reservation and prefill included), inter-token latency is the gap
+between consecutive engine outputs (with MTP one output may carry several
+tokens). Pool gauges and MTP counters follow each replica's heartbeat
+snapshot (`deployments.peer_sync`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import metrics
+
+_LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
+class PoolMetrics:
+    """Gauges every replica of a pool reports from its load snapshot."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.free_pages = metrics.Gauge("dsa_pd_free_pages", "Free KV cache pages of the replica's pool.",
+                                        tag_keys=("role",))
+        self.total_pages = metrics.Gauge("dsa_pd_total_pages", "KV cache pages of the replica's pool.",
+                                         tag_keys=("role",))
+        self.queue_depth = metrics.Gauge("dsa_pd_queue_depth",
+                                         "Requests waiting in the replica (for pages, KV or a batch slot).",
+                                         tag_keys=("role",))
+        for m in (self.free_pages, self.total_pages, self.queue_depth):
+            m.set_default_tags({"role": role})
+
+    def update(self, stats: dict[str, Any]) -> None:
+        self.free_pages.set(stats.get("free_pages", 0))
+        self.total_pages.set(stats.get("total_pages", 0))
+        waiting = stats.get("queued", 0) + stats.get("awaiting_kv", 0)
+        self.queue_depth.set(waiting)
+
+
+class DecodeMetrics(PoolMetrics):
+    """Token and latency metrics of a decode replica, plus MTP acceptance."""
+
+    def __init__(self):
+        super().__init__("decode")
+        self.tokens = metrics.Counter("dsa_pd_generated_tokens", "Tokens generated (sent to clients).")
+        self.requests = metrics.Counter("dsa_pd_requests", "Requests finished, by finish reason.",
+                                        tag_keys=("finish_reason",))
+        self.ttft = metrics.Histogram("dsa_pd_time_to_first_token_seconds",
+                                      "From decode accepting a request to its first token.",
+                                      boundaries=_LATENCY_BUCKETS_S)
+        self.itl = metrics.Histogram("dsa_pd_inter_token_latency_seconds",
+                                     "Gap between consecutive outputs of one request.",
+                                     boundaries=_LATENCY_BUCKETS_S)
+        self.mtp_drafted = metrics.Counter("dsa_pd_mtp_draft_tokens", "MTP draft tokens proposed.")
+        self.mtp_accepted = metrics.Counter("dsa_pd_mtp_accepted_tokens", "MTP draft tokens accepted.")
+        self.mtp_rate = metrics.Gauge("dsa_pd_mtp_acceptance_rate", "Accepted / drafted MTP tokens so far.")
+        self._last_drafted = self._last_accepted = 0
+
+    def update(self, stats: dict[str, Any]) -> None:
+        super().update(stats)
+        drafted, accepted = stats.get("mtp_drafted", 0), stats.get("mtp_accepted", 0)
+        if drafted > self._last_drafted:
+            self.mtp_drafted.inc(drafted - self._last_drafted)
+            self.mtp_accepted.inc(accepted - self._last_accepted)
+            self._last_drafted, self._last_accepted = drafted, accepted
+        self.mtp_rate.set(stats.get("mtp_acceptance_rate", 0.0))

@@ -1,0 +1,126 @@
+"""The engine thread of a prefill replica: runs a `PrefillWorker`.
+
+Tasks (from decode replicas) queue here until the pool has pages for them,
+then are prefilled chunk by chunk; each chunk's pages are pushed to the
+decode replica that reserved them, and the final `PrefillResult` (first
+token, last hidden state) goes back on the task's stream. The handshake with
+a decode replica is made here too (the NIXL agent belongs to this thread):
+from the peer directory at start (with a warm-up WRITE), or from the offer a
+task carries when its decode replica is not known yet (a new or restarted
+decode epoch).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+from deployments.engine_thread import EngineThread
+from workers.page_pool import PoolExhausted
+from workers.prefill_worker import PrefillResult, PrefillTask, PrefillWorker
+
+log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
+
+
+class PrefillEngine(EngineThread):
+    def __init__(self, worker: PrefillWorker, warm_up: bool = True):
+        super().__init__(f"prefill:{worker.link.agent.worker_id}")
+        self.worker = worker
+        self.warm_up = warm_up
+        self.pending: deque[PrefillTask] = deque()
+        self.warmed: set[str] = set()
+        self.completed = 0
+
+    @property
+    def agent_name(self) -> str:
+        return self.worker.link.agent.name
+
+    # ------------------------------------------------- commands (engine thread)
+    def submit(self, task: PrefillTask, decode_offer: bytes | None) -> None:
+        """Queue ``task``; its result is emitted on its stream. Handshakes with its decode replica if needed."""
+        peers = self.worker.link.peers
+        try:
+            if not peers.knows(task.decode_agent):
+                if decode_offer is None:
+                    raise ValueError(f"decode agent {task.decode_agent} is unknown and sent no handshake offer")
+                peers.accept(decode_offer)
+        except Exception as e:  # noqa: BLE001 - incompatible or stale peer: this task fails, not the replica
+            self.emit(task.request_id, PrefillResult(task.request_id, False, error=f"handshake: {e}"))
+            return
+        self.pending.append(task)
+        self._admit()
+
+    def abort(self, request_id: str) -> None:
+        """Drop a task (its decode caller gave up): queued or in flight; decode is told by the pusher."""
+        self.pending = deque(t for t in self.pending if t.request_id != request_id)
+        self.worker.abort(request_id, "decode cancelled the prefill call")
+
+    def learn_peer(self, offer: bytes, warmup_page: int | None) -> str:
+        """Handshake with a decode replica from its directory entry; warm the pair up once."""
+        peer = self.worker.link.peers.accept(offer)
+        if self.warm_up and warmup_page is not None and peer.agent_name not in self.warmed:
+            # The first WRITE of a new pair pays connection setup and remote
+            # registration: pay it now, into the page decode set aside for it.
+            try:
+                secs = self.worker.pusher.warm_up(peer.agent_name, local_page=0, remote_page=warmup_page)
+                log.info("warmed up %s -> %s in %.3fs", self.agent_name, peer.agent_name, secs)
+            except Exception as e:  # noqa: BLE001 - a failed warm-up is a slower first request, not an error
+                log.warning("warm-up to %s failed: %s", peer.agent_name, e)
+            self.warmed.add(peer.agent_name)
+        return peer.agent_name
+
+    def forget_peer(self, agent_name: str) -> None:
+        """The decode replica left the directory: its pushes fail now, not at their deadline."""
+        self.worker.link.peers.forget(agent_name)
+        self.warmed.discard(agent_name)
+
+    # ------------------------------------------------------------ engine loop
+    def _admit(self) -> None:
+        while self.pending:
+            task = self.pending[0]
+            try:
+                self.worker.submit(task)
+            except PoolExhausted as e:
+                if self.worker.active:
+                    return  # pages come back as active prefills finish
+                self.pending.popleft()
+                self.emit(task.request_id, PrefillResult(task.request_id, False, error=f"prefill pool: {e}"))
+                continue
+            except Exception as e:  # noqa: BLE001 - e.g. the decode peer vanished meanwhile
+                self.pending.popleft()
+                self.emit(task.request_id, PrefillResult(task.request_id, False, error=str(e)))
+                continue
+            self.pending.popleft()
+
+    def has_work(self) -> bool:
+        return bool(self.worker.active or self.pending)
+
+    def tick(self) -> bool:
+        computing = any(a.done < len(a.task.token_ids) for a in self.worker.active.values())
+        for res in self.worker.step():
+            self.completed += 1
+            self.emit(res.request_id, res)
+        self._admit()
+        return computing
+
+    def snapshot(self) -> dict[str, Any]:
+        w = self.worker
+        queued_tokens = sum(len(t.token_ids) for t in self.pending)
+        queued_tokens += sum(len(a.task.token_ids) - a.done for a in w.active.values())
+        return {
+            "agent": self.agent_name,
+            "free_pages": w.pool.free_count,
+            "total_pages": w.pool.num_pages,
+            "active": len(w.active),
+            "queued": len(self.pending),
+            "queued_tokens": queued_tokens,
+            "completed": self.completed,
+            "known_decodes": len(w.link.peers.peers()),
+        }
+
+    def fail_all(self, message: str) -> None:
+        for task in list(self.pending):
+            self.emit(task.request_id, PrefillResult(task.request_id, False, error=message))
+        for rid in list(self.worker.active):
+            self.emit(rid, PrefillResult(rid, False, error=message))

@@ -1,0 +1,93 @@
+"""The prefill deployment: one replica = one `PrefillWorker` on its engine thread.
+
+Decode replicas call `prefill` (routed by `deployments.router.PrefillRouter`)
+with a `PrefillTask` naming their agent and reserved pages, plus their
+handshake offer for the case this replica has not met that decode epoch yet.
+The call returns once every page has been pushed and the first token is
+sampled. If the caller cancels the call (its client left, its transfer
+expired), the prefill is aborted and its pages freed here; decode frees its
+own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray import serve
+
+from deployments.app_config import AppConfig
+from deployments.metrics import PoolMetrics
+from deployments.peer_sync import PeerSync
+from deployments.prefill_engine import PrefillEngine
+from deployments.replica_build import build_prefill_worker
+from workers.prefill_worker import PrefillResult, PrefillTask
+
+log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
+
+
+class PrefillServer:
+    async def __init__(self, app_args: dict[str, Any], model_dir: str, directory):
+        cfg = AppConfig.model_validate(app_args)
+        self.worker_id = f"prefill-{serve.get_replica_context().replica_id.unique_id}"
+        worker = await asyncio.to_thread(build_prefill_worker, cfg, model_dir, self.worker_id)
+        self.engine = PrefillEngine(worker, warm_up=cfg.transfer.warmup_at_start)
+        self.agent = self.engine.agent_name
+        offer = worker.link.peers.offer().to_bytes()  # before the thread starts: nothing else uses the agent yet
+        self.engine.start()
+        self.metrics = PoolMetrics("prefill")
+        self.sync = PeerSync(directory, "prefill", self.worker_id, self.agent, offer, self._stats,
+                             learn=self._learn, forget=self._forget)
+        await self.sync.start()
+
+    def _stats(self) -> dict[str, Any]:
+        stats = self.engine.stats
+        self.metrics.update(stats)
+        return stats
+
+    async def _learn(self, entry: dict[str, Any]) -> None:
+        await self.engine.call(self.engine.learn_peer, entry["offer"], entry.get("extra", {}).get("warmup_page"))
+
+    async def _forget(self, agent: str) -> None:
+        await self.engine.call(self.engine.forget_peer, agent)
+
+    # ----------------------------------------------------------- Serve hooks
+    def record_replica_metadata(self) -> dict[str, Any]:
+        """Static: the agent name, so the prefill router can match it against the caller's peer book."""
+        return {"agent": self.agent, "worker_id": self.worker_id}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return dict(self.engine.stats)
+
+    def check_health(self) -> None:
+        self.engine.check()
+
+    async def __del__(self):
+        await self.sync.stop()
+        self.engine.stop()
+
+    # -------------------------------------------------------------- requests
+    async def prefill(self, task: PrefillTask, decode_offer: bytes | None = None,
+                      known_prefills: tuple[str, ...] | None = None,
+                      prefix_hash: int | None = None) -> tuple[str, PrefillResult]:
+        """Prefill ``task`` and push its pages; returns ``(this agent, result)``.
+
+        ``known_prefills`` / ``prefix_hash`` are for the router (it reads the
+        call's keyword arguments); the agent check below only catches a
+        router that routed on stale metadata.
+        """
+        rid = task.request_id
+        if known_prefills is not None and self.agent not in known_prefills:
+            return self.agent, PrefillResult(rid, False, error=f"decode has not handshaked with {self.agent}")
+        stream = self.engine.open_stream(rid)
+        done = False
+        try:
+            self.engine.post(self.engine.submit, task, decode_offer)
+            result = await stream.get()
+            done = True
+            return self.agent, result
+        finally:
+            if not done:  # cancelled by decode (or the replica is shutting down)
+                self.engine.post(self.engine.abort, rid)
+            self.engine.close_stream(rid)

@@ -1,0 +1,122 @@
+"""`serve run CONFIG.yaml` as a subprocess, the way a user starts it (imported by the serving tests).
+
+Each server gets a fresh local Ray cluster (``RAY_ADDRESS=local``: never
+someone else's), its own short temp dir (``RAY_TMPDIR``: Ray's socket paths
+must stay short), a small object store, undeduplicated logs in a file, a
+free HTTP port (written into a copy of the config's ``http_options``; the
+application ``args`` are the shipped file's, unchanged) and its own cache dir
+for tiny models (so the first start makes the model). Every wait is bounded;
+`stop` interrupts it like Ctrl-C (Serve shuts the app down) and kills the
+process group if that takes too long.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    def __init__(self, config: Path, workdir: Path, cache_dir: Path, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.workdir = workdir
+        self.log_path = workdir / "serve.log"
+        doc = yaml.safe_load(Path(config).read_text())
+        doc["http_options"] = {**doc.get("http_options", {}), "host": "127.0.0.1", "port": self.port}
+        self.config = workdir / Path(config).name
+        self.config.write_text(yaml.safe_dump(doc, sort_keys=False))
+        # Unix socket paths (Ray's raylet/plasma sockets) are limited to ~107 bytes.
+        self.ray_tmp = Path(tempfile.mkdtemp(prefix="dsapd-", dir="/tmp"))
+        self.env = dict(
+            os.environ,
+            RAY_ADDRESS="local",
+            RAY_TMPDIR=str(self.ray_tmp),
+            RAY_DEDUP_LOGS="0",
+            RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION="0.05",
+            DSA_PD_CACHE=str(cache_dir),
+            # This checkout's packages in every Ray worker (the build task and the
+            # replicas), whatever else is installed.
+            PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+            UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"),
+            PYTHONUNBUFFERED="1",
+        )
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ServeProcess":
+        exe = shutil.which("serve")
+        assert exe, "the `serve` command (ray[serve]) is not on PATH"
+        self._log = open(self.log_path, "wb")
+        # From the checkout, as the README has users run it.
+        self.proc = subprocess.Popen([exe, "run", str(self.config)], cwd=REPO, env=self.env,
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-n:])
+
+    def wait_for_log(self, needle: str, timeout: float) -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            text = self.log()
+            if needle in text:
+                return text
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        raise AssertionError(f"{needle!r} not in the serve log within {timeout}s:\n{self.tail()}")
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until ``/health`` answers 200 (every pool live, decode handshaked with prefill)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"serve run exited with {self.proc.returncode}:\n{self.tail()}")
+            if "Deploying app" in self.log() and "failed" in self.log():
+                raise AssertionError(f"the application failed to deploy:\n{self.tail(120)}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise AssertionError(f"not healthy within {timeout}s:\n{self.tail()}")
+
+    def stop(self, timeout: float = 60) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            # Ctrl-C: serve run shuts the application and the local cluster down.
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # whatever is left of the cluster (same session)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self._log.close()
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+        return self.proc.returncode

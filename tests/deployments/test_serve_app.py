@@ -1,0 +1,334 @@
+"""`serve run configs/tiny_pd.yaml` end to end, with the official `openai` client.
+
+One server per module (a fresh local Ray cluster on this machine: ingress,
+decode, prefill and directory replicas, NIXL between the two pools). The
+reference is the offline engine, `LLM(model_dir, pd=False)`, on a tiny model
+made here from the same spec (the server makes its own copy on first start),
+with the same dtype and KV format as the config. Checked: greedy output of
+completions and chat, streamed and not, equals the reference for the same
+prompt token ids, also under concurrent clients; every refused request gets
+its OpenAI error object and status; a client leaving mid-stream (or a
+non-streamed request timing out) frees its pages on both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from deployments.app_config import AppConfig
+from tests.deployments.app_fixtures import CONFIGS
+from tests.deployments.serve_process import ServeProcess
+
+pytestmark = pytest.mark.slow
+
+CONFIG = CONFIGS / "tiny_pd.yaml"
+ARGS = AppConfig.model_validate(yaml.safe_load(CONFIG.read_text())["applications"][0]["args"])
+MODEL = ARGS.model_name
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    work = tmp_path_factory.mktemp("serve")
+    proc = ServeProcess(CONFIG, work, cache_dir=work / "cache").start()
+    yield proc
+    proc.stop()
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, 256) for _ in range(n)]
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
+TEXT_PROMPT = "Sparse attention is"
+MAX_REF_TOKENS = 40
+# Prompts whose offline greedy continuations the tests compare against (token-id prompts; the
+# text and chat prompts are tokenized in the fixture, as the ingress does).
+ID_PROMPTS = {
+    "n1": prompt_ids(1, seed=1), "n70": prompt_ids(70, seed=70), "n300": prompt_ids(300, seed=300),
+    "stream": prompt_ids(130, seed=7),
+    **{f"conc{i}": prompt_ids(20 + 37 * i, seed=100 + i) for i in range(6)},
+}
+
+
+class Reference:
+    """Greedy continuations of the offline engine, all computed in one batch (``MAX_REF_TOKENS``
+    each, EOS ignored): a shorter or EOS-stopping request's answer is a prefix of it."""
+
+    def __init__(self, llm, tok, prompts: dict[str, list[int]]):
+        self.llm, self.tok, self.prompts = llm, tok, prompts
+        names = list(prompts)
+        outs = llm.generate([prompts[n] for n in names], max_new_tokens=MAX_REF_TOKENS, ignore_eos=True)
+        self.out = dict(zip(names, outs))
+
+    def expect(self, name: str, max_tokens: int, ignore_eos: bool = False) -> tuple[str, int, str]:
+        """(text, completion tokens, finish reason) for prompt ``name``."""
+        assert max_tokens <= MAX_REF_TOKENS
+        out, finish = self.out[name][:max_tokens], "length"
+        if not ignore_eos:
+            for i, t in enumerate(out):
+                if t in self.llm.cfg.eos_token_ids:
+                    out, finish = out[: i + 1], "stop"
+                    break
+        return self.tok.decode(out, skip_special_tokens=True), len(out), finish
+
+
+@pytest.fixture(scope="module")
+def reference(server, tmp_path_factory):
+    """Computed while the server starts (both take CPU-minutes on a small machine)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from workers.offline import LLM
+
+    # One thread: next to the server's processes, two OpenMP threads spin at
+    # every barrier while the other waits for a core (10x slower here).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    src = ARGS.model.model_copy(update={"cache_dir": str(tmp_path_factory.mktemp("ref-cache"))})
+    model_dir = src.checkpoint_dir(make=True)
+    pool = ARGS.decode
+    llm = LLM(model_dir, backend=pool.backend, device=pool.device, dtype=pool.dtype,
+              kv_cache_dtype=pool.kv_cache_dtype)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    chat = tok(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
+               add_special_tokens=False)["input_ids"]
+    try:
+        yield Reference(llm, tok, {**ID_PROMPTS, "text": tok(TEXT_PROMPT)["input_ids"], "chat": chat})
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ready(server, reference):
+    server.wait_ready(timeout=240)
+    return server
+
+
+@pytest.fixture(scope="module")
+def client(ready):
+    return openai.OpenAI(base_url=ready.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def stats(server) -> dict:
+    return httpx.get(server.url + "/stats", timeout=10).json()
+
+
+def free_pages(server) -> tuple[int, int]:
+    s = stats(server)
+    return s["prefill"][0]["stats"]["free_pages"], s["decode"][0]["stats"]["free_pages"]
+
+
+def wait_until(fn, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"{what} not within {timeout}s")
+
+
+# --------------------------------------------------------------------------- happy paths
+
+
+def test_health_models_and_stats(ready, client):
+    assert httpx.get(ready.url + "/health").json()["status"] == "ok"
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    s = stats(ready)
+    (pre,), (dec,) = s["prefill"], s["decode"]
+    assert pre["stats"]["known_decodes"] == 1 and dec["stats"]["known_prefills"] == 1
+    assert pre["stats"]["free_pages"] == ARGS.prefill.num_pages
+    # One decode page is set aside for prefill's warm-up WRITE.
+    assert dec["stats"]["free_pages"] == ARGS.decode.num_pages - 1
+
+
+@pytest.mark.parametrize("name", ["n1", "n70", "n300"])
+def test_completion_equals_offline_greedy(client, reference, name):
+    ids = reference.prompts[name]
+    text, count, finish = reference.expect(name, 12)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == (text, count, finish)
+    assert r.usage.prompt_tokens == len(ids) and r.model == MODEL and r.object == "text_completion"
+
+
+def test_streamed_completion_equals_non_streamed(client, reference):
+    ids = reference.prompts["stream"]
+    text, count, _ = reference.expect("stream", 32, ignore_eos=True)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=32, temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == count == 32 and chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_text_prompt_and_stop_string(client, reference):
+    text, _, _ = reference.expect("text", 24, ignore_eos=True)
+    kw = dict(model=MODEL, prompt=TEXT_PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert (r.choices[0].text, r.usage.prompt_tokens) == (text, len(reference.prompts["text"]))
+    # A stop string from the expected text, made of characters no special token has (the
+    # engine matches stop strings on text that still holds special tokens).
+    special = set("".join(reference.tok.all_special_tokens))
+    stop = next(c for c in text[4:] if c.isascii() and c.isprintable() and c not in special)
+    cut = text[: text.index(stop)]
+    r = client.completions.create(**kw, stop=[stop])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (cut, "stop")
+    assert "".join(c.choices[0].text for c in client.completions.create(**kw, stop=stop, stream=True)) == cut
+
+
+def test_chat_streamed_and_not_equal_offline(client, reference):
+    text, count, _ = reference.expect("chat", 16, ignore_eos=True)
+    kw = dict(model=MODEL, messages=CHAT, temperature=0, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kw, max_tokens=16)
+    assert (r.choices[0].message.role, r.choices[0].message.content) == ("assistant", text)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(reference.prompts["chat"]), count)
+    chunks = list(client.chat.completions.create(**kw, max_completion_tokens=16, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_logprobs_are_the_engines(client, reference):
+    ids = reference.prompts["n70"]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, logprobs=0,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) == 4 and all(x <= 0 for x in lp.token_logprobs)
+    # Greedy: the first token is the argmax after the prompt, so its logprob is the distribution's max.
+    first = reference.llm.prompt_logits(ids)[-1].log_softmax(-1).max().item()
+    assert abs(lp.token_logprobs[0] - first) < 1e-3
+
+
+def test_concurrent_clients(client, reference):
+    jobs = [(f"conc{i}", 8 + 2 * i, i % 2 == 0) for i in range(6)]
+
+    def run(job):
+        name, m, stream = job
+        r = client.completions.create(model=MODEL, prompt=reference.prompts[name], max_tokens=m, temperature=0,
+                                      stream=stream, extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(run, jobs))
+    assert got == [reference.expect(name, m, ignore_eos=True)[0] for name, m, _ in jobs]
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=MODEL, prompt=prompt_ids(30, seed=5), max_tokens=10, temperature=0.9, seed=1234,
+              extra_body={"top_k": 50, "ignore_eos": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text and a.usage.completion_tokens == 10
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _error(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
+    return body["error"]
+
+
+def test_invalid_json_and_bodies(ready):
+    r = httpx.post(ready.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and _error(r)["type"] == "invalid_request_error"
+    assert "not valid JSON" in _error(r)["message"]
+    r = httpx.post(ready.url + "/v1/chat/completions", json=[1, 2])
+    assert r.status_code == 400 and "JSON object" in _error(r)["message"]
+    r = httpx.post(ready.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 3})
+    assert r.status_code == 400 and "Unrecognized request argument" in _error(r)["message"]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-5", prompt="hi", max_tokens=2)
+    assert e.value.status_code == 404 and e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_context_limit(client, ready):
+    limit = httpx.get(ready.url + "/v1/models").json()["data"][0]["max_model_len"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=prompt_ids(limit, seed=1), max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=prompt_ids(limit - 10, seed=1), max_tokens=20)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * limit}])
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("temperature", 2.5, "temperature"),
+    ("temperature", -1, "temperature"),
+    ("top_p", 0, "top_p"),
+    ("max_tokens", 0, "max_tokens"),
+    ("n", 2, "n must be 1"),
+    ("presence_penalty", 0.5, "not supported"),
+    ("logprobs", 3, "not supported"),
+])
+def test_bad_sampling_values_are_400(client, field, value, needle):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", **{field: value})
+    assert e.value.status_code == 400 and needle in e.value.body["message"]
+    assert e.value.body["type"] == "invalid_request_error"
+
+
+def test_token_ids_outside_the_vocabulary_are_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[1, 2, 10**6], max_tokens=2)
+    assert "out of the vocabulary" in e.value.body["message"]
+
+
+# --------------------------------------------------------------------------- disconnects
+
+
+def test_client_disconnect_mid_stream_frees_pages_on_both_sides(ready):
+    base = free_pages(ready)
+    body = {"model": MODEL, "prompt": prompt_ids(200, seed=9), "max_tokens": 1500, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", ready.url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            events = [line for line, _ in zip((x for x in lines if x.startswith("data:")), range(10))]
+            assert len(events) == 10 and json.loads(events[0][5:])["choices"][0]["text"] is not None
+            # Still streaming: decode holds the request's pages (prefill already freed its own).
+            busy = wait_until(lambda: (s := stats(ready))["decode"][0]["stats"]["running"] == 1 and s, 10,
+                              "the request running in decode")
+            assert busy["decode"][0]["stats"]["free_pages"] < base[1]
+        # Leaving the `with` closes the connection mid-stream.
+    wait_until(lambda: free_pages(ready) == base, 20, "pages back to their start counts")
+    assert stats(ready)["decode"][0]["stats"]["running"] == 0
+
+
+def test_client_timeout_of_a_non_streamed_request_frees_pages(ready):
+    base = free_pages(ready)
+    body = {"model": MODEL, "prompt": prompt_ids(150, seed=11), "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(ready.url + "/v1/completions", json=body, timeout=3)
+    wait_until(lambda: free_pages(ready) == base, 20, "pages back to their start counts")
+
+
+def test_pools_end_where_they_started(ready, client):
+    # After every test above (finishes, stops, disconnects, refusals) both pools are whole again.
+    client.completions.create(model=MODEL, prompt="last", max_tokens=3)
+    wait_until(lambda: free_pages(ready) == (ARGS.prefill.num_pages, ARGS.decode.num_pages - 1), 10,
+               "pools at their start counts")
+    s = stats(ready)["decode"][0]["stats"]
+    assert s["decode_tokens"] > 0 and s["awaiting_kv"] == 0 and s["queued"] == 0

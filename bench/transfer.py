@@ -10,10 +10,18 @@ into the pages the decode process reserved, through `transfer.Pusher` /
 Reported, all from one run:
 - the reference: a torch copy of the same number of bytes, prefill device ->
   decode device, in the prefill process (the device-to-device roofline);
-- the first (cold) request after the pair starts, and with ``--warmup`` the
-  warm-up cost paid at start instead;
-- warm requests (median of ``--reps``) with and without descriptor merging;
-- each as GB/s and as a fraction of the reference copy.
+- per UCX scatter-gather setting (``--ucx-sgl``: off, on or both, each with
+  a fresh pair of processes): the first (cold) request after the pair
+  starts, and with ``--warmup`` the warm-up cost paid at start instead;
+- warm requests (median of ``--reps``) per path: ``prep`` (the serving path:
+  indices into descriptor lists prepared at start / handshake, then
+  ``make_prepped_xfer``) with and without merging, and ``init`` (explicit
+  descriptors per request through ``initialize_xfer``, the path before
+  prepared lists);
+- each as GB/s and as a fraction of the reference copy, with the posting
+  time split: ``plan_ms`` (indices / descriptors in Python), ``make_ms``
+  (NIXL request creation), ``nixl_post_ms`` (inside NIXL ``transfer``: the
+  backend issuing every descriptor); ``post_ms`` is all of begin + push.
 
 GPU (the default): ``python bench/transfer.py [--devices 0,1] [--warmup]``.
 CPU smoke run: ``python bench/transfer.py --device cpu --layers 4 --tokens 512,2048``.
@@ -31,6 +39,7 @@ _ROOT = os.path.dirname(_BENCH)
 sys.path[:] = [_ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != _BENCH]
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import random  # noqa: E402
@@ -58,6 +67,8 @@ class BenchConfig:
     layout: str  # "contiguous" | "runs" | "random"
     deadline_s: float
     progress_thread: bool
+    ucx_sgl: bool = False
+    ucx_threads: int = 0
 
     @property
     def bytes_per_page(self) -> int:
@@ -116,9 +127,11 @@ class Side:
         if cfg.device == "cuda":
             torch.cuda.synchronize()
         compat = CompatInfo("bench/dsv32-shaped", cfg.layers, PAGE_SIZE, "fp8_656", "fp8_132", False)
-        self.agent = TransferAgent(f"bench-{role}", self.regions, compat, progress_thread=cfg.progress_thread)
+        self.agent = TransferAgent(f"bench-{role}", self.regions, compat, progress_thread=cfg.progress_thread,
+                                   ucx_sgl=cfg.ucx_sgl, num_threads=cfg.ucx_threads)
         self.book = PeerBook(self.agent)
-        self.pushers = {m: Pusher(self.agent, self.book, merge=m) for m in (True, False)}
+        self.pushers = {(path, m): Pusher(self.agent, self.book, merge=m, prepped=path == "prep")
+                        for path in ("prep", "init") for m in (True, False)}
         self.receiver = Receiver(self.agent, self.book)
 
     def name(self) -> str:
@@ -193,15 +206,15 @@ class Side:
         del src, dst
         return statistics.median(times)
 
-    def warm_up(self, peer: str) -> float:
-        return self.pushers[True].warm_up(peer, 0, 0)
+    def warm_up(self, peer: str, repeat: int) -> float:
+        return self.pushers[("prep", True)].warm_up(peer, 0, 0, repeat=repeat)
 
     def push(
-        self, rid: str, peer: str, tokens: int, local: list[int], remote: list[int], merge: bool, chunk_tokens: int
+        self, rid: str, peer: str, tokens: int, local: list[int], remote: list[int], path: str, merge: bool,
+        chunk_tokens: int,
     ) -> dict[str, Any]:
-        from transfer import build_plan
-
-        pusher = self.pushers[merge]
+        pusher = self.pushers[(path, merge)]
+        before = pusher.stats.copy()
         chunk = chunk_tokens or tokens
         t0 = time.perf_counter()
         pusher.begin(rid, peer, tokens, local, remote, self.cfg.deadline_s)
@@ -216,9 +229,10 @@ class Side:
                 break
         t1 = time.perf_counter()
         (r,) = results
-        descs = build_plan(self.agent.table, self.book.get(peer).regions, local, remote, merge=merge).num_descriptors
+        st = pusher.stats.since(before)
         return {"status": r.status.value, "reason": r.reason, "seconds": t1 - t0, "post_seconds": t_posted - t0,
-                "nbytes": r.nbytes, "descriptors": descs, "chunks": r.chunks}
+                "plan_seconds": st.plan_s, "make_seconds": st.make_s, "nixl_post_seconds": st.post_s,
+                "nbytes": r.nbytes, "descriptors": st.descriptors, "chunks": r.chunks}
 
 
 def _side_main(conn, role: str, cfg: BenchConfig) -> None:
@@ -293,7 +307,7 @@ class Pair:
         self.pre_name, self.dec_name = self.pre.call("name"), self.dec.call("name")
         self.n = 0
 
-    def request(self, tokens: int, merge: bool, chunk_tokens: int, verify: bool) -> dict[str, Any]:
+    def request(self, tokens: int, path: str, merge: bool, chunk_tokens: int, verify: bool) -> dict[str, Any]:
         n = pages_for_tokens(tokens)
         local = page_ids(self.cfg.layout, n, self.cfg.pool_pages, self.rng)
         remote = page_ids(self.cfg.layout, n, self.cfg.pool_pages, self.rng)
@@ -301,7 +315,7 @@ class Pair:
         self.n += 1
         self.dec.call("reserve", rid, self.pre_name, tokens, remote)
         self.dec.send("wait")
-        res = self.pre.call("push", rid, self.dec_name, tokens, local, remote, merge, chunk_tokens)
+        res = self.pre.call("push", rid, self.dec_name, tokens, local, remote, path, merge, chunk_tokens)
         got = self.dec.recv()
         if res["status"] != "done" or got["status"] != "done":
             raise RuntimeError(f"request {rid} failed: push {res}, receive {got}")
@@ -319,6 +333,84 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+ROWS = (("prep", True), ("prep", False), ("init", True))
+"""(path, merge) of the warm rows: the prepared path with and without merging, and the unprepared one."""
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[int, float]], verify: bool,
+             header: bool) -> tuple[dict[str, Any], dict[int, float]]:
+    """One pair of processes with ``cfg.ucx_sgl``: reference copy (if not given), warm-up, first request, rows."""
+    pair = Pair(cfg, args.seed)
+    try:
+        info = pair.pre.call("info")
+        if header:
+            dec_info = pair.dec.call("info")
+            print(f"# transfer bench: NIXL WRITE push, prefill process -> decode process ({args.device})")
+            if args.device == "cuda":
+                print(f"# gpu: {info['gpu']} (prefill cuda:{cfg.prefill_device}) -> {dec_info['gpu']} (decode "
+                      f"cuda:{cfg.decode_device}); {info['gpu_count']} visible")
+                print(f"# versions: torch {info['torch']}, CUDA {info['cuda']}, nixl {info['nixl']}")
+            else:
+                print(f"# cpu: {info['cpu']}, torch threads {info['threads']}")
+                print(f"# versions: torch {info['torch']}, nixl {info['nixl']}")
+            print(f"# geometry: {cfg.layers} layers x ({cfg.mla_bytes} MLA + {cfg.index_bytes} index) B/page = "
+                  f"{cfg.bytes_per_page / 1e6:.3f} MB/page; pool {cfg.pool_pages} pages/side; layout {cfg.layout}; "
+                  f"chunk {args.chunk_tokens or 'whole prompt'}; NIXL progress thread "
+                  f"{'on' if cfg.progress_thread else 'off'}; UCX threads {cfg.ucx_threads}")
+        if copy_s is None:
+            copy_s = {t: pair.pre.call("copy_reference", pages_for_tokens(t) * cfg.bytes_per_page, max(args.reps, 3))
+                      for t in tokens}
+            for t in tokens:
+                nb = pages_for_tokens(t) * cfg.bytes_per_page
+                print(f"reference torch copy {t:>6} tok: {nb / 1e6:9.1f} MB in {copy_s[t] * 1e3:8.2f} ms = "
+                      f"{gbps(nb, copy_s[t]):7.1f} GB/s")
+        sgl = "on" if cfg.ucx_sgl else "off"
+        print(f"## UCX scatter-gather offload {sgl} (fresh pair: {pair.pre_name} -> {pair.dec_name})")
+        out: dict[str, Any] = {"ucx_sgl": cfg.ucx_sgl, "info": info}
+        warm_s = None
+        if args.warmup:
+            warm_s = pair.pre.call("warm_up", pair.dec_name, args.warmup_repeat)
+            print(f"warm-up at start ({args.warmup_repeat} x one page per region): {warm_s * 1e3:.1f} ms")
+        out["warmup_seconds"] = warm_s
+
+        first = pair.request(tokens[0], "prep", True, args.chunk_tokens, verify)
+        f_bw = gbps(first["nbytes"], first["seconds"])
+        print(f"first request after start ({'warmed' if args.warmup else 'cold'}), {tokens[0]} tok prep merged: "
+              f"{first['seconds'] * 1e3:.2f} ms = {f_bw:.1f} GB/s = {f_bw / gbps(first['nbytes'], copy_s[tokens[0]]):.3f}"
+              f" of copy (post {ms(first['post_seconds'])} ms: plan {ms(first['plan_seconds'])}, make "
+              f"{ms(first['make_seconds'])}, nixl_post {ms(first['nixl_post_seconds'])})")
+        first["fraction_of_copy"] = f_bw / gbps(first["nbytes"], copy_s[tokens[0]])
+        out["first"] = first
+
+        print(f"{'tokens':>6} {'path':>4} {'merge':>5} {'descs':>7} {'MB':>9} {'plan_ms':>8} {'make_ms':>8} "
+              f"{'nixl_post_ms':>12} {'post_ms':>8} {'push_ms':>9} {'GB/s':>8} {'fraction_of_copy':>16}")
+        rows = []
+        for t in tokens:
+            for path, merge in ROWS:
+                runs = [pair.request(t, path, merge, args.chunk_tokens, verify and i == 0) for i in range(args.reps)]
+                med = {k: statistics.median(r[k] for r in runs)
+                       for k in ("seconds", "post_seconds", "plan_seconds", "make_seconds", "nixl_post_seconds")}
+                nb = runs[0]["nbytes"]
+                bw = gbps(nb, med["seconds"])
+                frac = bw / gbps(nb, copy_s[t])
+                print(f"{t:>6} {path:>4} {'yes' if merge else 'no':>5} {runs[0]['descriptors']:>7} {nb / 1e6:>9.1f} "
+                      f"{ms(med['plan_seconds']):>8} {ms(med['make_seconds']):>8} {ms(med['nixl_post_seconds']):>12} "
+                      f"{ms(med['post_seconds']):>8} {ms(med['seconds']):>9} {bw:>8.1f} {frac:>16.3f}")
+                rows.append({"tokens": t, "path": path, "merge": merge, "ucx_sgl": cfg.ucx_sgl,
+                             "descriptors": runs[0]["descriptors"], "nbytes": nb, "push_seconds": med["seconds"],
+                             "post_seconds": med["post_seconds"], "plan_seconds": med["plan_seconds"],
+                             "make_seconds": med["make_seconds"], "nixl_post_seconds": med["nixl_post_seconds"],
+                             "gbps": bw, "copy_seconds": copy_s[t], "fraction_of_copy": frac})
+        out["rows"] = rows
+        return out, copy_s
+    finally:
+        pair.close()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -332,6 +424,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=0, help="push in chunks of this many tokens (0: one chunk)")
     ap.add_argument("--reps", type=int, default=5, help="warm repetitions per configuration (median)")
     ap.add_argument("--warmup", action="store_true", help="warm the pair up at start (connect + one page per region)")
+    ap.add_argument("--warmup-repeat", type=int, default=32,
+                    help="the warm-up writes its page this many times per region in one WRITE (default 32)")
+    ap.add_argument("--ucx-sgl", choices=("off", "on", "both"), default="both",
+                    help="NIXL's UCX scatter-gather offload (NIXL_UCX_SGL_ENABLE): off, on, or both in turn "
+                         "(a fresh pair each; default both)")
+    ap.add_argument("--ucx-threads", type=int, default=0, help="NIXL UCX posting threads (num_threads; default 0)")
     ap.add_argument("--no-verify", action="store_true", help="skip the page checksum comparison")
     ap.add_argument("--deadline", type=float, default=120.0, help="per-request deadline, seconds")
     ap.add_argument("--no-progress-thread", action="store_true",
@@ -344,69 +442,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     pre_dev, dec_dev = (int(x) for x in args.devices.split(","))
     max_pages = pages_for_tokens(max(tokens))
     pool = max_pages if args.layout == "contiguous" else max_pages + max_pages // 4 + 16
-    cfg = BenchConfig(args.device, pre_dev, dec_dev, args.layers, args.mla_bytes, args.index_bytes, pool,
-                      args.layout, args.deadline, not args.no_progress_thread)
+    base = BenchConfig(args.device, pre_dev, dec_dev, args.layers, args.mla_bytes, args.index_bytes, pool,
+                       args.layout, args.deadline, not args.no_progress_thread, ucx_threads=args.ucx_threads)
     verify = not args.no_verify
+    sgl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.ucx_sgl]
 
-    pair = Pair(cfg, args.seed)
-    try:
-        info = pair.pre.call("info")
-        dec_info = pair.dec.call("info")
-        print(f"# transfer bench: NIXL WRITE push, prefill process -> decode process ({args.device})")
-        if args.device == "cuda":
-            print(f"# gpu: {info['gpu']} (prefill cuda:{pre_dev}) -> {dec_info['gpu']} (decode cuda:{dec_dev}); "
-                  f"{info['gpu_count']} visible")
-            print(f"# versions: torch {info['torch']}, CUDA {info['cuda']}, nixl {info['nixl']}")
-        else:
-            print(f"# cpu: {info['cpu']}, torch threads {info['threads']}")
-            print(f"# versions: torch {info['torch']}, nixl {info['nixl']}")
-        print(f"# geometry: {cfg.layers} layers x ({cfg.mla_bytes} MLA + {cfg.index_bytes} index) B/page = "
-              f"{cfg.bytes_per_page / 1e6:.3f} MB/page; pool {cfg.pool_pages} pages/side; layout {cfg.layout}; "
-              f"chunk {args.chunk_tokens or 'whole prompt'}; NIXL progress thread {'on' if cfg.progress_thread else 'off'}")
-
-        report: dict[str, Any] = {"config": asdict(cfg), "info": info, "tokens": tokens, "rows": []}
-        warm_s = None
-        if args.warmup:
-            warm_s = pair.pre.call("warm_up", pair.dec_name)
-            print(f"warm-up at start: {warm_s * 1e3:.1f} ms")
-        report["warmup_seconds"] = warm_s
-
-        copy_s = {t: pair.pre.call("copy_reference", pages_for_tokens(t) * cfg.bytes_per_page, max(args.reps, 3))
-                  for t in tokens}
-        for t in tokens:
-            nb = pages_for_tokens(t) * cfg.bytes_per_page
-            print(f"reference torch copy {t:>6} tok: {nb / 1e6:9.1f} MB in {copy_s[t] * 1e3:8.2f} ms = "
-                  f"{gbps(nb, copy_s[t]):7.1f} GB/s")
-
-        first = pair.request(tokens[0], True, args.chunk_tokens, verify)
-        f_bw = gbps(first["nbytes"], first["seconds"])
-        print(f"first request after start ({'warmed' if args.warmup else 'cold'}), {tokens[0]} tok merged: "
-              f"{first['seconds'] * 1e3:.2f} ms = {f_bw:.1f} GB/s = {f_bw / gbps(first['nbytes'], copy_s[tokens[0]]):.3f}"
-              f" of copy")
-        report["first"] = first
-
-        print(f"{'tokens':>6} {'merge':>5} {'descs':>7} {'MB':>9} {'post_ms':>8} {'push_ms':>9} {'GB/s':>8} "
-              f"{'fraction_of_copy':>16}")
-        for t in tokens:
-            for merge in (True, False):
-                runs = [pair.request(t, merge, args.chunk_tokens, verify and i == 0) for i in range(args.reps)]
-                sec = statistics.median(r["seconds"] for r in runs)
-                post = statistics.median(r["post_seconds"] for r in runs)
-                nb = runs[0]["nbytes"]
-                bw = gbps(nb, sec)
-                frac = bw / gbps(nb, copy_s[t])
-                print(f"{t:>6} {'yes' if merge else 'no':>5} {runs[0]['descriptors']:>7} {nb / 1e6:>9.1f} "
-                      f"{post * 1e3:>8.2f} {sec * 1e3:>9.2f} {bw:>8.1f} {frac:>16.3f}")
-                report["rows"].append({"tokens": t, "merge": merge, "descriptors": runs[0]["descriptors"],
-                                       "nbytes": nb, "push_seconds": sec, "post_seconds": post, "gbps": bw,
-                                       "copy_seconds": copy_s[t], "fraction_of_copy": frac})
-        if verify:
-            print("verified: decode pages equal prefill pages (per-region checksums)")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
-    finally:
-        pair.close()
+    report: dict[str, Any] = {"config": asdict(base), "tokens": tokens, "modes": [], "rows": []}
+    copy_s = None
+    for k, sgl in enumerate(sgl_modes):
+        cfg = dataclasses.replace(base, ucx_sgl=sgl)
+        mode, copy_s = run_mode(cfg, args, tokens, copy_s, verify, header=k == 0)
+        report["modes"].append(mode)
+        report["rows"] += mode["rows"]
+    report["info"] = report["modes"][0]["info"]
+    report["copy_seconds"] = {str(t): s for t, s in copy_s.items()}
+    if verify:
+        print("verified: decode pages equal prefill pages (per-region checksums)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
     return 0
 
 

@@ -20,8 +20,8 @@ from transfer.errors import (
     UnknownPeerError,
 )
 from transfer.handshake import HandshakeOffer, Peer, PeerBook
-from transfer.plan import TransferPlan, build_plan, finished_pages
-from transfer.push import Pusher, PushResult, PushStatus
+from transfer.plan import IndexPlan, RegionSelection, TransferPlan, build_plan, finished_pages, index_plan
+from transfer.push import Pusher, PushResult, PushStats, PushStatus
 from transfer.receiver import Receiver, ReceiveResult, ReceiveStatus
 from transfer.regions import CacheRegion, CacheRegionLike, RegionEntry, RegionTable, region_table
 
@@ -32,10 +32,12 @@ __all__ = [
     "CompatibilityError",
     "FieldDiff",
     "HandshakeOffer",
+    "IndexPlan",
     "Peer",
     "PeerBook",
     "PlanError",
     "PushResult",
+    "PushStats",
     "PushStatus",
     "Pusher",
     "ReceiveResult",
@@ -43,6 +45,7 @@ __all__ = [
     "Receiver",
     "RegionEntry",
     "RegionError",
+    "RegionSelection",
     "RegionTable",
     "StaleEpochError",
     "TransferAgent",
@@ -51,5 +54,6 @@ __all__ = [
     "UnknownPeerError",
     "build_plan",
     "finished_pages",
+    "index_plan",
     "region_table",
 ]

@@ -9,6 +9,10 @@ Protocol (transport-agnostic: a Ray call in serving, a pipe in tests):
    loads the initiator's NIXL metadata and returns its own offer.
 3. The initiator calls ``book.accept(reply_bytes)`` with the same checks.
 
+Accepting a peer also prepares its NIXL descriptor list over every page
+of its regions (`TransferAgent.prepare_peer`); forgetting it releases the
+list with the metadata.
+
 An agent's name is ``worker_id@epoch``. A restarted worker has a new epoch,
 hence a new name: requests naming it miss the book (`UnknownPeerError`) and
 the caller handshakes again, and accepting the new epoch drops the old
@@ -130,6 +134,12 @@ class PeerBook:
         if name != offer.agent_name:
             self.agent.drop_peer(name)
             raise TransferError(f"offer names agent {offer.agent_name!r} but its metadata is {name!r}")
+        try:
+            # Once per peer: its descriptor list over every page of every region.
+            self.agent.prepare_peer(name, offer.regions)
+        except Exception as e:
+            self.agent.drop_peer(name)
+            raise TransferError(f"preparing the descriptor list of {name!r} failed: {e}") from e
         peer = Peer(offer.worker_id, offer.epoch, offer.agent_name, offer.regions, offer.compat)
         self._by_worker[offer.worker_id] = peer
         return peer

@@ -2,11 +2,22 @@
 
 A request owns the same *positions* on both sides: position ``i`` is prefill
 page ``local_pages[i]`` and decode page ``remote_pages[i]``, in every region
-(layer x kind). A plan turns that pairing into NIXL descriptors
-``(address, length, device_id)``, one per (region, page), then merges runs
-that are contiguous on *both* sides into one descriptor: a fresh pool hands
-out ascending page ids, so a whole request in one region is often a single
-descriptor.
+(layer x kind). Two ways to hand that pairing to NIXL:
+
+- `IndexPlan` (the serving path): indices into descriptor lists prepared once
+  over every page of every region (`RegionTable.first_index`), locally at
+  agent start and per peer at handshake; a WRITE is then
+  ``make_prepped_xfer(local_idx, remote_idx)``. NIXL itself merges index
+  runs consecutive on *both* sides within a region into one descriptor
+  (``merge=False`` asks it not to), so nothing per descriptor is built in
+  Python. Computing the indices is a few numpy operations per chunk.
+- `TransferPlan` (the unprepared path, kept for comparison and for callers
+  without prepared lists): explicit descriptors ``(address, length,
+  device_id)``, one per (region, page), with runs contiguous on both sides
+  merged here, posted with ``initialize_xfer``.
+
+A fresh pool hands out ascending page ids, so a whole request in one region
+is often a single descriptor either way.
 """
 
 from __future__ import annotations
@@ -18,7 +29,10 @@ import numpy as np
 
 from attention.formats import PAGE_SIZE, pages_for_tokens
 from transfer.errors import PlanError
-from transfer.regions import RegionTable
+from transfer.regions import RegionKey, RegionTable
+
+_INDEX_LIMIT = 2**31
+"""NIXL takes int32 indices: a flat page index must stay below this."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,18 @@ def select_regions(
     return keys
 
 
+def _check_region_pair(local: RegionTable, remote: RegionTable, key: RegionKey):
+    if key not in remote:
+        raise PlanError(f"peer has no region (layer={key[0]}, kind={key[1]!r})")
+    le, re_ = local.get(*key), remote.get(*key)
+    if le.bytes_per_page != re_.bytes_per_page:
+        raise PlanError(
+            f"region (layer={key[0]}, kind={key[1]!r}): {le.bytes_per_page} bytes per page locally, "
+            f"{re_.bytes_per_page} on the peer"
+        )
+    return le, re_
+
+
 def check_pages(
     local: RegionTable,
     remote: RegionTable,
@@ -95,14 +121,7 @@ def check_pages(
     lmax = int(lp.max()) if lp.size else -1
     rmax = int(rp.max()) if rp.size else -1
     for key in keys:
-        if key not in remote:
-            raise PlanError(f"peer has no region (layer={key[0]}, kind={key[1]!r})")
-        le, re_ = local.get(*key), remote.get(*key)
-        if le.bytes_per_page != re_.bytes_per_page:
-            raise PlanError(
-                f"region (layer={key[0]}, kind={key[1]!r}): {le.bytes_per_page} bytes per page locally, "
-                f"{re_.bytes_per_page} on the peer"
-            )
+        le, re_ = _check_region_pair(local, remote, key)
         if lmax >= le.num_pages:
             raise PlanError(f"local page {lmax} out of range for {le.num_pages} pages")
         if rmax >= re_.num_pages:
@@ -158,6 +177,107 @@ def build_plan(
         num_pages=int(lp.size),
         nbytes=int(length.sum()),
         merged=merge,
+    )
+
+
+@dataclass(frozen=True)
+class RegionSelection:
+    """The regions one pusher sends to one peer, as flat-index offsets (computed once per peer).
+
+    ``local_first`` / ``remote_first``: int64 ``[k]``, flat index of page 0 of
+    each selected region on each side (`RegionTable.first_index`), in local
+    table order. ``bytes_per_position``: bytes one page position moves over
+    all selected regions. ``remote``: the peer table the offsets refer to (a
+    WRITE must use the descriptor list prepared from this very table).
+    """
+
+    keys: tuple[RegionKey, ...]
+    local_first: np.ndarray
+    remote_first: np.ndarray
+    bytes_per_position: int
+    remote: RegionTable
+
+    @classmethod
+    def of(
+        cls,
+        local: RegionTable,
+        remote: RegionTable,
+        layers: Optional[Iterable[int]] = None,
+        kinds: Optional[Iterable[str]] = None,
+    ) -> "RegionSelection":
+        """Raises `PlanError` for a layer / kind with no region, a region missing on the peer or a
+        differing page size."""
+        keys = select_regions(local, layers, kinds)
+        for key in keys:
+            _check_region_pair(local, remote, key)
+        for side, table in (("local", local), ("remote", remote)):
+            if table.total_pages >= _INDEX_LIMIT:
+                raise PlanError(f"{side} regions hold {table.total_pages} pages: NIXL indices are int32")
+        return cls(
+            keys=tuple(keys),
+            local_first=np.array([local.first_index(*k) for k in keys], dtype=np.int64),
+            remote_first=np.array([remote.first_index(*k) for k in keys], dtype=np.int64),
+            bytes_per_position=int(sum(local.get(*k).bytes_per_page for k in keys)),
+            remote=remote,
+        )
+
+
+@dataclass(frozen=True)
+class IndexPlan:
+    """One WRITE as indices into the prepared descriptor lists of both sides.
+
+    ``local_idx`` / ``remote_idx``: int32 ``[regions * pages]``, region-major
+    then page position; element ``j`` of ``local_idx`` is copied to element
+    ``j`` of ``remote_idx``. ``merged``: let NIXL merge runs consecutive on
+    both sides (``skip_desc_merge`` otherwise). ``num_descriptors``: the
+    descriptors NIXL will post (runs contiguous on both sides, per region,
+    when merged). ``remote``: the peer table the remote indices refer to.
+    """
+
+    local_idx: np.ndarray
+    remote_idx: np.ndarray
+    num_pages: int
+    nbytes: int
+    num_descriptors: int
+    merged: bool
+    remote: RegionTable
+
+    def __len__(self) -> int:
+        return self.num_descriptors
+
+
+def index_plan(
+    sel: RegionSelection,
+    local_pages: np.ndarray,
+    remote_pages: np.ndarray,
+    *,
+    merge: bool = True,
+) -> IndexPlan:
+    """Plan copying ``local_pages[i] -> remote_pages[i]`` in every region of ``sel``, vectorised.
+
+    The pages must already be validated (`check_pages`, once per request):
+    this runs per chunk and only does index arithmetic.
+    """
+    lp = np.asarray(local_pages, dtype=np.int64).reshape(-1)
+    rp = np.asarray(remote_pages, dtype=np.int64).reshape(-1)
+    k, n = len(sel.keys), int(lp.size)
+    local_idx = np.ascontiguousarray((sel.local_first[:, None] + lp[None, :]).reshape(-1), dtype=np.int32)
+    remote_idx = np.ascontiguousarray((sel.remote_first[:, None] + rp[None, :]).reshape(-1), dtype=np.int32)
+    if merge and n > 1:
+        # A page continues the previous one's descriptor iff it is the next
+        # page on both sides; the same pairs in every region.
+        cont = (lp[1:] == lp[:-1] + 1) & (rp[1:] == rp[:-1] + 1)
+        descs = k * (n - int(np.count_nonzero(cont)))
+    else:
+        descs = k * n
+    return IndexPlan(
+        local_idx=local_idx,
+        remote_idx=remote_idx,
+        num_pages=n,
+        nbytes=n * sel.bytes_per_position,
+        num_descriptors=descs,
+        merged=merge,
+        remote=sel.remote,
     )
 
 

@@ -14,7 +14,10 @@ whatever the status):
 
 Each chunk is one WRITE over every selected region whose notification
 (`messages.ChunkDone`) reaches decode after the chunk's bytes; the last one
-carries the chunk count and page count. A request fails alone: a WRITE error,
+carries the chunk count and page count. A chunk's WRITE is an `IndexPlan`
+into the descriptor lists the agent prepared at start and at handshake: per
+chunk only index arithmetic in numpy and one ``make_prepped_xfer``, never a
+Python loop per descriptor. A request fails alone: a WRITE error,
 its deadline, a cancel from decode, a lost peer, or its peer leaving the
 `PeerBook` (forgotten, or superseded by a restart) end that request, tell
 decode (best effort) and hand its pages back.
@@ -35,7 +38,7 @@ from transfer.agent import TransferAgent, Xfer
 from transfer.errors import PlanError
 from transfer.handshake import Peer, PeerBook
 from transfer.messages import ChunkDone, PushAborted, PushCancelled, encode
-from transfer.plan import build_plan, check_pages, finished_pages
+from transfer.plan import RegionSelection, TransferPlan, build_plan, check_pages, finished_pages, index_plan
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +71,29 @@ class PushResult:
 
 
 @dataclass
+class PushStats:
+    """Where posting time went, summed over every WRITE a `Pusher` posted (a warm-up included).
+
+    ``plan_s``: computing the plans (indices, or descriptors when not
+    prepared); ``make_s``: creating the NIXL requests; ``post_s``: inside
+    NIXL's ``transfer`` (the backend issuing the descriptors).
+    """
+
+    writes: int = 0
+    descriptors: int = 0
+    nbytes: int = 0
+    plan_s: float = 0.0
+    make_s: float = 0.0
+    post_s: float = 0.0
+
+    def copy(self) -> "PushStats":
+        return PushStats(**vars(self))
+
+    def since(self, before: "PushStats") -> "PushStats":
+        return PushStats(**{k: v - getattr(before, k) for k, v in vars(self).items()})
+
+
+@dataclass
 class _Job:
     request_id: str
     peer: Peer
@@ -87,7 +113,10 @@ class Pusher:
     """Pushes requests from this agent to decode peers. Drive from one thread.
 
     ``merge``: merge descriptors contiguous on both sides (False only for
-    benchmarks). ``layers`` / ``kinds``: restrict the regions pushed (None =
+    benchmarks). ``prepped``: WRITE through the prepared descriptor lists
+    (`IndexPlan`, the default); False builds explicit descriptors per chunk
+    and posts them with ``initialize_xfer`` (the unprepared path, for
+    comparison). ``layers`` / ``kinds``: restrict the regions pushed (None =
     all registered). ``clock``: seconds, monotonic (tests may inject one).
     """
 
@@ -97,6 +126,7 @@ class Pusher:
         peers: PeerBook,
         *,
         merge: bool = True,
+        prepped: bool = True,
         layers: Optional[Iterable[int]] = None,
         kinds: Optional[Iterable[str]] = None,
         clock: Callable[[], float] = time.monotonic,
@@ -104,6 +134,9 @@ class Pusher:
         self.agent = agent
         self.peers = peers
         self.merge = merge
+        self.prepped = prepped
+        self.stats = PushStats()
+        self._selections: dict[str, RegionSelection] = {}  # per peer agent, dropped with the peer
         self.layers = None if layers is None else tuple(layers)
         self.kinds = None if kinds is None else tuple(kinds)
         self.clock = clock
@@ -147,6 +180,7 @@ class Pusher:
         # Validate the whole request now so a bad page list fails before any byte moves.
         lp, rp, _ = check_pages(self.agent.table, peer.regions, local_pages, remote_pages,
                                 layers=self.layers, kinds=self.kinds)
+        self._selection(peer)
         now = self.clock()
         self._jobs[request_id] = _Job(request_id, peer, prompt_len, lp, rp, now, now + deadline_s)
 
@@ -173,17 +207,10 @@ class Pusher:
         )
         try:
             if upto > job.sent_pages:
-                plan = build_plan(
-                    self.agent.table,
-                    job.peer.regions,
-                    job.local_pages[job.sent_pages : upto],
-                    job.remote_pages[job.sent_pages : upto],
-                    layers=self.layers,
-                    kinds=self.kinds,
-                    merge=self.merge,
-                )
-                job.inflight.append(self.agent.write(job.peer.agent_name, plan, encode(msg)))
-                job.nbytes += plan.nbytes
+                xfer = self._write(job.peer, job.local_pages[job.sent_pages : upto],
+                                   job.remote_pages[job.sent_pages : upto], encode(msg))
+                job.inflight.append(xfer)
+                job.nbytes += xfer.nbytes
             else:
                 # A last chunk without pages (only an empty prompt has one):
                 # the count still has to reach decode.
@@ -203,6 +230,8 @@ class Pusher:
             if job is not None and job.peer.agent_name == sender:
                 self._results.append(self._finish(job, PushStatus.CANCELLED, f"decode: {msg.reason}", tell_peer=False))
         now = self.clock()
+        for name in [n for n in self._selections if not self.peers.knows(n)]:
+            del self._selections[name]  # the peer was forgotten or superseded
         for job in list(self._jobs.values()):
             if not self.peers.knows(job.peer.agent_name):
                 # Forgotten, or superseded by a newer epoch of the same worker:
@@ -238,21 +267,33 @@ class Pusher:
         jobs = [j for j in self._jobs.values() if j.peer.agent_name == peer_agent]
         return [self._finish(j, PushStatus.FAILED, reason, tell_peer=False) for j in jobs]
 
-    def warm_up(self, peer_agent: str, local_page: int = 0, remote_page: int = 0, timeout_s: float = 60.0) -> float:
-        """Connect to a peer and WRITE one page of every region; returns the seconds it took.
+    def warm_up(
+        self,
+        peer_agent: str,
+        local_page: int = 0,
+        remote_page: int = 0,
+        timeout_s: float = 60.0,
+        repeat: int = 32,
+    ) -> float:
+        """Connect to a peer and WRITE one page of every region ``repeat`` times; returns the seconds it took.
 
         The first transfer of a new pair is slow (connection setup, remote
-        memory mapping per region): pay it at start, not on a user's first
-        request. ``remote_page`` must be a page no request is using (e.g.
-        before serving starts, or one reserved for this by the peer).
+        memory mapping per region, the transport growing its request and
+        event pools to the number of descriptors in flight): pay it at
+        start, not on a user's first request. Writing the same page
+        ``repeat`` times in one WRITE (unmergeable: ``regions x repeat``
+        descriptors) sizes those pools like a real request without touching
+        any other page. ``remote_page`` must be a page no request is using
+        (e.g. before serving starts, or one reserved for this by the peer).
         """
+        if repeat < 1:
+            raise ValueError(f"repeat must be >= 1, got {repeat}")
         peer = self.peers.get(peer_agent)
+        check_pages(self.agent.table, peer.regions, [local_page], [remote_page], layers=self.layers, kinds=self.kinds)
         t0 = self.clock()
         self.agent.connect(peer.agent_name)
-        plan = build_plan(
-            self.agent.table, peer.regions, [local_page], [remote_page], layers=self.layers, kinds=self.kinds
-        )
-        xfer = self.agent.write(peer.agent_name, plan, b"")  # empty notif: nothing reaches decode's queue
+        pages = np.full(repeat, local_page, dtype=np.int64), np.full(repeat, remote_page, dtype=np.int64)
+        xfer = self._write(peer, *pages, b"")  # empty notif: nothing reaches decode's queue
         try:
             while self.agent.state(xfer) == "PROC":
                 if self.clock() - t0 > timeout_s:
@@ -265,6 +306,33 @@ class Pusher:
         return self.clock() - t0
 
     # -- internals ----------------------------------------------------------
+
+    def _selection(self, peer: Peer) -> RegionSelection:
+        """The regions pushed to ``peer`` as flat-index offsets: computed once per peer (epoch)."""
+        sel = self._selections.get(peer.agent_name)
+        if sel is None or sel.remote is not peer.regions:
+            sel = RegionSelection.of(self.agent.table, peer.regions, self.layers, self.kinds)
+            self._selections[peer.agent_name] = sel
+        return sel
+
+    def _write(self, peer: Peer, local_pages: np.ndarray, remote_pages: np.ndarray, notif: bytes) -> Xfer:
+        """Plan (validated pages; duplicates allowed only for the warm-up) and post one WRITE."""
+        t0 = time.perf_counter()
+        if self.prepped:
+            plan = index_plan(self._selection(peer), local_pages, remote_pages, merge=self.merge)
+        else:
+            plan = _explicit_plan(self.agent.table, peer.regions, local_pages, remote_pages,
+                                  self.layers, self.kinds, self.merge)
+        t1 = time.perf_counter()
+        xfer = self.agent.write(peer.agent_name, plan, notif)
+        st = self.stats
+        st.writes += 1
+        st.descriptors += plan.num_descriptors
+        st.nbytes += plan.nbytes
+        st.plan_s += t1 - t0
+        st.make_s += xfer.make_s
+        st.post_s += xfer.post_s
+        return xfer
 
     def _try_release(self, x: Xfer) -> bool:
         return self.agent.state(x) != "PROC" and self.agent.release(x)
@@ -289,9 +357,19 @@ class Pusher:
         return PushResult(
             request_id=job.request_id,
             status=status,
-            pages=tuple(int(p) for p in job.local_pages),
+            pages=tuple(job.local_pages.tolist()),
             chunks=job.chunks,
             nbytes=job.nbytes,
             seconds=self.clock() - job.started,
             reason=reason,
         )
+
+
+def _explicit_plan(local, remote, local_pages, remote_pages, layers, kinds, merge) -> TransferPlan:
+    """`build_plan` for the unprepared path; a repeated page pair (the warm-up) is tiled, not refused."""
+    lp, rp = np.asarray(local_pages), np.asarray(remote_pages)
+    if lp.size > 1 and (lp == lp[0]).all() and (rp == rp[0]).all():
+        one = build_plan(local, remote, lp[:1], rp[:1], layers=layers, kinds=kinds, merge=merge)
+        return TransferPlan(np.tile(one.src, (lp.size, 1)), np.tile(one.dst, (lp.size, 1)), one.src_mem,
+                            one.dst_mem, int(lp.size), one.nbytes * int(lp.size), merge)
+    return build_plan(local, remote, lp, rp, layers=layers, kinds=kinds, merge=merge)

@@ -10,13 +10,17 @@ page ``p`` of a request is page ``p`` in every region.
 The transfer side never looks inside a page: it only needs base address,
 bytes per page and page count, which is what a `RegionEntry` keeps. Region
 tables travel in the handshake so the pushing side can compute the peer's
-destination addresses.
+destination addresses. A table also numbers every page of every region
+(the *flat page index*, regions in table order): NIXL descriptor lists are
+prepared once over it, and a WRITE names pages by their flat indices.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Protocol, runtime_checkable
+
+import numpy as np
 
 from transfer.errors import RegionError
 
@@ -124,6 +128,7 @@ class RegionTable:
 
     entries: tuple[RegionEntry, ...]
     _by_key: dict = field(init=False, repr=False, compare=False)
+    _first_index: dict = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         keys = [e.key for e in self.entries]
@@ -131,6 +136,8 @@ class RegionTable:
         if len(set(keys)) != len(keys):
             dup = sorted({k for k in keys if keys.count(k) > 1})
             raise RegionError(f"duplicate (layer, kind) regions: {dup}")
+        starts = np.cumsum([0] + [e.num_pages for e in self.entries])
+        object.__setattr__(self, "_first_index", {e.key: int(s) for e, s in zip(self.entries, starts)})
         if len({(e.mem_type, e.device_id) for e in self.entries}) > 1:
             raise RegionError("all regions of one agent must live on one device (one agent per rank)")
         spans = sorted((e.base_addr, e.base_addr + e.nbytes, e.key) for e in self.entries if e.nbytes)
@@ -154,6 +161,46 @@ class RegionTable:
 
     def keys(self) -> list[RegionKey]:
         return [e.key for e in self.entries]
+
+    # -- the flat page index (prepared NIXL descriptor lists) -----------------
+
+    @property
+    def total_pages(self) -> int:
+        """Pages over every region: the length of the flat page index."""
+        return sum(e.num_pages for e in self.entries)
+
+    def first_index(self, layer: int, kind: str) -> int:
+        """Flat index of page 0 of region ``(layer, kind)``.
+
+        The flat page index numbers every page of every region, regions in
+        table order: page ``p`` of region ``k`` is ``first_index(*k) + p``.
+        It is the index space of the NIXL descriptor list prepared once over
+        the whole table (`strided_rows` / `page_rows`), locally and for a peer.
+        """
+        return self._first_index[(layer, kind)]
+
+    def strided_rows(self) -> np.ndarray:
+        """One uint64 row per region, ``(base_addr, bytes_per_page, device_id, bytes_per_page, num_pages)``.
+
+        NIXL's compressed descriptor list (``prep_xfer_dlist`` with an Nx5
+        array): ``num_pages`` dense blocks of ``bytes_per_page`` bytes per row,
+        i.e. exactly the flat page index.
+        """
+        return np.array(
+            [(e.base_addr, e.bytes_per_page, e.device_id, e.bytes_per_page, e.num_pages) for e in self.entries],
+            dtype=np.uint64,
+        ).reshape(-1, 5)
+
+    def page_rows(self) -> np.ndarray:
+        """The flat page index spelled out: uint64 ``[total_pages, 3]`` rows ``(address, length, device_id)``."""
+        out = np.empty((self.total_pages, 3), dtype=np.uint64)
+        for e in self.entries:
+            i = self._first_index[e.key]
+            pages = np.arange(e.num_pages, dtype=np.uint64)
+            out[i : i + e.num_pages, 0] = np.uint64(e.base_addr) + pages * np.uint64(e.bytes_per_page)
+            out[i : i + e.num_pages, 1] = e.bytes_per_page
+            out[i : i + e.num_pages, 2] = e.device_id
+        return out
 
     @property
     def mem_type(self) -> str:

@@ -13,14 +13,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_bench_transfer_cpu_smoke(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "transfer.py"), "--device", "cpu", "--layers", "3",
-           "--tokens", "256,1000", "--reps", "2", "--warmup", "--json", str(out)]
+           "--tokens", "256,1000", "--reps", "1", "--warmup", "--warmup-repeat", "4", "--ucx-sgl", "both",
+           "--json", str(out)]
     env = dict(os.environ, UCX_NET_DEVICES="lo")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "fraction_of_copy" in proc.stdout and "verified" in proc.stdout
     report = json.loads(out.read_text())
-    assert [(r["tokens"], r["merge"]) for r in report["rows"]] == [(256, True), (256, False), (1000, True), (1000, False)]
+    # Per UCX scatter-gather setting (a fresh pair each): prepared path merged / unmerged, unprepared merged.
+    assert [m["ucx_sgl"] for m in report["modes"]] == [False, True]
+    assert [(r["ucx_sgl"], r["tokens"], r["path"], r["merge"]) for r in report["rows"]] == [
+        (sgl, t, path, merge) for sgl in (False, True) for t in (256, 1000)
+        for path, merge in (("prep", True), ("prep", False), ("init", True))]
     assert all(r["gbps"] > 0 and r["fraction_of_copy"] > 0 for r in report["rows"])
-    assert report["warmup_seconds"] is not None and report["first"]["status"] == "done"
-    # Unmerged: one descriptor per (region, page); 3 layers x 2 kinds x 16 pages.
-    assert [r["descriptors"] for r in report["rows"] if not r["merge"]] == [3 * 2 * 4, 3 * 2 * 16]
+    for mode in report["modes"]:
+        assert mode["warmup_seconds"] is not None and mode["first"]["status"] == "done"
+    # Unmerged: one descriptor per (region, page); 3 layers x 2 kinds x 4 / 16 pages.
+    assert [r["descriptors"] for r in report["rows"] if not r["merge"]] == [3 * 2 * 4, 3 * 2 * 16] * 2
+    # The posting time is split into its parts.
+    for r in report["rows"]:
+        assert r["plan_seconds"] + r["make_seconds"] + r["nixl_post_seconds"] <= r["post_seconds"]

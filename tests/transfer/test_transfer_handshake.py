@@ -22,6 +22,7 @@ from transfer import (
     TransferError,
     UnknownPeerError,
 )
+from transfer.regions import RegionTable
 
 COMPAT = CompatInfo("test/model", 2, 64, "fp8_656", "fp8_132", True)
 
@@ -96,8 +97,40 @@ def test_restart_replaces_old_epoch_and_refuses_stale_offers(prefill):
     second.close()
 
 
+def test_peer_descriptor_lists_are_prepared_at_handshake_and_dropped_with_the_peer(prefill):
+    first = TransferAgent("dec-p", regions(12), COMPAT)
+    peer = prefill.accept(PeerBook(first).offer())
+    assert prefill.agent.is_prepared(peer.agent_name)
+    second = TransferAgent("dec-p", regions(12), COMPAT)  # the same worker restarted
+    prefill.accept(PeerBook(second).offer())
+    assert not prefill.agent.is_prepared(first.name) and prefill.agent.is_prepared(second.name)
+    prefill.forget(second.name)
+    assert not prefill.agent.is_prepared(second.name)
+    first.close()
+    second.close()
+
+
+def test_indexed_write_needs_the_prepared_list_of_that_table(prefill):
+    from transfer import RegionSelection, index_plan
+
+    dec = TransferAgent("dec-w", regions(12), COMPAT)
+    name = prefill.agent.load_peer(dec.metadata())  # metadata only: no PeerBook, nothing prepared
+    plan = index_plan(RegionSelection.of(prefill.agent.table, dec.table), [0], [0])
+    with pytest.raises(UnknownPeerError, match="prepared"):
+        prefill.agent.write(name, plan, b"")
+    prefill.agent.prepare_peer(name, dec.table)
+    other = RegionTable(tuple(dataclasses.replace(e, base_addr=e.base_addr + 1) for e in dec.table))
+    stale = index_plan(RegionSelection.of(prefill.agent.table, other), [0], [0])
+    with pytest.raises(ValueError, match="another region table"):
+        prefill.agent.write(name, stale, b"")
+    prefill.agent.drop_peer(name)
+    assert not prefill.agent.is_prepared(name)
+    dec.close()
+
+
 def test_push_between_paged_kv_caches_through_regions():
-    """`PagedKVCache.regions()` objects are registered and pushed as they come."""
+    """`PagedKVCache.regions()` objects are registered and pushed as they come: through the prepared
+    lists (merged and not) and through explicit descriptors."""
     cache_mod = pytest.importorskip("attention.cache")
     spec = cache_mod.CacheSpec(num_layers=3, num_pages=10, kv_lora_rank=64, rope_dim=16, index_head_dim=32,
                                kv_cache_dtype="fp8", dtype=torch.bfloat16, indexer_layers=(True, False, True))
@@ -109,19 +142,29 @@ def test_push_between_paged_kv_caches_through_regions():
     assert sorted(pa.table.keys()) == [(0, "index"), (0, "mla"), (1, "mla"), (2, "index"), (2, "mla")]
     pb, db = PeerBook(pa), PeerBook(da)
     db.accept(pb.respond(db.offer().to_bytes()))
-    pusher, receiver = Pusher(pa, pb), Receiver(da)
-    receiver.expect("r", pa.name, 150, [7, 2, 3], 10.0)
-    pusher.begin("r", da.name, 150, [0, 1, 5], [7, 2, 3], 10.0)
-    pusher.push("r", 64)
-    pusher.push("r", 150)
+    receiver = Receiver(da)
+    requests = {  # request id: (pusher, prompt length, prefill pages, decode pages)
+        "prep": (Pusher(pa, pb), 150, [0, 1, 5], [7, 2, 3]),
+        "init": (Pusher(pa, pb, prepped=False), 128, [2, 3], [0, 1]),
+        "flat": (Pusher(pa, pb, merge=False), 150, [6, 7, 8], [4, 5, 6]),
+    }
+    for rid, (pusher, n, lp, rp) in requests.items():
+        receiver.expect(rid, pa.name, n, rp, 10.0)
+        pusher.begin(rid, da.name, n, lp, rp, 10.0)
+        pusher.push(rid, 64)
+        pusher.push(rid, n)
     pushed, got, t_end = [], [], time.monotonic() + 10
-    while (not pushed or not got) and time.monotonic() < t_end:
-        pushed += pusher.poll()
+    while (len(pushed) < 3 or len(got) < 3) and time.monotonic() < t_end:
+        for pusher, *_ in requests.values():
+            pushed += pusher.poll()
         got += receiver.poll()
-    assert [r.status.value for r in pushed + got] == ["done", "done"]
+    assert sorted((r.request_id, r.status.value) for r in pushed) == [("flat", "done"), ("init", "done"), ("prep", "done")]
+    assert sorted((r.request_id, r.status.value) for r in got) == [("flat", "done"), ("init", "done"), ("prep", "done")]
+    stats = {rid: p.stats for rid, (p, *_) in requests.items()}
+    assert stats["flat"].descriptors == 5 * 3 and stats["prep"].descriptors == 5 * (1 + 2)
     for s, d in zip(src.regions(), dst.regions()):
-        assert torch.equal(d.tensor[[7, 2, 3]], s.tensor[[0, 1, 5]])
-        untouched = [p for p in range(10) if p not in (7, 2, 3)]
-        assert not d.tensor[untouched].any()
+        for _, _, lp, rp in requests.values():
+            assert torch.equal(d.tensor[rp], s.tensor[lp])
+        assert not d.tensor[[8, 9]].any()
     pa.close()
     da.close()

@@ -6,7 +6,17 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from transfer import CompatInfo, PlanError, Pusher, PushStatus, Receiver, ReceiveStatus, UnknownPeerError
+from transfer import (
+    CompatInfo,
+    IndexPlan,
+    PlanError,
+    Pusher,
+    PushStatus,
+    Receiver,
+    ReceiveStatus,
+    TransferPlan,
+    UnknownPeerError,
+)
 from transfer.agent import Xfer
 from transfer.handshake import Peer
 from transfer.messages import ChunkDone, PushAborted, PushCancelled, decode
@@ -41,12 +51,13 @@ class FakeAgent:
     inbox: list = field(default_factory=list)
     fail_write: bool = False
     fail_notify: bool = False
+    done_on_write: bool = False
     released: int = 0
 
     def write(self, peer, plan, notif):
         if self.fail_write:
             raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
-        x = Xfer(handle=None, peer=peer, nbytes=plan.nbytes)
+        x = Xfer(handle=None, peer=peer, nbytes=plan.nbytes, state="DONE" if self.done_on_write else "PROC")
         self.writes.append((x, plan, decode(notif)))
         return x
 
@@ -201,6 +212,75 @@ def test_push_fails_requests_of_a_forgotten_or_restarted_peer():
     (res,) = pusher.poll()
     assert (res.request_id, res.status) == ("a", PushStatus.FAILED) and "restarted" in res.reason
     assert pusher.active == ["b"] and agent.sent == []
+
+
+def locate(tab, i):
+    """(region key, page) of flat page index ``i`` of ``tab``."""
+    key = max((k for k in tab.keys() if tab.first_index(*k) <= i), key=lambda k: tab.first_index(*k))
+    return key, i - tab.first_index(*key)
+
+
+def written_pages(plan, local, remote):
+    """Sorted distinct (region key, local page, remote page) an `IndexPlan` copies (same region on both sides)."""
+    out = set()
+    for li, ri in zip(plan.local_idx.tolist(), plan.remote_idx.tolist()):
+        (lk, lpg), (rk, rpg) = locate(local, li), locate(remote, ri)
+        assert lk == rk
+        out.add((lk, lpg, rpg))
+    return sorted(out)
+
+
+def test_prepared_path_posts_index_plans_of_the_chunk_pages_and_counts_stats():
+    pusher, agent, _ = make_pusher()
+    pusher.begin("r", "dec@1", 300, [0, 1, 2, 3, 4], [9, 10, 11, 20, 21], 10.0)
+    pusher.push("r", 130)
+    pusher.push("r", 300)
+    plans = [w[1] for w in agent.writes]
+    assert all(isinstance(p, IndexPlan) for p in plans)
+    keys = agent.table.keys()
+    assert written_pages(plans[1], agent.table, DEC.regions) == sorted((k, l, r) for k in keys for l, r in ((2, 11), (3, 20), (4, 21)))
+    st = pusher.stats
+    assert (st.writes, st.descriptors, st.nbytes) == (2, 4 * 1 + 4 * 2, 5 * 280)
+    assert st.plan_s >= 0 and st.make_s == 0 and st.post_s == 0  # the fake agent reports no NIXL time
+
+
+def test_unprepared_path_posts_explicit_descriptors():
+    agent, clock = FakeAgent("pre@1"), Clock()
+    pusher = Pusher(agent, FakeBook(DEC), prepped=False, clock=clock)
+    pusher.begin("r", "dec@1", 300, [0, 1, 2, 3, 4], [9, 10, 11, 20, 21], 10.0)
+    pusher.push("r", 300)
+    (plan,) = [w[1] for w in agent.writes]
+    # Per region [0-2 -> 9-11] and [3-4 -> 20-21].
+    assert isinstance(plan, TransferPlan) and plan.num_descriptors == 4 * 2 and plan.num_pages == 5
+
+
+@pytest.mark.parametrize("prepped", [True, False])
+def test_warm_up_writes_one_page_per_region_repeatedly(prepped):
+    agent, clock = FakeAgent("pre@1", done_on_write=True), Clock()
+    pusher = Pusher(agent, FakeBook(DEC), prepped=prepped, clock=clock)
+    pusher.warm_up("dec@1", local_page=3, remote_page=47, repeat=5)
+    ((x, plan, notif),) = agent.writes
+    assert notif is None and plan.num_descriptors == 4 * 5 and plan.num_pages == 5 and plan.nbytes == 5 * 280
+    if prepped:
+        assert written_pages(plan, agent.table, DEC.regions) == sorted((k, 3, 47) for k in agent.table.keys())
+    else:
+        assert {(int(s), int(d)) for s, d in zip(plan.src[:, 0], plan.dst[:, 0])} == {
+            (agent.table.get(*k).page_addr(3), DEC.regions.get(*k).page_addr(47)) for k in agent.table.keys()}
+    with pytest.raises(PlanError, match="out of range"):
+        pusher.warm_up("dec@1", remote_page=48)
+    with pytest.raises(ValueError, match="repeat"):
+        pusher.warm_up("dec@1", repeat=0)
+
+
+def test_peer_selection_is_computed_once_and_dropped_with_the_peer():
+    pusher, agent, _ = make_pusher()
+    pusher.begin("a", "dec@1", 64, [0], [0], 10.0)
+    sel = pusher._selections["dec@1"]
+    pusher.begin("b", "dec@1", 64, [1], [1], 10.0)
+    assert pusher._selections["dec@1"] is sel
+    pusher.peers.forget("dec@1")
+    pusher.poll()
+    assert "dec@1" not in pusher._selections
 
 
 # -- receiver ----------------------------------------------------------------------

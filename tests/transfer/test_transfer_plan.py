@@ -6,7 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from transfer import CacheRegion, CompatInfo, PlanError, RegionError, build_plan, finished_pages, region_table
+from transfer import (
+    CacheRegion,
+    CompatInfo,
+    PlanError,
+    RegionError,
+    RegionSelection,
+    build_plan,
+    finished_pages,
+    index_plan,
+    region_table,
+)
 from transfer import messages
 from transfer.compat import check_compatible, diff_compat
 from transfer.errors import CompatibilityError
@@ -155,6 +165,71 @@ def test_plan_rejects_geometry_mismatch():
         build_plan(table(1 << 20, 8), table(1 << 30, 8, kinds=(("mla", 100), ("index", 44))), [0], [0])
     with pytest.raises(PlanError, match="peer has no region"):
         build_plan(table(1 << 20, 8, layers=3), table(1 << 30, 8), [0], [0])
+
+
+# -- flat page index and index plans (the prepared-list path) -------------------------
+
+
+def expand_index(plan, local, remote):
+    """An index plan's (src, dst, len) rows, through the flat page index of each table."""
+    src, dst = local.page_rows()[plan.local_idx], remote.page_rows()[plan.remote_idx]
+    assert (src[:, 1] == dst[:, 1]).all()
+    return [(int(s), int(d), int(n)) for (s, n, _), (d, _, _) in zip(src, dst)]
+
+
+def test_flat_page_index_of_a_table():
+    t = table(1 << 20, 8, layers=2)
+    assert t.total_pages == 4 * 8
+    assert [t.first_index(*k) for k in t.keys()] == [0, 8, 16, 24]
+    rows = t.page_rows()
+    for e in t:
+        for p in (0, 5, 7):
+            assert tuple(int(x) for x in rows[t.first_index(e.layer, e.kind) + p]) == (e.page_addr(p), e.bytes_per_page, 0)
+    strided = t.strided_rows()
+    assert strided.shape == (4, 5) and strided.dtype == np.uint64
+    assert [tuple(int(x) for x in r) for r in strided] == [(e.base_addr, e.bytes_per_page, 0, e.bytes_per_page, 8) for e in t]
+    assert RegionTable.from_wire(t.to_wire()).first_index(1, "index") == 24
+
+
+def test_index_plan_addresses_exactly_the_paired_pages():
+    rng = np.random.default_rng(1)
+    local = table(1 << 20, 64, layers=3)
+    # The peer lists its regions in another order and has a bigger pool: indices go through each side's table.
+    remote = RegionTable(tuple(reversed(table(1 << 32, 96, layers=3).entries)))
+    sel = RegionSelection.of(local, remote)
+    assert sel.bytes_per_position == 3 * 140
+    for _ in range(20):
+        n = int(rng.integers(1, 40))
+        lp = rng.choice(64, n, replace=False)
+        rp = np.sort(rng.choice(96, n, replace=False)) if rng.random() < 0.5 else rng.choice(96, n, replace=False)
+        for merge in (True, False):
+            plan = index_plan(sel, lp, rp, merge=merge)
+            assert plan.local_idx.dtype == np.int32 and plan.local_idx.flags.c_contiguous
+            assert expand_index(plan, local, remote) == reference_rows(local, remote, lp.tolist(), rp.tolist())
+            ref = build_plan(local, remote, lp, rp, merge=merge)
+            # NIXL merges index runs consecutive on both sides within a region: what build_plan merges here.
+            assert (plan.num_pages, plan.nbytes, plan.num_descriptors) == (ref.num_pages, ref.nbytes, ref.num_descriptors)
+            assert plan.merged is merge and plan.remote is remote
+
+
+def test_index_plan_descriptor_count_and_selection():
+    local, remote = table(1 << 20, 32), table(1 << 30, 48)
+    sel = RegionSelection.of(local, remote)
+    lp, rp = [0, 1, 2, 3, 10, 11, 20, 21], [5, 6, 7, 9, 12, 13, 40, 30]
+    assert index_plan(sel, lp, rp).num_descriptors == 4 * 5
+    assert index_plan(sel, lp, rp, merge=False).num_descriptors == 4 * 8
+    # A repeated pair (the warm-up) is never consecutive: one descriptor each.
+    assert index_plan(sel, [3] * 6, [7] * 6).num_descriptors == 4 * 6
+    sub = RegionSelection.of(local, remote, layers=[1], kinds=["index"])
+    plan = index_plan(sub, [1], [2])
+    assert plan.num_descriptors == 1 and plan.nbytes == 40
+    assert expand_index(plan, local, remote) == [(local.get(1, "index").page_addr(1), remote.get(1, "index").page_addr(2), 40)]
+    with pytest.raises(PlanError, match="layers"):
+        RegionSelection.of(local, remote, layers=[7])
+    with pytest.raises(PlanError, match="peer has no region"):
+        RegionSelection.of(table(1 << 20, 8, layers=3), table(1 << 30, 8))
+    with pytest.raises(PlanError, match="bytes per page"):
+        RegionSelection.of(table(1 << 20, 8), table(1 << 30, 8, kinds=(("mla", 100), ("index", 44))))
 
 
 def test_finished_pages():

@@ -678,13 +678,20 @@ def compare_backends(model_dir, dtype, device="cuda", max_new_tokens=24):
             "cuda": cuda_out, "reference": ref_out}
 
 
-# Tolerances of the teacher-forced comparison, set from the H100 run of 2026-11-22
-# (docs/gpu-results.md): max |logit diff| / max |logit| per step, and the share of steps whose
-# argmax agrees. FlashMLA computes with bf16 queries, bf16-rounded dequantized keys and bf16
-# probabilities and returns bf16; the reference computes in f32. For scale: the *same* reference
-# backend, bf16, on CPU vs on the GPU differed by up to 0.16 and flipped 3 of 36 argmaxes.
-E2E_REL_TOL = {"float32": 0.1, "bfloat16": 0.35}
-E2E_MIN_AGREEMENT = 0.8
+# Tolerances of the teacher-forced comparison, from the H100 runs of 2026-11-22
+# (docs/gpu-results.md), per step: max |logit diff| / max |logit|, its median over all steps,
+# and the share of steps whose argmax agrees. Observed (4 prompts x 24 steps):
+#   deepseek_v32 f32 max 0.19 median 0.037 agree 0.92 | bf16 max 0.20 median 0.043 agree 0.90
+#   glm_moe_dsa  f32 max 0.046 median 0.011 agree 0.93 | bf16 max 0.12 median 0.017 agree 0.91
+# FlashMLA computes with bf16 queries, bf16-rounded dequantized keys and bf16 probabilities and
+# returns bf16; the reference computes in f32. The maxima are single steps (a top-k selection
+# that flips one of the 64 chosen keys moves the logits in steps, not by rounding); DeepSeek's
+# 4 indexer layers to GLM's 2 computing layers would explain its larger numbers (not verified).
+# For scale: the *same* reference backend, bf16, on CPU vs on the GPU differed by up to 0.16
+# and flipped 3 of 36 argmaxes.
+E2E_MAX_REL_TOL = 0.3
+E2E_MEDIAN_REL_TOL = 0.06
+E2E_MIN_AGREEMENT = 0.85
 
 
 @pytest.mark.gpu
@@ -697,21 +704,24 @@ def test_llm_cuda_matches_reference_gpu(arch, dtype, real_dims_models):
     numerics (the reference disagrees with itself between CPU and GPU, and between batched
     and single-request decoding): their top-2 margins are often below the bf16 rounding of
     FlashMLA. Asserted instead, teacher-forced on the reference's greedy tokens: the cuda
-    backend's logits stay within E2E_REL_TOL at every step and its argmax agrees on at least
-    E2E_MIN_AGREEMENT of the steps; every disagreement is printed with its reference margin.
+    backend's logits stay within E2E_MAX_REL_TOL at every step and E2E_MEDIAN_REL_TOL at the
+    median step, and its argmax agrees on at least E2E_MIN_AGREEMENT of the steps; every
+    disagreement is printed with its reference margin.
     Printed: whether the free-running batched greedy outputs are identical, and where not,
     the first divergence.
     """
     r = compare_backends(real_dims_models[arch], dtype)
     worst = max(s["rel_err"] for s in r["steps"])
+    median = sorted(s["rel_err"] for s in r["steps"])[len(r["steps"]) // 2]
     flips = [s for s in r["steps"] if not s["agree"]]
     agreement = 1 - len(flips) / len(r["steps"])
     print(f"E2E {arch} {dtype}: greedy_equal={r['greedy_equal']} first_divergence={r['first_divergence']} "
-          f"max_rel_err={worst:.3e} median_rel_err={sorted(s['rel_err'] for s in r['steps'])[len(r['steps']) // 2]:.3e} "
+          f"max_rel_err={worst:.3e} median_rel_err={median:.3e} "
           f"argmax_agreement={agreement:.3f} ({len(r['steps']) - len(flips)}/{len(r['steps'])}) "
           f"flip_margins={[round(s['margin'], 4) for s in flips]} "
           f"flip_diffs={[round(s['max_abs_diff'], 4) for s in flips]}")
-    assert worst <= E2E_REL_TOL[dtype], f"logits rel err {worst:.3e} > {E2E_REL_TOL[dtype]}"
+    assert worst <= E2E_MAX_REL_TOL, f"logits rel err {worst:.3e} > {E2E_MAX_REL_TOL}"
+    assert median <= E2E_MEDIAN_REL_TOL, f"median logits rel err {median:.3e} > {E2E_MEDIAN_REL_TOL}"
     assert agreement >= E2E_MIN_AGREEMENT, f"argmax agreement {agreement:.3f} < {E2E_MIN_AGREEMENT}"
 
 

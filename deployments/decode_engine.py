@@ -59,7 +59,11 @@ class DecodeEngine(EngineThread):
         self.pending.append(req)
         self._admit()
 
-    def prefill_result(self, result: PrefillResult) -> None:
+    def prefill_result(self, result: PrefillResult, agent: str | None = None) -> None:
+        """Prefill's answer; ``agent``: the prefill agent that answered (checked against the one that pushed)."""
+        bound = self.worker.receiver.peer_of(result.request_id)
+        if result.ok and agent is not None and bound is not None and bound != agent:
+            result = PrefillResult(result.request_id, False, error=f"pages pushed by {bound}, answer from {agent}")
         for out in self.worker.on_prefill_result(result):
             self.emit(out.request_id, out)
 

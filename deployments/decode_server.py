@@ -87,13 +87,14 @@ class DecodeServer:
     # -------------------------------------------------------------- requests
     async def _await_prefill(self, task: PrefillTask, response) -> None:
         """Hand the prefill replica's answer (or its failure) to the engine."""
+        agent = None
         try:
             agent, result = await response
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the prefill replica died or raised: this request fails
             result = PrefillResult(task.request_id, False, error=f"prefill call failed: {e}")
-        self.engine.post(self.engine.prefill_result, result)
+        self.engine.post(self.engine.prefill_result, result, agent)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        prefix_hash: int | None = None) -> AsyncIterator[RequestOutput]:

@@ -102,6 +102,21 @@ class ServeProcess:
             time.sleep(1)
         raise AssertionError(f"not healthy within {timeout}s:\n{self.tail()}")
 
+    def metrics(self) -> str:
+        """Everything Ray's Prometheus endpoints of this cluster export now (``ray.serve.metrics`` included)."""
+        import json
+
+        found = list(self.ray_tmp.glob("ray/session_*/prom_metrics_service_discovery.json"))
+        out = []
+        for path in found:
+            for group in json.loads(path.read_text()):
+                for target in group["targets"]:
+                    try:
+                        out.append(httpx.get(f"http://{target}/metrics", timeout=10).text)
+                    except httpx.HTTPError:
+                        pass  # an agent that is not up (yet)
+        return "\n".join(out)
+
     def stop(self, timeout: float = 60) -> int | None:
         if self.proc is None:
             return None

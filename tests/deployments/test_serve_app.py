@@ -332,3 +332,17 @@ def test_pools_end_where_they_started(ready, client):
                "pools at their start counts")
     s = stats(ready)["decode"][0]["stats"]
     assert s["decode_tokens"] > 0 and s["awaiting_kv"] == 0 and s["queued"] == 0
+
+
+def test_metrics_on_rays_prometheus_endpoint(ready):
+    # Exported by the replicas through ray.serve.metrics; Ray's agent flushes every few seconds.
+    def scraped():
+        text = ready.metrics()
+        names = ("ray_dsa_pd_generated_tokens_total", "ray_dsa_pd_time_to_first_token_seconds_count",
+                 "ray_dsa_pd_inter_token_latency_seconds_count", "ray_dsa_pd_mtp_acceptance_rate")
+        pools = [f'ray_dsa_pd_{g}{{' for g in ("free_pages", "queue_depth")]
+        return all(n in text for n in names + tuple(pools)) and 'role="prefill"' in text and text
+    text = wait_until(scraped, 60, "dsa-pd series on Ray's metrics endpoint")
+    tokens = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("ray_dsa_pd_generated_tokens_total{")]
+    assert sum(tokens) > 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any, AsyncIterator
 
@@ -55,7 +56,7 @@ class DecodeServer:
         self.metrics = DecodeMetrics()
         self.sync = PeerSync(directory, "decode", self.worker_id, self.agent, self.offer, self._stats,
                              learn=self._learn, forget=self._forget,
-                             extra={"warmup_page": self.engine.warmup_page})
+                             extra={"warmup_page": self.engine.warmup_page, "pid": os.getpid()})
         await self.sync.start()
         # Ready = able to serve: at least one prefill replica handshaked (and
         # warmed up by it), unless prefill takes unusually long to come up.

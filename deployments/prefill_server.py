@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 from ray import serve
@@ -38,7 +39,7 @@ class PrefillServer:
         self.engine.start()
         self.metrics = PoolMetrics("prefill")
         self.sync = PeerSync(directory, "prefill", self.worker_id, self.agent, offer, self._stats,
-                             learn=self._learn, forget=self._forget)
+                             learn=self._learn, forget=self._forget, extra={"pid": os.getpid()})
         await self.sync.start()
 
     def _stats(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from models.batch import ForwardMode
 from workers.model_runner import ModelRunner, WorkItem
 from workers.mtp import accept_drafts, check_topk_reuse, draft_slot_layout
 from workers.page_pool import PagePool
-from workers.request import FinishReason, Request, RequestState
+from workers.request import FinishReason, Request
 from workers.sampler import sample, sampling_probs
 from workers.scheduler import PrefillChunk, Scheduler, SchedulerConfig, prefill_length
 

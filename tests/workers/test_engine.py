@@ -10,11 +10,9 @@ from workers.mtp import accept_drafts, check_topk_reuse, draft_slot_layout
 from workers.offline import LLM
 from workers.request import Request
 from workers.sampler import SamplingParams, sampling_probs
+from tests.workers.prompts import random_prompt
 
 
-def _prompt(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, vocab, (n,), generator=g).tolist()
 
 
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
@@ -31,11 +29,11 @@ LENGTHS = (1, 64, 65, 128, 150, 9)
 @pytest.fixture(scope="module")
 def baseline(tiny):
     llm = LLM(tiny, chunk_size=1024)
-    prompts = [_prompt(n, 300, n) for n in LENGTHS]
+    prompts = [random_prompt(n, 300, n) for n in LENGTHS]
     return prompts, llm.generate(prompts, max_new_tokens=12, ignore_eos=True)
 
 
-def test_chunked_prefill_equals_whole_prompt(tiny, baseline):
+def test_chunked_prefill_equals_wholerandom_prompt(tiny, baseline):
     prompts, want = baseline
     llm = LLM(tiny, chunk_size=32, max_batch_size=3)
     assert llm.generate(prompts, max_new_tokens=12, ignore_eos=True) == want
@@ -99,14 +97,14 @@ def test_preemption_with_mtp(tiny, baseline):
 def test_request_that_can_never_fit_is_rejected_clearly(tiny):
     llm = LLM(tiny, num_pages=2)
     with pytest.raises(ValueError, match="pool has 2"):
-        llm.generate([_prompt(200, 300, 1)], max_new_tokens=4)
+        llm.generate([random_prompt(200, 300, 1)], max_new_tokens=4)
     assert llm.pool.free_count == 2
 
 
 @pytest.mark.parametrize("mtp", [0, 2])
 def test_sampling_with_seed_is_reproducible(tiny, mtp):
     llm = LLM(tiny, mtp_draft_tokens=mtp)
-    prompts = [_prompt(n, 300, n) for n in (5, 70)]
+    prompts = [random_prompt(n, 300, n) for n in (5, 70)]
     a = llm.generate(prompts, max_new_tokens=10, temperature=0.9, top_p=0.95, top_k=50, seed=7, ignore_eos=True)
     b = llm.generate(prompts, max_new_tokens=10, temperature=0.9, top_p=0.95, top_k=50, seed=7, ignore_eos=True)
     c = llm.generate(prompts, max_new_tokens=10, temperature=0.9, top_p=0.95, top_k=50, seed=8, ignore_eos=True)
@@ -118,7 +116,7 @@ def test_aborts_at_every_phase_free_everything(tiny):
     llm = LLM(tiny, num_pages=16, chunk_size=32, max_batch_size=2, mtp_draft_tokens=1)
     eng, start = llm.engine, llm.pool.free_count
     params = SamplingParams(max_new_tokens=50, ignore_eos=True)
-    reqs = [Request(f"r{i}", _prompt(n, 300, i), params) for i, n in enumerate((100, 20, 30, 40))]
+    reqs = [Request(f"r{i}", random_prompt(n, 300, i), params) for i, n in enumerate((100, 20, 30, 40))]
     for r in reqs:
         assert eng.add_request(r) is None
     eng.step()  # r0 mid-prefill (100 tokens > chunk 32); r2, r3 queued (batch limit)
@@ -137,7 +135,7 @@ def test_aborts_at_every_phase_free_everything(tiny):
 
 def test_stop_strings(tiny):
     llm = LLM(tiny)
-    p = _prompt(10, 250, 3)
+    p = random_prompt(10, 250, 3)
     free = llm.generate([p], max_new_tokens=12, ignore_eos=True)[0]
     text = bytes(t for t in free if t < 256).decode("latin-1")
     target = text[3:5] if len(text) >= 5 else None

@@ -16,11 +16,9 @@ from models.batch import ForwardMode
 from tests.workers.hf_tiny import save_hf_model
 from workers.model_runner import WorkItem
 from workers.offline import LLM
+from tests.workers.prompts import random_prompt
 
 
-def _prompt(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, vocab, (n,), generator=g).tolist()
 
 
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
@@ -46,7 +44,7 @@ def test_fp8_block_quantized_checkpoint_matches_transformers(tmp_path):
     hf_orig = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, attn_implementation="eager").eval()
 
     ours = LLM(fp8, dtype="float32", kv_cache_dtype="auto")
-    ids = _prompt(90, hf.config.vocab_size, 1)
+    ids = random_prompt(90, hf.config.vocab_size, 1)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
         orig = hf_orig(torch.tensor([ids])).logits[0]
@@ -78,7 +76,7 @@ def test_fp8_cache_close_to_bf16(arch, tmp_path, capsys):
     report = []
     for topk in (4096, 16):
         path = make_tiny(arch, tmp_path / f"k{topk}", seed=3, index_topk=topk)
-        ids = _prompt(150, 300, 7)
+        ids = random_prompt(150, 300, 7)
         exact = LLM(path, dtype="float32").prompt_logits(ids)
         err_bf16 = _rel(exact, LLM(path, dtype="bfloat16", kv_cache_dtype="auto").prompt_logits(ids))
         err_fp8 = _rel(exact, LLM(path, dtype="bfloat16", kv_cache_dtype="fp8").prompt_logits(ids))
@@ -94,7 +92,7 @@ def test_fp8_cache_close_to_bf16(arch, tmp_path, capsys):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_incremental_paged_decode_equals_full_recompute(tiny, kv_cache_dtype):
     llm = LLM(tiny, dtype="float32", kv_cache_dtype=kv_cache_dtype)
-    prompt = _prompt(61, llm.cfg.vocab_size, 11)  # decode crosses a page boundary
+    prompt = random_prompt(61, llm.cfg.vocab_size, 11)  # decode crosses a page boundary
     steps = 9
     pages = tuple(llm.pool.allocate(2))
     try:
@@ -118,7 +116,7 @@ def test_incremental_paged_decode_equals_full_recompute(tiny, kv_cache_dtype):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_batched_equals_alone(tiny, kv_cache_dtype):
     llm = LLM(tiny, dtype="float32", kv_cache_dtype=kv_cache_dtype)
-    prompts = [_prompt(n, llm.cfg.vocab_size, n) for n in (1, 64, 65, 30, 128)]
+    prompts = [random_prompt(n, llm.cfg.vocab_size, n) for n in (1, 64, 65, 30, 128)]
     together = llm.generate(prompts, max_new_tokens=10, ignore_eos=True)
     alone = [llm.generate([p], max_new_tokens=10, ignore_eos=True)[0] for p in prompts]
     assert together == alone
@@ -127,7 +125,7 @@ def test_batched_equals_alone(tiny, kv_cache_dtype):
 
 def test_stop_tokens_and_sampling(tiny):
     llm = LLM(tiny, dtype="float32")
-    p = _prompt(20, llm.cfg.vocab_size, 5)
+    p = random_prompt(20, llm.cfg.vocab_size, 5)
     greedy = llm.generate([p], max_new_tokens=8, ignore_eos=True)[0]
     stopped = llm.generate([p], max_new_tokens=8, stop_token_ids=(greedy[3],), ignore_eos=True)[0]
     assert stopped == greedy[: greedy.index(greedy[3]) + 1]
@@ -139,7 +137,7 @@ def test_stop_tokens_and_sampling(tiny):
 def test_mtp_layer_loaded_and_runnable(tiny):
     llm = LLM(tiny, dtype="float32")
     assert llm.cfg.num_nextn_predict_layers == 1 and len(llm.model.mtp) == 1
-    ids = _prompt(40, llm.cfg.vocab_size, 2)
+    ids = random_prompt(40, llm.cfg.vocab_size, 2)
     pages = tuple(llm.pool.allocate(1))
     try:
         batch, hidden = llm.runner.forward(ForwardMode.EXTEND, [WorkItem(tuple(ids), 0, pages)])

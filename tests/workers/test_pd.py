@@ -13,13 +13,11 @@ from workers.offline import LLM
 from workers.prefill_worker import PrefillTask
 from workers.request import Request
 from workers.sampler import SamplingParams
+from tests.workers.prompts import random_prompt
 
 LENGTHS = (1, 64, 65, 128, 150, 9)
 
 
-def _prompt(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, vocab, (n,), generator=g).tolist()
 
 
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
@@ -29,7 +27,7 @@ def tiny(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny):
-    prompts = [_prompt(n, 300, n) for n in LENGTHS]
+    prompts = [random_prompt(n, 300, n) for n in LENGTHS]
     mono = LLM(tiny, chunk_size=1024).generate(prompts, max_new_tokens=10, ignore_eos=True)
     hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -73,7 +71,7 @@ def test_pd_aborts_at_every_phase_free_both_pools(tiny):
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
     def start(rid, n):
-        r = Request(rid, _prompt(n, 300, n), params)
+        r = Request(rid, random_prompt(n, 300, n), params)
         pages = dec.reserve(r, pre.link.agent.name)
         pre.submit(PrefillTask(rid, r.prompt, params, dec.link.agent.name, pages))
         return r

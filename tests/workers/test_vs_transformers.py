@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.workers.hf_tiny import CONFIGS, save_hf_model
 from workers.offline import LLM
+from tests.workers.prompts import random_prompt
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -19,15 +20,12 @@ def pair(request, tmp_path_factory):
     return request.param, hf, ours
 
 
-def _prompt(n: int, vocab: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, vocab, (n,), generator=g).tolist()
 
 
 @pytest.mark.parametrize("length", [5, 40, 130])
 def test_prompt_logits_match(pair, length):
     name, hf, ours = pair
-    ids = _prompt(length, hf.config.vocab_size, length)
+    ids = random_prompt(length, hf.config.vocab_size, length)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
     got = ours.prompt_logits(ids)
@@ -40,7 +38,7 @@ def test_prompt_logits_match(pair, length):
 
 def test_greedy_generate_matches(pair):
     name, hf, ours = pair
-    prompts = [_prompt(n, hf.config.vocab_size, 100 + n) for n in (3, 17, 64, 70)]
+    prompts = [random_prompt(n, hf.config.vocab_size, 100 + n) for n in (3, 17, 64, 70)]
     new = 24
     got = ours.generate(prompts, max_new_tokens=new, ignore_eos=True)
     for p, g in zip(prompts, got):
@@ -54,7 +52,7 @@ def test_sparsity_really_selects(pair):
     """Dense attention (indexer top-k lifted) gives different logits, so the
     match above depends on selecting the same tokens transformers selects."""
     name, hf, ours = pair
-    ids = _prompt(130, hf.config.vocab_size, 130)
+    ids = random_prompt(130, hf.config.vocab_size, 130)
     indexers = [l.self_attn.indexer for l in hf.model.layers if getattr(l.self_attn, "indexer", None) is not None]
     saved = [ix.index_topk for ix in indexers]
     try:

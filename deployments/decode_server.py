@@ -65,7 +65,7 @@ class DecodeServer:
 
     def _stats(self) -> dict[str, Any]:
         stats = self.engine.stats
-        self.metrics.update(stats)
+        self.metrics.safe_update(stats)
         return stats
 
     async def _learn(self, entry: dict[str, Any]) -> None:

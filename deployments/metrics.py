@@ -13,6 +13,7 @@ snapshot (`deployments.peer_sync`).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray.serve import metrics
@@ -34,12 +35,24 @@ class PoolMetrics:
                                          tag_keys=("role",))
         for m in (self.free_pages, self.total_pages, self.queue_depth):
             m.set_default_tags({"role": role})
+        self._warned = False
 
     def update(self, stats: dict[str, Any]) -> None:
+        """Set the gauges from a load snapshot (`safe_update` when a failure must not propagate)."""
         self.free_pages.set(stats.get("free_pages", 0))
         self.total_pages.set(stats.get("total_pages", 0))
         waiting = stats.get("queued", 0) + stats.get("awaiting_kv", 0)
         self.queue_depth.set(waiting)
+
+
+    def safe_update(self, stats: dict[str, Any]) -> None:
+        """`update`, logging instead of raising: metrics must never stop the heartbeat that carries the stats."""
+        try:
+            self.update(stats)
+        except Exception as e:  # noqa: BLE001
+            if not self._warned:
+                self._warned = True
+                logging.getLogger("ray.serve").warning("dsa-pd metrics update failed: %r", e)
 
 
 class DecodeMetrics(PoolMetrics):
@@ -64,8 +77,10 @@ class DecodeMetrics(PoolMetrics):
     def update(self, stats: dict[str, Any]) -> None:
         super().update(stats)
         drafted, accepted = stats.get("mtp_drafted", 0), stats.get("mtp_accepted", 0)
+        # Counters only take positive increments (a step may accept no draft).
         if drafted > self._last_drafted:
             self.mtp_drafted.inc(drafted - self._last_drafted)
+        if accepted > self._last_accepted:
             self.mtp_accepted.inc(accepted - self._last_accepted)
-            self._last_drafted, self._last_accepted = drafted, accepted
+        self._last_drafted, self._last_accepted = drafted, accepted
         self.mtp_rate.set(stats.get("mtp_acceptance_rate", 0.0))

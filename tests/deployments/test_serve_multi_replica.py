@@ -1,8 +1,9 @@
-"""Two prefill and two decode replicas (the tiny config with more replicas, half a CPU each).
+"""Two prefill and two decode replicas (the tiny config with more replicas, half a CPU each,
+and MTP with one draft token: greedy MTP output equals greedy output).
 
 Checked: every prefill/decode pair handshakes before serving; concurrent
 requests spread over both replicas of each pool and still equal the offline
-engine; a prefill replica killed mid-service is replaced by Serve with a new
+engine (without MTP), with drafts proposed and verified; a prefill replica killed mid-service is replaced by Serve with a new
 NIXL epoch that the decode replicas handshake with (and the dead one is
 forgotten), after which requests succeed and every pool is whole again.
 """
@@ -26,8 +27,8 @@ from tests.deployments.test_serve_app import prompt_ids
 
 pytestmark = pytest.mark.slow
 
-RAW = merged(yaml_args("tiny_pd.yaml"), prefill={"num_replicas": 2, "num_cpus": 0.5},
-             decode={"num_replicas": 2, "num_cpus": 0.5})
+RAW = merged(yaml_args("tiny_pd.yaml"), prefill={"num_replicas": 2, "num_cpus": 0.5, "mtp_draft_tokens": 1},
+             decode={"num_replicas": 2, "num_cpus": 0.5, "mtp_draft_tokens": 1})
 ARGS = AppConfig.model_validate(RAW)
 MODEL = ARGS.model_name
 PROMPTS = [prompt_ids(30 + 41 * i, seed=500 + i) for i in range(8)]
@@ -127,6 +128,7 @@ def test_requests_spread_over_both_replicas_of_each_pool(ready, client, referenc
     per_decode = [tokens[w] - tokens0.get(w, 0) for w in tokens]
     assert sum(per_prefill) == len(PROMPTS) and min(per_prefill) > 0, per_prefill
     assert min(per_decode) > 0, per_decode
+    assert sum(e["stats"]["mtp_drafted"] for e in after["decode"]) > 0
 
 
 def test_a_killed_prefill_replica_is_replaced_and_rehandshaked(ready, client, reference):

@@ -316,13 +316,16 @@ def test_client_disconnect_mid_stream_frees_pages_on_both_sides(ready):
     assert stats(ready)["decode"][0]["stats"]["running"] == 0
 
 
-def test_client_timeout_of_a_non_streamed_request_frees_pages(ready):
+@pytest.mark.parametrize("prompt_len, timeout", [(150, 3.0), (1900, 0.5)])
+def test_client_timeout_of_a_non_streamed_request_frees_pages(ready, prompt_len, timeout):
+    # 3 s: the client leaves while decode streams; 0.5 s with a long prompt: while
+    # prefill computes and pushes (the decode replica cancels its prefill call).
     base = free_pages(ready)
-    body = {"model": MODEL, "prompt": prompt_ids(150, seed=11), "max_tokens": 1500, "temperature": 0,
+    body = {"model": MODEL, "prompt": prompt_ids(prompt_len, seed=11), "max_tokens": 100, "temperature": 0,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(ready.url + "/v1/completions", json=body, timeout=3)
-    wait_until(lambda: free_pages(ready) == base, 20, "pages back to their start counts")
+        httpx.post(ready.url + "/v1/completions", json=body, timeout=timeout)
+    wait_until(lambda: free_pages(ready) == base, 30, "pages back to their start counts")
 
 
 def test_pools_end_where_they_started(ready, client):

@@ -316,12 +316,12 @@ def test_client_disconnect_mid_stream_frees_pages_on_both_sides(ready):
     assert stats(ready)["decode"][0]["stats"]["running"] == 0
 
 
-@pytest.mark.parametrize("prompt_len, timeout", [(150, 3.0), (1900, 0.5)])
-def test_client_timeout_of_a_non_streamed_request_frees_pages(ready, prompt_len, timeout):
+@pytest.mark.parametrize("prompt_len, max_tokens, timeout", [(150, 1500, 3.0), (1900, 100, 0.5)])
+def test_client_timeout_of_a_non_streamed_request_frees_pages(ready, prompt_len, max_tokens, timeout):
     # 3 s: the client leaves while decode streams; 0.5 s with a long prompt: while
     # prefill computes and pushes (the decode replica cancels its prefill call).
     base = free_pages(ready)
-    body = {"model": MODEL, "prompt": prompt_ids(prompt_len, seed=11), "max_tokens": 100, "temperature": 0,
+    body = {"model": MODEL, "prompt": prompt_ids(prompt_len, seed=11), "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(ready.url + "/v1/completions", json=body, timeout=timeout)

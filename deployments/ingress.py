@@ -86,12 +86,12 @@ def output_error(out: RequestOutput) -> OpenAIError:
 class _Job:
     """One admitted request on its way out: the decode stream, its text and its counts."""
 
-    def __init__(self, kind: str, body, prompt_len: int, tokenizer, responses):
+    def __init__(self, kind: str, body, prompt_len: int, tokenizer):
         self.kind, self.body, self.prompt_len = kind, body, prompt_len
         self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
         self.text = TextStream(tokenizer, body.stop_sequences)
         self.tokenizer = tokenizer
-        self.responses = responses  # the DeploymentResponseGenerator of the decode call
+        self.responses = None  # the DeploymentResponseGenerator of the decode call, once made
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.token_ids: list[int] = []
@@ -219,7 +219,7 @@ class OpenAIIngress:
             raise InvalidRequest(str(e)) from e
 
     async def _run(self, kind: str, body, ids: list[int], params) -> Response:
-        job = _Job(kind, body, len(ids), self.tokenizer, None)
+        job = _Job(kind, body, len(ids), self.tokenizer)
         job.responses = self.decode.generate.remote(job.id, ids, params,
                                                     prefix_hash=prefix_hash(ids, self.prefix_pages))
         handed_over = False

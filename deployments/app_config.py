@@ -54,17 +54,33 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# The attention dims of the real models (and of the only shapes FlashMLA and
+# DeepGEMM run): a tiny model with these runs on the cuda backend.
+SERVING_ATTENTION_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128, "index_n_heads": 64}
+
+
 class TinyModelSpec(_Strict):
     """A tiny random checkpoint (``models.tiny.make_tiny``), made on first start into the cache dir."""
 
     arch: Literal["deepseek_v32", "glm_moe_dsa"] = Field(description="Architecture of the tiny model.")
     seed: int = Field(0, ge=0, description="Weights are a function of the seed only.")
     fp8: bool = Field(False, description="Store weights block-quantized fp8 (128x128), as the real releases.")
+    attention: Literal["tiny", "serving"] = Field(
+        "tiny",
+        description="Attention dims: 'tiny' (small, CPU), or 'serving' — the real models' 512 latent + 64 rope "
+        "and 64 x 128 indexer, which the cuda backend's FlashMLA / DeepGEMM kernels require.",
+    )
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """``make_tiny`` overrides for the attention dims."""
+        return dict(SERVING_ATTENTION_DIMS) if self.attention == "serving" else {}
 
     @property
     def dir_name(self) -> str:
         """Directory name in the cache; the same one ``dsa-pd generate --tiny`` uses, so the cache is shared."""
-        return f"tiny-{self.arch}-s{self.seed}{'-fp8' if self.fp8 else ''}"
+        suffix = ("-fp8" if self.fp8 else "") + ("-serving" if self.attention == "serving" else "")
+        return f"tiny-{self.arch}-s{self.seed}{suffix}"
 
     def config_dict(self) -> dict[str, Any]:
         """The ``config.json`` contents ``make_tiny`` writes, without making the checkpoint.
@@ -75,7 +91,7 @@ class TinyModelSpec(_Strict):
         from models.tiny import tiny_config_kwargs
         from models.weights import FP8_QUANTIZATION_CONFIG
 
-        raw = dict(tiny_config_kwargs(self.arch), model_type=self.arch)
+        raw = dict(tiny_config_kwargs(self.arch, **self.overrides), model_type=self.arch)
         if self.fp8:
             raw["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
         return raw
@@ -131,7 +147,7 @@ class ModelSource(_Strict):
         cache.mkdir(parents=True, exist_ok=True)
         tmp = cache / f".{self.tiny.dir_name}.{uuid.uuid4().hex}"
         try:
-            make_tiny(self.tiny.arch, tmp, seed=self.tiny.seed, fp8=self.tiny.fp8)
+            make_tiny(self.tiny.arch, tmp, seed=self.tiny.seed, fp8=self.tiny.fp8, **self.tiny.overrides)
             try:
                 os.rename(tmp, out)
             except OSError:

@@ -517,6 +517,18 @@ def _model_rules(role: str, pool: PoolConfig, app_cfg: AppConfig, m: ModelConfig
                     f"multiple of {block}; tensor_parallel_size {tp} splits a scale block",
                 ))
 
+    if pool.backend == "cuda":
+        # The kernels' own admission check (FlashMLA 512 + 64 latent/rope,
+        # DeepGEMM 128-dim indexer keys, fp8 caches), run before placement.
+        try:
+            from attention.cuda.backend import check_cache_spec
+
+            check_cache_spec(_cache_spec(pool, m, num_pages=1))
+        except ValueError as e:
+            out.append(Violation(f"{role}.backend", str(e)))
+        except ImportError as e:
+            out.append(Violation(f"{role}.backend", f"the cuda backend cannot be imported here: {e}"))
+
     if pool.backend == "cuda" and m.num_attention_heads % tp == 0:
         hpg = m.num_attention_heads // tp
         if hpg > max(FLASH_MLA_HEADS):

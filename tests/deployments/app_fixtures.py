@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from deployments.app_config import SERVING_ATTENTION_DIMS
 from models.config import config_from_dict
 from models.tiny import tiny_config_kwargs
 
@@ -39,6 +40,12 @@ def tiny_raw(arch: str = "deepseek_v32", **overrides) -> dict:
 
 def tiny_model(arch: str = "deepseek_v32", **overrides):
     return config_from_dict(tiny_raw(arch, **overrides))
+
+
+def gpu_model(arch: str = "deepseek_v32", **overrides):
+    """A tiny model with the serving attention dims (``attention: serving``),
+    the only ones the cuda backend's kernels run."""
+    return tiny_model(arch, **{**SERVING_ATTENTION_DIMS, **overrides})
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from deployments.controller import (
 )
 from models.model import DsaForCausalLM
 from workers.scheduler import tokens_to_hold
-from tests.deployments.app_fixtures import merged, real_model, tiny_model, tiny_raw, yaml_args
+from tests.deployments.app_fixtures import gpu_model, merged, real_model, tiny_model, tiny_raw, yaml_args
 
 CPU = yaml_args("tiny_pd.yaml")
 GPU = yaml_args("tiny_pd_gpu.yaml")
@@ -56,7 +56,7 @@ def only(violations, path: str) -> Violation:
     (CPU, "tiny"), (GPU, "tiny"), (DSV32, "dsv32_pd.yaml"), (GLM5, "glm5_pd.yaml"),
 ])
 def test_shipped_configs_are_valid(args, model):
-    m = tiny_model() if model == "tiny" else real_model(model)
+    m = (gpu_model() if args is GPU else tiny_model()) if model == "tiny" else real_model(model)
     assert validate(app(args), m) == []
     check_or_raise(app(args), m)  # no exception
 
@@ -90,9 +90,9 @@ def test_glm5_config_rejects_two_batch_overlap():
 
 def test_mtp_topk_reuse_needs_draft_topk_1():
     args = merged(GPU, features={"mtp_topk_reuse": True, "draft_topk": 2})
-    v = only(validate(app(args), tiny_model()), "features.mtp_topk_reuse")
+    v = only(validate(app(args), gpu_model()), "features.mtp_topk_reuse")
     assert "requires draft top-k == 1 (got 2)" in v.message and "set draft_topk to 1" in v.message
-    assert validate(app(merged(GPU, features={"mtp_topk_reuse": False, "draft_topk": 2})), tiny_model()) == []
+    assert validate(app(merged(GPU, features={"mtp_topk_reuse": False, "draft_topk": 2})), gpu_model()) == []
 
 
 # --------------------------------------------------------------------------- prefill / decode agreement
@@ -112,7 +112,7 @@ def test_auto_cache_dtype_must_agree():
 
 def test_mtp_presence_must_agree():
     args = merged(GPU, prefill={"mtp_draft_tokens": 0})
-    v = only(validate(app(args), tiny_model()), "decode.mtp_draft_tokens")
+    v = only(validate(app(args), gpu_model()), "decode.mtp_draft_tokens")
     assert "MTP is on for decode only" in v.message and "prefill 4, decode 5" in v.message
 
 
@@ -137,7 +137,7 @@ def test_compat_info_is_what_the_handshake_hashes():
 
 
 def test_decode_mtp_needs_the_models_mtp_layer():
-    m = tiny_model(num_nextn_predict_layers=0)
+    m = gpu_model(num_nextn_predict_layers=0)
     vs = validate(app(GPU), m)
     v = only(vs, "decode.mtp_draft_tokens")
     assert "num_nextn_predict_layers 0" in v.message
@@ -171,12 +171,12 @@ def test_fp8_weight_shards_must_align_to_blocks():
 
 
 def test_flash_mla_heads_per_gpu():
-    m = tiny_model(num_attention_heads=256, num_key_value_heads=256)
+    m = gpu_model(num_attention_heads=256, num_key_value_heads=256)
     v = only(validate(app(GPU), m), "decode.tensor_parallel_size")
     assert "256 per GPU exceed 128" in v.message and "tensor_parallel_size >= 2" in v.message
     # The reference backend has no head-count limit; 8 heads on cuda are padded to 64.
     assert validate(app(merged(CPU)), m) == []
-    assert validate(app(GPU), tiny_model()) == []
+    assert validate(app(GPU), gpu_model()) == []
 
 
 # --------------------------------------------------------------------------- devices and GPUs
@@ -195,7 +195,7 @@ def test_cuda_backend_needs_cuda_device_and_bf16():
     ({"tensor_parallel_size": 8, "num_gpus": 8, "gpus_per_node": 4}, "decode.tensor_parallel_size", "one node of 4 GPUs"),
 ])
 def test_gpu_counts(pool, path, needle):
-    vs = validate(app(merged(GPU, decode=pool)), tiny_model())
+    vs = validate(app(merged(GPU, decode=pool)), gpu_model())
     assert needle in only(vs, path).message
 
 
@@ -208,7 +208,7 @@ def test_cpu_device_holds_no_gpus():
 
 
 def test_num_pages_fit_one_max_length_request():
-    m = tiny_model()  # max_position_embeddings 2048 -> 32 pages
+    m = gpu_model()  # max_position_embeddings 2048 -> 32 pages
     v = only(validate(app(merged(CPU, prefill={"num_pages": 31})), m), "prefill.num_pages")
     assert "max_model_len 2048" in v.message and "at least 32 pages" in v.message
     # Decode also needs room for what verification and the draft chain write (tokens_to_hold).
@@ -244,9 +244,9 @@ def test_page_pool_that_does_not_fit_blames_num_pages():
 
 def test_fractional_gpu_gets_its_share_of_memory():
     pool = app(GPU).decode
-    est = estimate_memory(pool, tiny_model())
+    est = estimate_memory(pool, gpu_model())
     assert est.budget_bytes == int(80 * GiB * 0.9 * 0.5)
-    assert estimate_memory(pool, tiny_model(), gpu_memory_bytes=40 * GiB).budget_bytes == int(40 * GiB * 0.9 * 0.5)
+    assert estimate_memory(pool, gpu_model(), gpu_memory_bytes=40 * GiB).budget_bytes == int(40 * GiB * 0.9 * 0.5)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])

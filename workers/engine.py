@@ -88,7 +88,8 @@ class Engine:
         if self.k:
             # The MTP entry of the last prompt position needs token 1: written
             # here by the first draft step, as in monolithic mode.
-            req.pending_hidden = last_hidden.to(self.model.dtype)[None]
+            # It crossed processes on the host: back onto this replica's device.
+            req.pending_hidden = last_hidden.to(device=self.runner.device, dtype=self.model.dtype)[None]
             req.pending_start = len(req.prompt) - 1
         self.scheduler.add_running(req)
         out = RequestOutput(req.request_id, [], [])

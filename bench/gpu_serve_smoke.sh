@@ -24,6 +24,7 @@ curl -s localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \
   -d '{"model":"tiny-deepseek-v32","messages":[{"role":"user","content":"hi"}],"max_tokens":12,"stream":true}' | tee "$OUT/chat_stream.txt" | tail -3; echo
 curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
   -d '{"model":"nope","prompt":"x"}'; echo
+python3 bench/openai_client_smoke.py 2>&1 | tee "$OUT/openai_client.txt"
 curl -s localhost:8000/stats; echo
 tail -40 "$OUT/serve.log" | grep -v "NIXL INFO" | tail -25
 serve shutdown -y >/dev/null 2>&1; ray stop -f >/dev/null 2>&1; true

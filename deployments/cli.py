@@ -15,18 +15,12 @@ import sys
 from pathlib import Path
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("DSA_PD_CACHE", Path.home() / ".cache" / "dsa-pd"))
-
-
 def tiny_model_dir(arch: str, seed: int = 0, fp8: bool = False) -> Path:
-    """The tiny model of ``arch`` in the cache directory, made on first use."""
-    from models.tiny import make_tiny
+    """The tiny model of ``arch`` in the cache directory, made on first use —
+    the same directory and atomic making that ``serve run`` configs use."""
+    from deployments.app_config import ModelSource
 
-    out = _cache_dir() / f"tiny-{arch}-s{seed}{'-fp8' if fp8 else ''}"
-    if not (out / "config.json").exists():
-        make_tiny(arch, out, seed=seed, fp8=fp8)
-    return out
+    return ModelSource(tiny={"arch": arch, "seed": seed, "fp8": fp8}).checkpoint_dir(make=True)
 
 
 def _make_tiny(args) -> int:

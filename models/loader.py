@@ -41,10 +41,22 @@ def module_name(ckpt_name: str, cfg: ModelConfig) -> str | None:
     return ckpt_name
 
 
-def _shard(module, tensor: torch.Tensor, tp: TPContext) -> torch.Tensor:
-    if tp.size == 1 or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or tensor.dim() != 2:
+def shard_tensor(module, tensor: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """This rank's slice of a full checkpoint tensor of ``module``.
+
+    Column-parallel weights ``[out, in]`` and biases ``[out]`` are split along
+    ``out`` (rows ``[rank * n, (rank + 1) * n)``); row-parallel weights along
+    ``in``, their bias ``[out]`` stays whole (added once after the reduction).
+    Everything else (replicated projections, norms, whole experts) is whole.
+    """
+    if tp.size == 1 or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
         return tensor
-    dim = module.shard_dim
+    if tensor.dim() == 2:
+        dim = module.shard_dim
+    elif tensor.dim() == 1 and isinstance(module, ColumnParallelLinear):
+        dim = 0
+    else:
+        return tensor
     n = tensor.shape[dim] // tp.size
     return tensor.narrow(dim, tp.rank * n, n)
 
@@ -72,7 +84,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
             log.debug("checkpoint tensor %s has no module here; skipped", ckpt_name)
             continue
         owner = modules[name.rsplit(".", 1)[0]]
-        tensor = _shard(owner, tensor, tp)
+        tensor = shard_tensor(owner, tensor, tp)
         p = params[name]
         if tuple(tensor.shape) != tuple(p.shape):
             raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")

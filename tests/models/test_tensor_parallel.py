@@ -1,0 +1,145 @@
+"""Tensor parallelism of the model itself: tp = 2 in two real processes (gloo)
+equals tp = 1.
+
+Each rank loads its shard (heads, routed experts, dense / shared-expert MLP
+columns sliced by the loader), keeps its own full MLA latent and indexer
+cache, and runs the same engine (scheduler, greedy sampler: the logits are
+bitwise equal on every rank after the all-reduces, so every rank takes the
+same decisions). Rank 0 reports prompt logits and greedy outputs, which must
+equal a single-process run to fp32 rounding of a different summation order.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from attention.backend import get_backend
+from attention.cache import PagedKVCache
+from models.batch import ForwardMode
+from models.loader import load_model
+from models.moe import MoE
+from models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPContext
+from models.tiny import make_tiny
+from tests.workers.prompts import random_prompt
+from workers.engine import Engine
+from workers.model_runner import ModelRunner, WorkItem, cache_spec_for
+from workers.page_pool import PagePool
+from workers.request import Request
+from workers.sampler import SamplingParams
+from workers.scheduler import SchedulerConfig
+
+# Longer than index_topk (16): the sparse selection is exercised; 70 crosses a page.
+PROMPTS = [random_prompt(n, 300, 100 + n) for n in (40, 70, 5)]
+NEW_TOKENS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_replica(model_dir: Path, tp: TPContext, kv_cache_dtype: str, mtp: int) -> dict:
+    """Prompt logits of ``PROMPTS[0]`` and greedy outputs of all ``PROMPTS`` on this rank's shard."""
+    model = load_model(model_dir, torch.float32, "cpu", tp=tp, hadamard=kv_cache_dtype == "fp8")
+    shapes = {
+        "q_b_proj rows": model.layers[0].self_attn.q_b_proj.weight.shape[0],
+        "o_proj cols": model.layers[0].self_attn.o_proj.weight.shape[1],
+        "experts": len(model.layers[1].mlp.experts),
+        "first expert": model.layers[1].mlp.first_expert,
+        "dense gate rows": model.layers[0].mlp.gate_proj.weight.shape[0],
+        "mtp experts": len(model.mtp[0].decoder.mlp.experts),
+    }
+    assert isinstance(model.layers[1].mlp, MoE)
+    num_pages = 64
+    pool = PagePool(num_pages)
+    cache = PagedKVCache(cache_spec_for(model, num_pages, kv_cache_dtype), "cpu")
+    runner = ModelRunner(model, cache, get_backend("reference"), "cpu")
+    pages = pool.allocate_for_tokens(len(PROMPTS[0]))
+    _, hidden = runner.forward(ForwardMode.EXTEND, [WorkItem(tuple(PROMPTS[0]), 0, tuple(pages))])
+    with torch.inference_mode():
+        logits = model.logits(hidden)
+    pool.free(pages)
+    engine = Engine(runner, pool, SchedulerConfig(max_batch_size=8, chunk_size=32, mtp_draft_tokens=mtp),
+                    model.cfg.eos_token_ids)
+    reqs = [Request(f"r{i}", list(p), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        assert engine.add_request(r) is None
+    while any(not r.finished for r in reqs):
+        engine.step()
+    return {"logits": logits, "outputs": [list(r.output) for r in reqs], "shapes": shapes,
+            "free": pool.free_count, "mtp_drafted": engine.stats.mtp_drafted}
+
+
+def _rank_main(rank: int, world: int, port: int, model_dir: str, kv_cache_dtype: str, mtp: int, out: str) -> None:
+    torch.set_num_threads(1)  # two ranks share a small CI machine
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        res = _run_replica(Path(model_dir), TPContext(rank, world, dist.group.WORLD), kv_cache_dtype, mtp)
+        torch.save(res, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tp(model_dir: Path, world: int, kv_cache_dtype: str, mtp: int, tmp: Path) -> list[dict]:
+    """Every rank's result of ``_run_replica`` with ``world`` gloo ranks in spawned processes."""
+    out = str(tmp / f"tp{world}-{kv_cache_dtype}-{mtp}")
+    mp.spawn(_rank_main, args=(world, _free_port(), str(model_dir), kv_cache_dtype, mtp, out), nprocs=world, join=True)
+    return [torch.load(f"{out}.{r}") for r in range(world)]
+
+
+# Exact caches on one arch, the serving fp8 byte formats on the other; MTP on
+# (its decoder layer is sharded too) and off (plain one-token decode).
+@pytest.mark.parametrize("arch,kv_cache_dtype,mtp", [("deepseek_v32", "auto", 1), ("glm_moe_dsa", "fp8", 0),
+                                                     ("glm_moe_dsa", "auto", 2)])
+def test_tp2_equals_tp1(arch, kv_cache_dtype, mtp, tmp_path):
+    tiny = make_tiny(arch, tmp_path / arch, seed=7)
+    ref = _run_replica(tiny, SINGLE, kv_cache_dtype, mtp)
+    ranks = run_tp(tiny, 2, kv_cache_dtype, mtp, tmp_path)
+
+    # Each rank holds its half: 4 of 8 heads, 4 of 8 routed experts (its own range), half the MLP columns.
+    for r, res in enumerate(ranks):
+        s, full = res["shapes"], ref["shapes"]
+        assert s["q_b_proj rows"] * 2 == full["q_b_proj rows"]
+        assert s["o_proj cols"] * 2 == full["o_proj cols"]
+        assert s["dense gate rows"] * 2 == full["dense gate rows"]
+        assert s["experts"] * 2 == full["experts"] == 8 and s["mtp experts"] * 2 == full["mtp experts"]
+        assert s["first expert"] == 4 * r
+    # Every rank computes the same logits (the all-reduce result is the same bytes everywhere) ...
+    assert torch.equal(ranks[0]["logits"], ranks[1]["logits"])
+    assert ranks[0]["outputs"] == ranks[1]["outputs"]
+    # ... and they equal one process's up to the summation order of the sharded matmuls.
+    print(f"{arch} kv {kv_cache_dtype}: max |logits tp2 - tp1| = {(ranks[0]['logits'] - ref['logits']).abs().max():.2e}")
+    torch.testing.assert_close(ranks[0]["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
+    assert ranks[0]["outputs"] == ref["outputs"]
+    assert all(len(o) == NEW_TOKENS for o in ref["outputs"])
+    assert ranks[0]["free"] == ref["free"] == 64
+    assert (ranks[0]["mtp_drafted"] > 0) == (mtp > 0)
+
+
+def test_shard_tensor_slices_weights_and_column_biases():
+    """The loader's one slicing rule: concatenating every rank's slice gives the full tensor back."""
+    from models.loader import shard_tensor
+
+    class _Group:  # a TPContext needs a group object for size > 1; slicing never touches it
+        pass
+
+    full_w, full_b = torch.randn(8, 6), torch.randn(8)
+    ranks = [TPContext(r, 2, _Group()) for r in range(2)]
+    col = [ColumnParallelLinear(6, 8, tp, bias=True) for tp in ranks]
+    row = [RowParallelLinear(8, 6, tp, bias=True) for tp in ranks]
+    col_w = [shard_tensor(m, full_w, tp) for m, tp in zip(col, ranks)]
+    col_b = [shard_tensor(m, full_b, tp) for m, tp in zip(col, ranks)]
+    assert col_w[0].shape == col[0].weight.shape and col_b[0].shape == col[0].bias.shape
+    assert torch.equal(torch.cat(col_w, 0), full_w) and torch.equal(torch.cat(col_b), full_b)
+    row_w = [shard_tensor(m, full_w.T, tp) for m, tp in zip(row, ranks)]
+    assert row_w[0].shape == row[0].weight.shape and torch.equal(torch.cat(row_w, 1), full_w.T)
+    bias = torch.randn(6)
+    assert all(shard_tensor(m, bias, tp) is bias for m, tp in zip(row, ranks))  # added once, after the all-reduce

@@ -33,6 +33,11 @@ class ForwardBatch:
     block_tables: int32 ``[R, max_pages]`` page ids of each request (unused entries 0)
     seq_lens:     int64 ``[R]``  context length of each request *after* this forward
     q_lens:       int64 ``[R]``  new tokens per request (sum = T)
+    max_seq_len:  host-side upper bound of ``seq_lens`` (sizes the decode
+                  indexer's logits without reading ``seq_lens`` back from the
+                  device; a CUDA-graph bucket sets its whole context capacity)
+    static_shapes: no op may pick shapes from tensor values (CUDA-graph
+                  capture): the MoE runs every expert over every token
     """
 
     mode: ForwardMode
@@ -42,6 +47,8 @@ class ForwardBatch:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     q_lens: torch.Tensor
+    max_seq_len: int | None = None
+    static_shapes: bool = False
 
     @property
     def num_requests(self) -> int:
@@ -52,12 +59,18 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     def decode_width(self) -> int:
-        """``q_len`` shared by every request of a DECODE batch."""
+        """``q_len`` shared by every request of a DECODE batch, from shapes only
+        (no device read: the decode step is CUDA-graph captured). Whoever builds
+        a DECODE batch checks the widths on the host (``ModelRunner.build_batch``)."""
         assert self.mode is ForwardMode.DECODE
-        width = int(self.q_lens[0])
-        if not bool((self.q_lens == width).all()):
-            raise ValueError("a DECODE batch needs the same number of new tokens per request")
-        return width
+        if self.num_requests == 0 or self.num_tokens % self.num_requests:
+            raise ValueError(f"a DECODE batch needs the same number of new tokens per request, got "
+                             f"{self.num_tokens} tokens for {self.num_requests} requests")
+        return self.num_tokens // self.num_requests
+
+    def seq_len_bound(self) -> int:
+        """``max_seq_len`` when known on the host, else ``max(seq_lens)`` (a device read)."""
+        return self.max_seq_len if self.max_seq_len is not None else int(self.seq_lens.max())
 
     def token_request_index(self) -> torch.Tensor:
         """int64 ``[T]``: the request row each new token belongs to."""

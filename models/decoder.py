@@ -23,11 +23,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAttention(cfg, tp, dtype, owns_indexer, hadamard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, tp, dtype) if dense else MoE(cfg, tp, dtype)
+        self.is_moe = not dense
 
     def forward(self, x, cos, sin, batch: ForwardBatch, cache, layer: int, backend,
                 shared: SelectedTokens | None, reuse: SelectedTokens | None = None) -> tuple[torch.Tensor, SelectedTokens]:
         """x ``[T, hidden]`` -> (``[T, hidden]``, top-k selection of this layer)."""
         h, selected = self.self_attn(self.input_layernorm(x), cos, sin, batch, cache, layer, backend, shared, reuse)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        x = x + (self.mlp(h, batch.static_shapes) if self.is_moe else self.mlp(h))
         return x, selected

@@ -99,7 +99,7 @@ class Indexer(nn.Module):
         ctx = (batch.positions + 1).view(B, n).to(torch.int32)
         logits = backend.paged_mqa_logits(
             q.view(B, n, self.n_heads, self.head_dim), cache.index[layer], weights,
-            ctx, batch.block_tables, int(batch.seq_lens.max()),
+            ctx, batch.block_tables, batch.seq_len_bound(),
         )
         positions, slots = backend.topk_slots(
             logits, ctx.view(-1), self.topk, batch.block_tables.repeat_interleave(n, 0)

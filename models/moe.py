@@ -76,8 +76,39 @@ class MoE(nn.Module):
             if cfg.n_shared_experts else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, static_shapes: bool = False) -> torch.Tensor:
+        """x ``[T, hidden]`` -> ``[T, hidden]``.
+
+        ``static_shapes``: run every local expert over every token, weighted by
+        its (possibly zero) routing weight, instead of gathering each expert's
+        tokens. No shape depends on the routing, so the step can be captured in
+        a CUDA graph; for decode batches (T up to a few hundred) the experts'
+        weights are read once either way, so the step stays memory-bound.
+        """
         weights, ids = self.gate(x)
+        if static_shapes:
+            out = self._all_experts(x, weights, ids)
+        else:
+            out = self._routed_tokens(x, weights, ids)
+        if self.tp.size > 1:
+            out = self.tp.all_reduce(out)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        n_local = len(self.experts)
+        local = ids - self.first_expert
+        mine = (local >= 0) & (local < n_local)
+        # [T, n_local] routing weight of each local expert (0 where not chosen).
+        dense = torch.zeros(x.shape[0], n_local, dtype=weights.dtype, device=x.device)
+        dense.scatter_add_(1, local.clamp(0, n_local - 1), torch.where(mine, weights, 0.0))
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts.values()):
+            out += (expert(x) * dense[:, i, None]).to(out.dtype)
+        return out
+
+    def _routed_tokens(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for key, expert in self.experts.items():
             token, slot = torch.where(ids == int(key))
@@ -85,8 +116,4 @@ class MoE(nn.Module):
                 continue
             y = expert(x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
-        if self.tp.size > 1:
-            out = self.tp.all_reduce(out)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
         return out

@@ -105,6 +105,13 @@ class Engine:
         req.finish(FinishReason.ABORT)
         return True
 
+    def enable_cuda_graphs(self, max_context: int, capture: bool = True) -> None:
+        """Run this engine's target decode steps (width 1, or ``k + 1`` with MTP)
+        through per-bucket CUDA graphs for up to ``max_batch_size`` requests
+        with contexts up to ``max_context`` tokens (``workers.decode_graphs``);
+        ``capture=False`` runs the same static-buffer path eagerly."""
+        self.runner.enable_decode_graphs((self.k + 1,), self.cfg.max_batch_size, max_context, capture)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -198,8 +205,7 @@ class Engine:
 
     def _decode(self, reqs: list[Request], outs) -> None:
         items = [WorkItem((r.token_ids[-1],), r.num_tokens - 1, tuple(r.pages)) for r in reqs]
-        batch, hidden = self.runner.forward(ForwardMode.DECODE, items)
-        logits = self.model.logits(hidden)
+        logits = self.model.logits(self.runner.decode(items))
         self.stats.decode_tokens += len(reqs)
         for i, r in enumerate(reqs):
             r.num_computed = r.num_tokens
@@ -257,7 +263,7 @@ class Engine:
             self._draft(need)
         n = self.k + 1
         items = [WorkItem((r.token_ids[-1], *r.drafts), r.num_tokens - 1, tuple(r.pages)) for r in reqs]
-        batch, hidden = self.runner.forward(ForwardMode.DECODE, items)
+        hidden = self.runner.decode(items)
         logits = self.model.logits(hidden).view(len(reqs), n, -1)
         hidden = hidden.view(len(reqs), n, -1)
         for i, r in enumerate(reqs):

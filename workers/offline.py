@@ -14,6 +14,7 @@ from attention.backend import get_backend
 from attention.cache import PagedKVCache
 from models.batch import ForwardMode
 from models.loader import load_model
+from workers.decode_graphs import default_graph_context, graphs_wanted
 from workers.engine import Engine
 from workers.model_runner import ModelRunner, WorkItem, cache_spec_for
 from workers.page_pool import PagePool
@@ -41,7 +42,8 @@ class LLM:
                  dtype: str = "float32", kv_cache_dtype: str = "auto", num_pages: int = 512,
                  hadamard: bool | None = None, mtp_draft_tokens: int = 0, mtp_topk_reuse: bool = False,
                  chunk_size: int = 256, max_batch_size: int = 64, pd: bool = False,
-                 transfer_deadline_s: float = 600.0):
+                 transfer_deadline_s: float = 600.0, cuda_graphs: bool | None = None,
+                 cuda_graph_max_context: int | None = None):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if kv_cache_dtype not in ("auto", "fp8"):
@@ -58,6 +60,8 @@ class LLM:
         sched = SchedulerConfig(max_batch_size=max_batch_size, chunk_size=chunk_size, mtp_draft_tokens=mtp_draft_tokens)
         self.engine = Engine(self.runner, self.pool, sched, self.cfg.eos_token_ids, mtp_topk_reuse,
                              detokenize=self._detokenizer())
+        if graphs_wanted(cuda_graphs, backend, device):
+            self.engine.enable_cuda_graphs(cuda_graph_max_context or default_graph_context(self.cfg, num_pages))
         self._next_id = 0
         self.pd = None
         if pd:

@@ -1,0 +1,138 @@
+"""Decode steps through static per-bucket buffers (the CUDA-graph path), on CPU.
+
+On CPU the very code a CUDA graph captures runs eagerly on the same static
+buffers (``capture=False``): padded buckets, in-place input updates, the MoE's
+static-shape branch and the host-side logits width. Greedy output must equal
+the ordinary decode path's, and padding rows must never write the cache. The
+graph capture and replay themselves are checked on the H100
+(tests/workers/test_decode_graphs_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention.backend import get_backend
+from tests.workers.mtp_friendly import make_mtp_friendly
+from tests.workers.prompts import random_prompt
+from workers.decode_graphs import (
+    DecodeGraphPlan,
+    DecodeGraphs,
+    default_graph_context,
+    graph_batch_sizes,
+    graphs_wanted,
+)
+from workers.model_runner import WorkItem, host_batch
+from workers.offline import LLM
+
+LENGTHS = (1, 64, 65, 128, 150, 9, 30)
+
+
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
+def tiny(request, tmp_path_factory):
+    return make_mtp_friendly(request.param, tmp_path_factory.mktemp(f"graphs-{request.param}"))
+
+
+def test_buckets_and_plan():
+    assert graph_batch_sizes(1) == (1,)
+    assert graph_batch_sizes(5) == (1, 2, 4, 5)
+    assert graph_batch_sizes(40) == (1, 2, 4, 8, 16, 32, 40)
+    plan = DecodeGraphPlan(2, (1, 2, 4, 8), max_pages=3)
+    assert [plan.bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    assert plan.max_context == 192
+    with pytest.raises(ValueError, match="ascending"):
+        DecodeGraphPlan(1, (4, 2), 1)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        DecodeGraphs(None, None, None, plan, "cpu", capture=True)
+
+
+def test_graphs_wanted():
+    assert graphs_wanted(None, "reference", "cpu") is False
+    assert graphs_wanted(False, "cuda", "cpu") is False
+    with pytest.raises(ValueError, match="needs backend='cuda' on a CUDA device"):
+        graphs_wanted(True, "reference", "cpu")
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_static_decode_equals_eager_decode(tiny, k):
+    prompts = [random_prompt(n, 300, 50 + n) for n in LENGTHS]
+    # Different max_new_tokens: the batch shrinks step by step, so live rows
+    # move between buckets and rows that were live become padding.
+    want_llm = LLM(tiny, mtp_draft_tokens=k, max_batch_size=5, chunk_size=96)
+    want = [want_llm.generate([p], max_new_tokens=6 + i, ignore_eos=True)[0] for i, p in enumerate(prompts)]
+
+    llm = LLM(tiny, mtp_draft_tokens=k, max_batch_size=5, chunk_size=96)
+    llm.engine.enable_cuda_graphs(max_context=default_graph_context(llm.cfg, llm.pool.num_pages), capture=False)
+    graphs = llm.runner.decode_graphs[k + 1]
+    assert graphs.plan.batch_sizes == (1, 2, 4, 5)
+    reqs = []
+    from workers.request import Request
+    from workers.sampler import SamplingParams
+
+    for i, p in enumerate(prompts):
+        reqs.append(Request(f"r{i}", list(p), SamplingParams(max_new_tokens=6 + i, ignore_eos=True)))
+        assert llm.engine.add_request(reqs[-1]) is None
+    seen_sizes = set()
+    calls = []
+    run = graphs.run
+
+    def counting_run(*args):
+        calls.append(args[3].shape[0])
+        return run(*args)
+
+    graphs.run = counting_run
+    while llm.engine.has_work:
+        llm.engine.step()
+        seen_sizes.update(calls)
+    assert [r.output for r in reqs] == want
+    # The static path served the decode steps, at several batch sizes.
+    assert len(seen_sizes) >= 3, seen_sizes
+    assert llm.pool.free_count == llm.pool.num_pages
+
+
+def test_padding_rows_never_write_the_cache(tiny):
+    llm = LLM(tiny, max_batch_size=4)
+    be = get_backend("reference")
+    plan = DecodeGraphPlan(1, (4,), max_pages=2)
+    graphs = DecodeGraphs(llm.model, llm.cache, be, plan, "cpu", capture=False)
+    pages = [llm.pool.allocate(2) for _ in range(3)]
+    items = [WorkItem((5 + r,), 10 + r, tuple(pages[r])) for r in range(3)]
+    hb = host_batch(items)
+    graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.tables)
+    before = [t.clone() for t in llm.cache.mla]
+    # Now one live row: rows 1..3 of the bucket are padding; the rows that
+    # were live in the previous step must not write again.
+    one = host_batch(items[:1])
+    graphs.run(one.token_ids, one.positions, one.out_slots, one.seq_lens, one.tables)
+    slot = int(one.out_slots[0])
+    for layer, (a, b) in enumerate(zip(before, llm.cache.mla)):
+        flat_a = a.view(llm.cache.spec.num_slots, -1)
+        flat_b = b.view(llm.cache.spec.num_slots, -1)
+        changed = (flat_a != flat_b).any(-1).nonzero().flatten().tolist()
+        assert changed in ([], [slot]), (layer, changed, slot)
+    for p in pages:
+        llm.pool.free(p)
+
+
+def test_out_of_plan_steps_run_eagerly(tiny):
+    llm = LLM(tiny, max_batch_size=2)
+    llm.engine.enable_cuda_graphs(max_context=64, capture=False)
+    graphs = llm.runner.decode_graphs[1]
+    assert graphs.covers(2, 1, 1) and not graphs.covers(3, 1, 1) and not graphs.covers(1, 2, 1)
+    assert not graphs.covers(1, 1, 2)
+    prompt = random_prompt(100, 300, 7)  # 2 pages: beyond the 64-token plan
+    want = LLM(tiny).generate([prompt], max_new_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="outside this plan"):
+        hb = host_batch([WorkItem((1,), 99, (0, 1))])
+        graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.tables)
+    assert llm.generate([prompt], max_new_tokens=4, ignore_eos=True) == want
+
+
+def test_static_moe_equals_routed_moe(tiny):
+    llm = LLM(tiny)
+    moes = [layer.mlp for layer in llm.model.layers if layer.is_moe]
+    assert moes
+    x = torch.randn(11, llm.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    for moe in moes:
+        torch.testing.assert_close(moe(x, static_shapes=True), moe(x), rtol=1e-5, atol=1e-6)

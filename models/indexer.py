@@ -111,11 +111,13 @@ class Indexer(nn.Module):
         for r, (s0, s1) in enumerate(batch.query_ranges()):
             keys = cache.read_index(layer, batch.context_slots(r))
             ke = (batch.positions[s0:s1] + 1).to(torch.int32)
-            logits = backend.ragged_mqa_logits(
-                q[s0:s1], keys, None, weights[s0:s1], torch.zeros_like(ke), ke
-            )
             table = batch.block_tables[r : r + 1].expand(s1 - s0, -1)
-            positions, slots = backend.topk_slots(logits, ke, self.topk, table)
+            # Logits + top-k in one call: the cuda backend scores row chunks
+            # sized by a memory budget and never holds the [rows, context]
+            # matrix (a 128k-token prompt's would not fit).
+            positions, slots = backend.ragged_topk(
+                q[s0:s1], keys, None, weights[s0:s1], torch.zeros_like(ke), ke, self.topk, table
+            )
             all_pos.append(positions.long())
             all_slots.append(slots.long())
         return SelectedTokens(torch.cat(all_slots), torch.cat(all_pos))

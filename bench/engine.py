@@ -1,0 +1,212 @@
+#!/usr/bin/env python
+"""Decode-step cost of the engine's target forward on the cuda backend (issue 5).
+
+A DeepSeek-V3.2-shaped model with random weights: the real attention and
+indexer dims (hidden 7168, 128 heads, q_lora 1536, latent 512 + rope 64,
+indexer 64 x 128, top-k 2048), ``--layers`` layers (the first dense, as
+``first_k_dense_replace = 1``), ``--experts`` routed experts of 2048 (8 per
+token, one shared), vocab 129,280, bf16 weights, fp8 caches filled with
+quantized random keys. ``--batch`` requests with contexts uniform in
+[context/2, 3*context/2], pages scattered over the pool.
+
+For every batch size and width (1 = plain decode, ``--next-n`` = an MTP
+verify step) it prints, all measured in this run:
+
+* ``graph ms``: one replay of the captured CUDA graph of the step
+  (``workers.decode_graphs``), median of ``triton.testing.do_bench``;
+* ``eager ms``: the same static-buffer forward run eagerly (launch-bound);
+* ``kernel sum ms``: the summed durations of the GPU kernels (and memsets /
+  copies) of one step, from ``torch.profiler`` over the eager run;
+* ``graph / kernel sum`` (issue 5 target: <= 1.2) and, per batch size, the
+  verify step over the plain step (target at batch 32: <= 1.3).
+
+The forward ends at the final norm: the lm_head GEMM and sampling run after
+the graph (``Engine._decode``). ``python bench/engine.py [--batch 32 128]
+[--context 4096] [--next-n 2] [--json out.json]``; needs a GPU with flash_mla
+and deep_gemm.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_BENCH = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_BENCH)
+sys.path[:] = [_ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != _BENCH]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+from importlib import metadata  # noqa: E402
+
+import torch  # noqa: E402
+
+from attention.formats import PAGE_SIZE  # noqa: E402
+
+DSV32_SHAPES = dict(
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_shared_experts=1,
+    num_experts_per_tok=8, first_k_dense_replace=1, index_n_heads=64, index_head_dim=128,
+    index_topk=2048, max_position_embeddings=163840, num_nextn_predict_layers=0,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                     "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                     "mscale": 1.0, "mscale_all_dim": 1.0},
+)
+
+
+def versions() -> dict:
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for pkg in ("triton", "sgl-deep-gemm", "sgl-flash-mla"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def build_model(layers: int, experts: int):
+    """A random-weight DeepSeek-V3.2-shaped ``DsaForCausalLM`` on the GPU (no checkpoint written)."""
+    from models.config import load_config
+    from models.model import DsaForCausalLM
+    from models.tiny import _config_class, tiny_config_kwargs
+
+    n_group = 8 if experts % 8 == 0 else 1
+    kwargs = tiny_config_kwargs("deepseek_v32", **DSV32_SHAPES, num_hidden_layers=layers, n_routed_experts=experts,
+                                n_group=n_group, topk_group=min(4, n_group))
+    with tempfile.TemporaryDirectory() as tmp:
+        _config_class("deepseek_v32")(**kwargs).save_pretrained(tmp)
+        cfg = load_config(tmp)
+    with torch.device("meta"):
+        model = DsaForCausalLM(cfg, dtype=torch.bfloat16, hadamard=True)
+    model = model.to_empty(device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0 if "norm" in name else 0.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    return model.eval()
+
+
+def fill_cache(cache, backend, gen) -> None:
+    """Quantize random latents / indexer keys into every slot of every layer."""
+    spec = cache.spec
+    step = 1 << 16
+    for layer in range(spec.num_layers):
+        for s0 in range(0, spec.num_slots, step):
+            slots = torch.arange(s0, min(s0 + step, spec.num_slots), device="cuda")
+            n = slots.numel()
+            latent = torch.randn(n, spec.kv_lora_rank, device="cuda", generator=gen, dtype=torch.bfloat16)
+            rope = torch.randn(n, spec.rope_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+            backend.write_mla(cache, layer, slots, latent, rope)
+            if spec.indexer_layers[layer]:
+                k = torch.randn(n, spec.index_head_dim, device="cuda", generator=gen)
+                backend.write_index(cache, layer, slots, k)
+
+
+def kernel_ms(fn, iters: int = 5) -> float:
+    """Summed GPU activity (kernels, memsets, copies) of one ``fn()`` call, in ms."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return us / iters / 1000.0
+
+
+def main() -> None:
+    import triton
+
+    from attention.backend import get_backend
+    from attention.cache import PagedKVCache
+    from workers.decode_graphs import DecodeGraphPlan, DecodeGraphs
+    from workers.model_runner import WorkItem, cache_spec_for, host_batch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--next-n", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--json", type=str, default=None)
+    args = ap.parse_args()
+
+    info = versions()
+    print("versions:", json.dumps(info))
+    backend = get_backend("cuda")
+    model = build_model(args.layers, args.experts)
+    max_ctx = args.context * 3 // 2 + args.next_n
+    pages_per_req = -(-max_ctx // PAGE_SIZE)
+    num_pages = max(args.batch) * pages_per_req + 1
+    cache = PagedKVCache(cache_spec_for(model, num_pages, "fp8"), "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    fill_cache(cache, backend, gen)
+    hg = torch.Generator().manual_seed(2)
+    print(f"model: {args.layers} layers, {args.experts} experts, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params; pool {num_pages} pages")
+
+    rows = []
+    for B in args.batch:
+        perm = torch.randperm(num_pages - 1, generator=hg)[: B * pages_per_req] + 1
+        tables = perm.view(B, pages_per_req).tolist()
+        ctx = torch.randint(args.context // 2, args.context * 3 // 2 + 1, (B,), generator=hg).tolist()
+        for width in sorted({1, args.next_n}):
+            items = [WorkItem(tuple(torch.randint(2, 1000, (width,), generator=hg).tolist()), ctx[b] - width,
+                              tuple(tables[b])) for b in range(B)]
+            hb = host_batch(items)
+            plan = DecodeGraphPlan(width, (B,), pages_per_req)
+            graphs = DecodeGraphs(model, cache, backend, plan, "cuda", capture=True)
+            graphs.capture_all()
+            graphs.inputs.fill(B, hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.tables)
+            g = graphs.graphs[B]
+            graph_ms = float(triton.testing.do_bench(g.replay, warmup=10, rep=300, return_mode="median"))
+            eager = DecodeGraphs(model, cache, backend, plan, "cuda", capture=False)
+            eager.inputs.fill(B, hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.tables)
+            batch = eager.inputs.batch(B)
+
+            def step():
+                with torch.inference_mode():
+                    model(batch, cache, backend)
+
+            eager_ms = float(triton.testing.do_bench(step, warmup=3, rep=300, return_mode="median"))
+            ksum = kernel_ms(step)
+            with torch.inference_mode():
+                same = torch.equal(eager.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.tables),
+                                   graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.tables))
+            row = {"batch": B, "width": width, "mean_context": sum(ctx) / B, "graph_ms": graph_ms,
+                   "eager_ms": eager_ms, "kernel_sum_ms": ksum, "graph_over_kernels": graph_ms / ksum,
+                   "eager_over_kernels": eager_ms / ksum, "replay_equals_eager": same,
+                   "tokens_per_s": B * width / graph_ms * 1000}
+            rows.append(row)
+            print(json.dumps(row))
+            del graphs, eager, g
+            torch.cuda.empty_cache()
+
+    print("\n| batch | width | graph ms | eager ms | kernel sum ms | graph / kernels | eager / kernels | replay == eager |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['width']} | {r['graph_ms']:.3f} | {r['eager_ms']:.3f} | {r['kernel_sum_ms']:.3f} | "
+              f"**{r['graph_over_kernels']:.2f}** | {r['eager_over_kernels']:.2f} | {r['replay_equals_eager']} |")
+    by = {(r["batch"], r["width"]): r for r in rows}
+    for B in args.batch:
+        if (B, 1) in by and (B, args.next_n) in by and args.next_n != 1:
+            ratio = by[(B, args.next_n)]["graph_ms"] / by[(B, 1)]["graph_ms"]
+            print(f"verify next_n={args.next_n} / plain decode at batch {B}: **{ratio:.2f}**")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"versions": info, "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

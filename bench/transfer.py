@@ -132,7 +132,8 @@ class Side:
         self.book = PeerBook(self.agent)
         self.pushers = {(path, m): Pusher(self.agent, self.book, merge=m, prepped=path == "prep")
                         for path in ("prep", "init") for m in (True, False)}
-        self.receiver = Receiver(self.agent, self.book)
+        # The bench picks page ids itself (no pool): nothing to give back.
+        self.receiver = Receiver(self.agent, self.book, release_pages=lambda pages: None)
 
     def name(self) -> str:
         return self.agent.name

@@ -121,6 +121,7 @@ class DecodeEngine(EngineThread):
             "reserved_pages": 1,  # the warm-up page
             "running": running,
             "awaiting_kv": len(w.awaiting),
+            "held_pages": w.receiver.held_pages,  # ended requests' pages, until prefill settles them
             "queued": queued,
             "requests": running + len(w.awaiting) + queued,
             "queued_prompt_pages": sum(pages_for_tokens(len(r.prompt)) for r in self.pending),

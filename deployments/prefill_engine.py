@@ -94,7 +94,9 @@ class PrefillEngine(EngineThread):
             self.pending.popleft()
 
     def has_work(self) -> bool:
-        return bool(self.worker.active or self.pending)
+        # The pusher too: decode holds a cancelled request's pages until the
+        # pusher answers (at once, or once that request's WRITEs ended).
+        return bool(self.worker.active or self.pending) or self.worker.pusher.has_work()
 
     def tick(self) -> bool:
         computing = any(a.done < len(a.task.token_ids) for a in self.worker.active.values())

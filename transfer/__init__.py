@@ -5,7 +5,8 @@ Layering: imports `attention` (page geometry) only; nothing about models or Ray.
     agent = TransferAgent(worker_id, cache.regions(), compat)   # registers every region once
     book = PeerBook(agent)                                      # handshake: offer / respond / accept
     Pusher(agent, book)     # prefill: begin / push per chunk / poll -> PushResult
-    Receiver(agent)         # decode:  expect / poll -> ReceiveResult
+    Receiver(agent, book, release_pages=pool.free)   # decode: expect / poll -> ReceiveResult;
+                            # pages of failed requests come back only once no WRITE can land
 """
 
 from transfer.agent import TransferAgent
@@ -15,6 +16,7 @@ from transfer.errors import (
     FieldDiff,
     PlanError,
     RegionError,
+    RequestCancelledError,
     StaleEpochError,
     TransferError,
     UnknownPeerError,
@@ -46,6 +48,7 @@ __all__ = [
     "RegionEntry",
     "RegionError",
     "RegionSelection",
+    "RequestCancelledError",
     "RegionTable",
     "StaleEpochError",
     "TransferAgent",

@@ -269,6 +269,11 @@ class TransferAgent:
                 else:
                     self._inbox.append((sender, msg))
 
+    def has(self, *types: type) -> bool:
+        """Whether a notification of the given message types is waiting (it stays queued for `take`)."""
+        self._drain()
+        return any(isinstance(m, types) for _, m in self._inbox)
+
     def take(self, *types: type) -> list[tuple[str, messages.Message]]:
         """New notifications of the given message types as ``(sender agent, message)``.
 

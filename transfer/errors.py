@@ -57,3 +57,11 @@ class UnknownPeerError(TransferError, LookupError):
 
 class StaleEpochError(TransferError):
     """A handshake offer from an older epoch of a worker whose newer epoch is already known."""
+
+
+class RequestCancelledError(TransferError):
+    """`Pusher.begin` of a request its decode peer already cancelled (its cancel arrived first).
+
+    Prefill answered that cancel with "nothing in flight", so decode may have
+    re-used the pages: pushing now would write into another request's pages.
+    """

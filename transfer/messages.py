@@ -9,9 +9,17 @@ and is ignored.
   carries the chunk count and the total page count; decode completes when it
   has every index below the count (notifications of separate WRITEs may
   arrive in any order).
-- `PushAborted` (prefill -> decode): the push failed or expired; free now.
-- `PushCancelled` (decode -> prefill): decode gave up (deadline, client gone);
-  stop pushing and free.
+- `PushAborted` (prefill -> decode): the push failed or expired. Sent only once
+  no WRITE of the request is in flight any more, so decode may free its pages
+  on receipt.
+- `PushCancelled` (decode -> prefill): decode gave up (deadline, client gone,
+  inconsistent notifications); stop pushing. Decode keeps the request's pages
+  out of its pool until the answer below (or until the peer is known dead):
+  a WRITE prefill already posted may still land in them.
+- `PushSettled` (prefill -> decode): the answer to a `PushCancelled`: no WRITE
+  of that request from this agent is in flight or will be posted (sent after
+  its posted WRITEs completed or failed; at once if there were none, or if
+  this agent never had the request, which it then refuses to begin).
 """
 
 from __future__ import annotations
@@ -45,7 +53,13 @@ class PushCancelled:
     reason: str
 
 
-Message = Union[ChunkDone, PushAborted, PushCancelled]
+@dataclass(frozen=True)
+class PushSettled:
+    request_id: str
+    reason: str
+
+
+Message = Union[ChunkDone, PushAborted, PushCancelled, PushSettled]
 
 
 def encode(msg: Message) -> bytes:
@@ -58,6 +72,8 @@ def encode(msg: Message) -> bytes:
         d = {"t": "a", "r": msg.request_id, "m": msg.reason}
     elif isinstance(msg, PushCancelled):
         d = {"t": "x", "r": msg.request_id, "m": msg.reason}
+    elif isinstance(msg, PushSettled):
+        d = {"t": "s", "r": msg.request_id, "m": msg.reason}
     else:
         raise TypeError(f"not a transfer message: {msg!r}")
     return PREFIX + json.dumps(d, separators=(",", ":")).encode()
@@ -77,6 +93,8 @@ def decode(raw: bytes) -> Optional[Message]:
             return PushAborted(rid, str(d["m"]))
         if t == "x":
             return PushCancelled(rid, str(d["m"]))
+        if t == "s":
+            return PushSettled(rid, str(d["m"]))
     except (ValueError, KeyError, TypeError):
         pass
     return None

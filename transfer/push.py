@@ -21,6 +21,20 @@ Python loop per descriptor. A request fails alone: a WRITE error,
 its deadline, a cancel from decode, a lost peer, or its peer leaving the
 `PeerBook` (forgotten, or superseded by a restart) end that request, tell
 decode (best effort) and hand its pages back.
+
+Decode re-uses its pages only once this side says none of the request's
+WRITEs can land any more (`transfer.receiver`): a WRITE already handed to
+the transport cannot be called back (releasing its handle asks NIXL to
+cancel it, but bytes on the wire still land). So an ended request's WRITEs
+still in flight are kept and polled ("draining"), and the message to decode
+is sent only once each of them completed or failed: `PushAborted` for an end
+of this side, `PushSettled` for decode's own cancel. A cancel for a request
+this agent does not have (never began, already done) is answered at once,
+and the id is remembered: `begin` of it is then refused
+(`RequestCancelledError`), since decode may already have re-used the pages.
+The prefill pages themselves go back to the caller at once: a WRITE still
+reading them after they are re-used can only carry garbage into the dead
+request's pages, which decode holds.
 """
 
 from __future__ import annotations
@@ -28,6 +42,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -35,9 +50,9 @@ import numpy as np
 
 from attention.formats import pages_for_tokens
 from transfer.agent import TransferAgent, Xfer
-from transfer.errors import PlanError
+from transfer.errors import PlanError, RequestCancelledError
 from transfer.handshake import Peer, PeerBook
-from transfer.messages import ChunkDone, PushAborted, PushCancelled, encode
+from transfer.messages import ChunkDone, Message, PushAborted, PushCancelled, PushSettled, encode
 from transfer.plan import RegionSelection, TransferPlan, build_plan, check_pages, finished_pages, index_plan
 
 log = logging.getLogger(__name__)
@@ -109,6 +124,22 @@ class _Job:
     inflight: list[Xfer] = field(default_factory=list)
 
 
+@dataclass
+class _Drain:
+    """An ended request's WRITEs still in flight; ``message`` goes to ``peer_agent`` once none is."""
+
+    request_id: str
+    peer_agent: str
+    xfers: list[Xfer]
+    message: Message
+    since: float
+    warned: bool = False
+
+
+DRAIN_WARN_S = 10.0
+"""A drain this old is logged once: decode holds the request's pages until it ends."""
+
+
 class Pusher:
     """Pushes requests from this agent to decode peers. Drive from one thread.
 
@@ -118,6 +149,8 @@ class Pusher:
     and posts them with ``initialize_xfer`` (the unprepared path, for
     comparison). ``layers`` / ``kinds``: restrict the regions pushed (None =
     all registered). ``clock``: seconds, monotonic (tests may inject one).
+    ``remember_cancelled``: how many cancelled request ids are kept to refuse
+    a late `begin`.
     """
 
     def __init__(
@@ -130,6 +163,7 @@ class Pusher:
         layers: Optional[Iterable[int]] = None,
         kinds: Optional[Iterable[str]] = None,
         clock: Callable[[], float] = time.monotonic,
+        remember_cancelled: int = 65536,
     ):
         self.agent = agent
         self.peers = peers
@@ -143,14 +177,27 @@ class Pusher:
         self._jobs: dict[str, _Job] = {}
         self._results: list[PushResult] = []
         self._unreleased: list[Xfer] = []  # handles NIXL refused to release (still in flight)
+        self._draining: list[_Drain] = []
+        self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (decode agent, request id)
+        self._remember_cancelled = remember_cancelled
 
     @property
     def active(self) -> list[str]:
         return list(self._jobs)
 
+    @property
+    def draining(self) -> list[str]:
+        """Ended requests whose WRITEs are still in flight (decode is told once they are not)."""
+        return [d.request_id for d in self._draining]
+
     def writes_in_flight(self) -> int:
-        """WRITEs posted and not yet completed (or failed), over all requests."""
-        return sum(self.agent.state(x) == "PROC" for j in self._jobs.values() for x in j.inflight)
+        """WRITEs posted and not yet completed (or failed), over all requests, ended ones included."""
+        xfers = [x for j in self._jobs.values() for x in j.inflight] + [x for d in self._draining for x in d.xfers]
+        return sum(self.agent.state(x) == "PROC" for x in xfers)
+
+    def has_work(self) -> bool:
+        """Something for `poll`: a request, a drain, or a cancel from decode waiting for its answer."""
+        return bool(self._jobs or self._draining) or self.agent.has(PushCancelled)
 
     def begin(
         self,
@@ -170,6 +217,10 @@ class Pusher:
         """
         if request_id in self._jobs:
             raise ValueError(f"request {request_id!r} is already being pushed")
+        # Its cancel may be queued but not read yet: read it before deciding.
+        self._take_cancels()
+        if (peer_agent, request_id) in self._cancelled:
+            raise RequestCancelledError(f"request {request_id!r} was cancelled by {peer_agent} before it began")
         n = pages_for_tokens(prompt_len)
         if len(local_pages) != n or len(remote_pages) != n:
             raise PlanError(
@@ -225,10 +276,7 @@ class Pusher:
 
     def poll(self) -> list[PushResult]:
         """Advance every request; returns the requests that ended since the last call."""
-        for sender, msg in self.agent.take(PushCancelled):
-            job = self._jobs.get(msg.request_id)
-            if job is not None and job.peer.agent_name == sender:
-                self._results.append(self._finish(job, PushStatus.CANCELLED, f"decode: {msg.reason}", tell_peer=False))
+        self._take_cancels()
         now = self.clock()
         for name in [n for n in self._selections if not self.peers.knows(n)]:
             del self._selections[name]  # the peer was forgotten or superseded
@@ -251,12 +299,13 @@ class Pusher:
             elif now > job.deadline:
                 reason = f"deadline of {job.deadline - job.started:.3f}s passed after {job.chunks} chunk(s)"
                 self._results.append(self._finish(job, PushStatus.EXPIRED, reason, tell_peer=True))
+        self._advance_drains(now)
         self._unreleased = [x for x in self._unreleased if not self._try_release(x)]
         out, self._results = self._results, []
         return out
 
     def abort(self, request_id: str, reason: str) -> Optional[PushResult]:
-        """End a request now (prefill failed, shutdown); decode is told. None if not active."""
+        """End a request now (prefill failed, shutdown); decode is told once its WRITEs ended. None if not active."""
         job = self._jobs.get(request_id)
         if job is None:
             return None
@@ -265,7 +314,11 @@ class Pusher:
     def peer_lost(self, peer_agent: str, reason: str = "peer lost") -> list[PushResult]:
         """End every request pushing to ``peer_agent`` (it died); the peer is not contacted."""
         jobs = [j for j in self._jobs.values() if j.peer.agent_name == peer_agent]
-        return [self._finish(j, PushStatus.FAILED, reason, tell_peer=False) for j in jobs]
+        out = [self._finish(j, PushStatus.FAILED, reason, tell_peer=False) for j in jobs]
+        for d in [d for d in self._draining if d.peer_agent == peer_agent]:
+            self._draining.remove(d)
+            self._release_all(d.xfers)
+        return out
 
     def warm_up(
         self,
@@ -337,21 +390,68 @@ class Pusher:
     def _try_release(self, x: Xfer) -> bool:
         return self.agent.state(x) != "PROC" and self.agent.release(x)
 
-    def _finish(self, job: _Job, status: PushStatus, reason: str, *, tell_peer: bool) -> PushResult:
-        del self._jobs[job.request_id]
-        for x in job.inflight:
+    def _release_all(self, xfers: list[Xfer]) -> None:
+        for x in xfers:
             # Releasing an in-flight handle asks NIXL to cancel it; if it
-            # refuses, keep the handle and retry later (not to leak it). The
-            # source pages may be freed either way: a late read of them can
-            # only reach the dead request's destination.
+            # refuses, keep the handle and retry later (not to leak it).
             if not self.agent.release(x):
                 self._unreleased.append(x)
-        job.inflight.clear()
+
+    def _send(self, peer_agent: str, msg: Message) -> None:
+        try:
+            self.agent.notify(peer_agent, msg)
+        except Exception as e:  # noqa: BLE001 - the peer may be the thing that died
+            log.debug("%s to %s: %s", type(msg).__name__, peer_agent, e)
+
+    def _take_cancels(self) -> None:
+        """Act on decode's cancels: end the request (answered once drained) or answer at once."""
+        for sender, msg in self.agent.take(PushCancelled):
+            if not self.peers.knows(sender):
+                continue  # a dead or unknown epoch: nothing of ours goes there, and it cannot be told
+            rid = msg.request_id
+            self._cancelled[(sender, rid)] = None
+            while len(self._cancelled) > self._remember_cancelled:
+                self._cancelled.popitem(last=False)
+            job = self._jobs.get(rid)
+            if job is not None and job.peer.agent_name == sender:
+                self._results.append(self._finish(job, PushStatus.CANCELLED, f"decode: {msg.reason}", tell_peer=True))
+            elif not any(d.request_id == rid and d.peer_agent == sender for d in self._draining):
+                # Never began, already done, or pushing to another agent:
+                # nothing of this request is in flight to ``sender``.
+                self._send(sender, PushSettled(rid, "no write in flight"))
+            # else: its drain ends with a message that settles it.
+
+    def _advance_drains(self, now: float) -> None:
+        keep = []
+        for d in self._draining:
+            if not self.peers.knows(d.peer_agent):
+                self._release_all(d.xfers)  # the peer is gone: nobody to tell, nothing to protect
+                continue
+            if any(self.agent.state(x) == "PROC" for x in d.xfers):
+                if not d.warned and now - d.since > DRAIN_WARN_S:
+                    d.warned = True
+                    log.warning("push of %s to %s: WRITEs still in flight %.0fs after it ended; decode holds "
+                                "its pages until they end", d.request_id, d.peer_agent, now - d.since)
+                keep.append(d)
+                continue
+            self._release_all(d.xfers)
+            self._send(d.peer_agent, d.message)
+        self._draining = keep
+
+    def _finish(self, job: _Job, status: PushStatus, reason: str, *, tell_peer: bool) -> PushResult:
+        """End ``job``; ``tell_peer``: decode is told (PushSettled for a cancel, else PushAborted) once drained."""
+        del self._jobs[job.request_id]
+        xfers, job.inflight = job.inflight, []
         if tell_peer:
-            try:
-                self.agent.notify(job.peer.agent_name, PushAborted(job.request_id, reason))
-            except Exception as e:  # noqa: BLE001 - the peer may be the thing that died
-                log.debug("abort notification to %s: %s", job.peer.agent_name, e)
+            msg: Message = (PushSettled(job.request_id, reason) if status is PushStatus.CANCELLED
+                            else PushAborted(job.request_id, reason))
+            if any(self.agent.state(x) == "PROC" for x in xfers):
+                self._draining.append(_Drain(job.request_id, job.peer.agent_name, xfers, msg, self.clock()))
+            else:
+                self._release_all(xfers)
+                self._send(job.peer.agent_name, msg)
+        else:
+            self._release_all(xfers)  # DONE (nothing in flight) or the peer is gone
         if status is not PushStatus.DONE:
             log.warning("push of %s to %s %s: %s", job.request_id, job.peer.agent_name, status.value, reason)
         return PushResult(

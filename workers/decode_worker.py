@@ -26,7 +26,9 @@ class _Awaiting:
 class DecodeWorker:
     def __init__(self, engine: Engine, link: KVLink, deadline_s: float = 60.0):
         self.engine, self.link, self.deadline_s = engine, link, deadline_s
-        self.receiver = Receiver(link.agent, link.peers)
+        # Pages of a request that ended without its KV go back through the
+        # receiver: only once no prefill WRITE can still land in them.
+        self.receiver = Receiver(link.agent, link.peers, release_pages=lambda pages: self.pool.free(list(pages)))
         self.awaiting: dict[str, _Awaiting] = {}
 
     @property
@@ -54,16 +56,18 @@ class DecodeWorker:
         if a is None:
             return []  # aborted meanwhile: a late answer is ignored
         if not result.ok:
-            self.receiver.cancel(result.request_id, result.error or "prefill failed")
-            return [self._fail(a, result.error or "prefill failed")]
+            ended = self.receiver.cancel(result.request_id, result.error or "prefill failed")
+            return [self._fail(a, result.error or "prefill failed", free_pages=ended is None)]
         a.result = result
         return self._maybe_admit(a)
 
     def abort(self, request_id: str) -> bool:
         a = self.awaiting.pop(request_id, None)
         if a is not None:
-            self.receiver.cancel(request_id, "aborted")
-            self.pool.free(a.request.pages)
+            # Still receiving: the receiver keeps the pages until prefill
+            # settles. Already received (None): they are ours to free.
+            if self.receiver.cancel(request_id, "aborted") is None:
+                self.pool.free(a.request.pages)
             a.request.pages = []
             a.request.finish(FinishReason.ABORT)
             return True
@@ -79,18 +83,21 @@ class DecodeWorker:
                 a.transfer_done = True
                 outs += self._maybe_admit(a)
             else:
-                outs.append(self._fail(a, f"KV transfer {res.status.value}: {res.reason}"))
+                outs.append(self._fail(a, f"KV transfer {res.status.value}: {res.reason}", free_pages=False))
         if self.engine.has_work:
             outs += self.engine.step()
         return outs
 
     @property
     def has_work(self) -> bool:
-        return bool(self.awaiting) or self.engine.has_work
+        """Requests, or pages the receiver holds until prefill settles (they return to the pool on `step`)."""
+        return bool(self.awaiting) or self.engine.has_work or self.receiver.has_work
 
-    def _fail(self, a: _Awaiting, reason: str) -> RequestOutput:
+    def _fail(self, a: _Awaiting, reason: str, free_pages: bool) -> RequestOutput:
+        """``free_pages``: False when the receiver ended the wait (it gives the pages back itself)."""
         self.awaiting.pop(a.request.request_id, None)
-        self.pool.free(a.request.pages)
+        if free_pages:
+            self.pool.free(a.request.pages)
         a.request.pages = []
         a.request.finish(FinishReason.ERROR, reason)
         return RequestOutput(a.request.request_id, [], [], True, FinishReason.ERROR.value, reason)

@@ -142,7 +142,8 @@ def test_push_between_paged_kv_caches_through_regions():
     assert sorted(pa.table.keys()) == [(0, "index"), (0, "mla"), (1, "mla"), (2, "index"), (2, "mla")]
     pb, db = PeerBook(pa), PeerBook(da)
     db.accept(pb.respond(db.offer().to_bytes()))
-    receiver = Receiver(da)
+    # Every request must end DONE: none of its pages may come back as released.
+    receiver = Receiver(da, release_pages=lambda pages: pytest.fail(f"pages {pages} released"))
     requests = {  # request id: (pusher, prompt length, prefill pages, decode pages)
         "prep": (Pusher(pa, pb), 150, [0, 1, 5], [7, 2, 3]),
         "init": (Pusher(pa, pb, prepped=False), 128, [2, 3], [0, 1]),

@@ -14,12 +14,13 @@ from transfer import (
     PushStatus,
     Receiver,
     ReceiveStatus,
+    RequestCancelledError,
     TransferPlan,
     UnknownPeerError,
 )
 from transfer.agent import Xfer
 from transfer.handshake import Peer
-from transfer.messages import ChunkDone, PushAborted, PushCancelled, decode
+from transfer.messages import ChunkDone, PushAborted, PushCancelled, PushSettled, decode
 from transfer.regions import RegionEntry, RegionTable
 
 COMPAT = CompatInfo("m", 2, 64, "fp8_656", "fp8_132", True)
@@ -72,6 +73,9 @@ class FakeAgent:
         if self.fail_notify:
             raise RuntimeError("unreachable")
         self.sent.append((peer, msg))
+
+    def has(self, *types):
+        return any(isinstance(m[1], types) for m in self.inbox)
 
     def take(self, *types):
         got = [m for m in self.inbox if isinstance(m[1], types)]
@@ -191,16 +195,69 @@ def test_push_deadline_and_cancel_and_abort_and_peer_lost():
         pusher.begin(rid, "dec@1", 200, [4 * "abcd".index(rid) + i for i in range(4)], list(range(4)), 1.0 if rid == "a" else 5.0)
     pusher.push("a", 64)
     agent.inbox.append(("dec@1", PushCancelled("b", "client gone")))
-    agent.inbox.append(("dec@0", PushCancelled("c", "stale epoch")))  # not the request's peer: ignored
+    agent.inbox.append(("dec@0", PushCancelled("c", "stale epoch")))  # an agent not in the book: ignored
     clock.t = 1.5
     res = {r.request_id: r for r in pusher.poll()}
     assert res["a"].status is PushStatus.EXPIRED and res["b"].status is PushStatus.CANCELLED and set(res) == {"a", "b"}
-    assert agent.released == 1  # a's in-flight WRITE released (cancelled)
-    assert [m for _, m in agent.sent] == [PushAborted("a", res["a"].reason)]  # no abort echo for a cancel
+    # b had nothing in flight: its cancel is answered at once. a's WRITE is
+    # still in flight: decode hears of a only once it ended.
+    assert agent.sent == [("dec@1", PushSettled("b", "decode: client gone"))]
+    assert pusher.draining == ["a"] and agent.released == 0 and pusher.writes_in_flight() == 1
+    assert pusher.has_work()
+    agent.writes[0][0].state = "DONE"
+    assert pusher.poll() == []
+    assert agent.sent[1:] == [("dec@1", PushAborted("a", res["a"].reason))] and agent.released == 1
     assert pusher.abort("c", "prefill OOM").status is PushStatus.FAILED
+    assert agent.sent[2:] == [("dec@1", PushAborted("c", "prefill OOM"))]  # nothing in flight: told at once
     assert pusher.abort("c", "again") is None
     (lost,) = pusher.peer_lost("dec@1")
     assert lost.request_id == "d" and lost.status is PushStatus.FAILED and not pusher.active
+    assert len(agent.sent) == 3 and not pusher.has_work()
+
+
+def test_cancel_of_a_request_not_pushing_is_settled_and_refused_later():
+    pusher, agent, _ = make_pusher()
+    pusher.begin("done", "dec@1", 64, [0], [0], 10.0)
+    pusher.push("done", 64)
+    agent.writes[0][0].state = "DONE"
+    assert [r.status for r in pusher.poll()] == [PushStatus.DONE]
+    agent.inbox += [("dec@1", PushCancelled("done", "late")), ("dec@1", PushCancelled("early", "deadline"))]
+    assert pusher.has_work()
+    assert pusher.poll() == []
+    assert agent.sent == [("dec@1", PushSettled("done", "no write in flight")),
+                          ("dec@1", PushSettled("early", "no write in flight"))]
+    # A task arriving after its cancel was answered must not push (decode re-used the pages) ...
+    with pytest.raises(RequestCancelledError):
+        pusher.begin("early", "dec@1", 64, [1], [1], 10.0)
+    # ... even when the cancel is still unread when it begins.
+    agent.inbox.append(("dec@1", PushCancelled("later", "client gone")))
+    with pytest.raises(RequestCancelledError):
+        pusher.begin("later", "dec@1", 64, [1], [1], 10.0)
+    # Cancelled for one decode agent only: the same id to another is not affected.
+    pusher.begin("early", "dec2@1", 64, [1], [1], 10.0)
+    assert pusher.active == ["early"]
+
+
+def test_cancel_of_a_draining_request_waits_for_the_drain():
+    pusher, agent, clock = make_pusher()
+    pusher.begin("a", "dec@1", 200, [0, 1, 2, 3], [0, 1, 2, 3], 10.0)
+    pusher.push("a", 64)
+    assert pusher.abort("a", "prefill OOM").status is PushStatus.FAILED
+    agent.inbox.append(("dec@1", PushCancelled("a", "deadline")))
+    assert pusher.poll() == [] and agent.sent == []  # its WRITE is still in flight: no answer yet
+    agent.writes[0][0].state = "ERR"  # ended (failed): nothing more can land
+    pusher.poll()
+    assert agent.sent == [("dec@1", PushAborted("a", "prefill OOM"))] and not pusher.has_work()
+
+
+def test_drain_to_a_forgotten_peer_is_dropped():
+    pusher, agent, _ = make_pusher()
+    pusher.begin("a", "dec@1", 200, [0, 1, 2, 3], [0, 1, 2, 3], 10.0)
+    pusher.push("a", 64)
+    pusher.abort("a", "shutdown")
+    pusher.peers.forget("dec@1")
+    pusher.poll()
+    assert pusher.draining == [] and agent.sent == []
 
 
 def test_push_fails_requests_of_a_forgotten_or_restarted_peer():
@@ -286,51 +343,95 @@ def test_peer_selection_is_computed_once_and_dropped_with_the_peer():
 # -- receiver ----------------------------------------------------------------------
 
 
-def make_receiver():
-    agent, clock = FakeAgent("dec@1"), Clock()
-    return Receiver(agent, clock=clock), agent, clock
+def make_receiver(book=None):
+    agent, clock, released = FakeAgent("dec@1"), Clock(), []
+    return Receiver(agent, book, release_pages=released.append, clock=clock), agent, clock, released
 
 
 def test_receiver_with_peer_book_requires_handshake_and_drops_superseded_peers():
-    agent, book = FakeAgent("dec@1"), FakeBook(PRE)
-    recv = Receiver(agent, book, clock=Clock())
+    book = FakeBook(PRE)
+    recv, agent, _, released = make_receiver(book)
     with pytest.raises(UnknownPeerError):
         recv.expect("x", "pre@2", 64, [0], 1.0)
     recv.expect("r", "pre@1", 64, [0], 10.0)
     assert recv.poll() == []
-    book.forget("pre@1")  # the prefill restarted as pre@2
+    book.forget("pre@1")  # the prefill restarted as pre@2: the old process writes nothing more
     (res,) = recv.poll()
     assert res.status is ReceiveStatus.FAILED and res.pages == (0,) and agent.sent == []
+    assert not res.held and released == [(0,)]
+    with pytest.raises(ValueError, match="PeerBook"):
+        make_receiver()[0].expect("any", None, 64, [0], 1.0)
 
 
 def test_receiver_completes_on_count_in_any_order():
-    recv, agent, _ = make_receiver()
+    recv, agent, _, released = make_receiver()
     recv.expect("r", "pre@1", 300, [7, 8, 9, 10, 11], 5.0)
     agent.inbox += [("pre@1", ChunkDone("r", 2, 3, 5)), ("pre@1", ChunkDone("r", 0))]
     assert recv.poll() == []
     agent.inbox += [("pre@1", ChunkDone("r", 0)), ("pre@1", ChunkDone("r", 1))]  # a duplicate is harmless
     (res,) = recv.poll()
     assert (res.status, res.pages, res.chunks) == (ReceiveStatus.DONE, (7, 8, 9, 10, 11), 3)
+    assert released == [] and not recv.has_work  # DONE: the pages are the caller's
 
 
 def test_receiver_ignores_late_unknown_and_other_epoch_notifications():
-    recv, agent, clock = make_receiver()
+    recv, agent, clock, released = make_receiver()
     recv.expect("r", "pre@2", 64, [0], 1.0)
     agent.inbox += [("pre@1", ChunkDone("r", 0, 1, 1)),  # the dead epoch of the same prefill
                     ("pre@2", ChunkDone("zzz", 0, 1, 1))]  # never expected
     assert recv.poll() == [] and recv.ignored_notifs == 2
     clock.t = 2.0
     (res,) = recv.poll()
-    assert res.status is ReceiveStatus.EXPIRED and res.chunks == 0
+    assert res.status is ReceiveStatus.EXPIRED and res.chunks == 0 and res.held
     assert agent.sent == [("pre@2", PushCancelled("r", res.reason))]
-    agent.inbox += [("pre@2", ChunkDone("r", 0, 1, 1)), ("pre@2", PushAborted("r", "late"))]
-    assert recv.poll() == [] and recv.ignored_notifs == 4
+    # Late notifications of the dead request are ignored (a settle from
+    # another agent included); the pages stay held until pre@2 settles.
+    agent.inbox += [("pre@2", ChunkDone("r", 0, 1, 1)), ("pre@1", PushSettled("r", "not mine")),
+                    ("pre@2", PushSettled("zzz", "never had it"))]
+    assert recv.poll() == [] and recv.ignored_notifs == 5
+    assert recv.held == {"r": (0,)} and released == [] and recv.has_work
+    agent.inbox.append(("pre@2", PushAborted("r", "late")))  # sent after its WRITEs ended: settles too
+    assert recv.poll() == [] and recv.ignored_notifs == 5
+    assert recv.held == {} and released == [(0,)] and recv.settled == 1 and not recv.has_work
     with pytest.raises(ValueError, match="fresh id"):
         recv.expect("r", "pre@2", 64, [0], 1.0)
 
 
+def test_held_pages_wait_for_the_settle_and_the_cancel_is_resent():
+    book = FakeBook(PRE)
+    recv, agent, clock, released = make_receiver(book)
+    recv.expect("r", "pre@1", 200, [4, 5, 6, 7], 1.0)
+    agent.inbox.append(("pre@1", ChunkDone("r", 0)))
+    clock.t = 1.5
+    (res,) = recv.poll()
+    assert (res.status, res.chunks, res.held) == (ReceiveStatus.EXPIRED, 1, True)
+    clock.t = 2.0
+    recv.poll()
+    assert len(agent.sent) == 1  # re-sent only after resend_cancel_s
+    clock.t = 2.6
+    recv.poll()
+    assert agent.sent == [("pre@1", PushCancelled("r", res.reason))] * 2
+    assert released == [] and recv.held_pages == 4
+    agent.inbox.append(("pre@1", PushSettled("r", "no write in flight")))
+    recv.poll()
+    assert released == [(4, 5, 6, 7)] and recv.held_pages == 0
+
+
+def test_held_pages_come_back_when_the_writer_is_lost_or_forgotten():
+    book = FakeBook(PRE, Peer("pre2", 1, "pre2@1", table(1 << 20), COMPAT))
+    recv, agent, clock, released = make_receiver(book)
+    recv.expect("a", "pre@1", 64, [1], 10.0)
+    recv.expect("b", "pre2@1", 64, [2], 10.0)
+    assert recv.cancel("a", "client gone").held and recv.cancel("b", "client gone").held
+    assert recv.peer_lost("pre@1") == []  # no wait left, but "a" stops waiting for it
+    assert released == [(1,)]
+    book.forget("pre2@1")  # e.g. its replica left the directory
+    recv.poll()
+    assert released == [(1,), (2,)] and not recv.has_work
+
+
 def test_receiver_failures():
-    recv, agent, _ = make_receiver()
+    recv, agent, _, released = make_receiver()
     recv.expect("short", "pre@1", 130, [0, 1, 2], 5.0)
     recv.expect("bad_index", "pre@1", 64, [3], 5.0)
     recv.expect("aborted", "pre@1", 64, [4], 5.0)
@@ -348,5 +449,12 @@ def test_receiver_failures():
     assert recv.cancel("gone", "x") is None
     (lost,) = recv.peer_lost("pre@9")
     assert lost.request_id == "other" and lost.pages == (6,) and not recv.active
+    # Ended by the peer (its abort, its loss): back at once. Ended here
+    # (inconsistent notifications, cancel): held until pre@1 settles.
+    assert released == [(4,), (6,)]
+    assert recv.held == {"short": (0, 1, 2), "bad_index": (3,), "gone": (5,)}
+    agent.inbox += [("pre@1", PushSettled(rid, "done")) for rid in ("short", "bad_index", "gone")]
+    recv.poll()
+    assert released == [(4,), (6,), (0, 1, 2), (3,), (5,)]
     with pytest.raises(PlanError, match="needs 2 pages"):
         recv.expect("n", "pre@1", 65, [0], 1.0)

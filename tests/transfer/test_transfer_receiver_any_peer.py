@@ -8,7 +8,17 @@ import time
 import pytest
 import torch
 
-from transfer import CacheRegion, CompatInfo, PeerBook, Pusher, Receiver, ReceiveStatus, TransferAgent
+from transfer import (
+    CacheRegion,
+    CompatInfo,
+    PeerBook,
+    Pusher,
+    PushStatus,
+    Receiver,
+    ReceiveStatus,
+    RequestCancelledError,
+    TransferAgent,
+)
 from transfer.messages import ChunkDone
 
 COMPAT = CompatInfo("test/model", 2, 64, "fp8_656", "fp8_132", True)
@@ -34,7 +44,8 @@ class Side:
         self.agent = TransferAgent(worker_id, self.regions, COMPAT)
         self.book = PeerBook(self.agent)
         self.pusher = Pusher(self.agent, self.book)
-        self.receiver = Receiver(self.agent, self.book)
+        self.released: list[tuple[int, ...]] = []  # pages the receiver gave back, in order
+        self.receiver = Receiver(self.agent, self.book, release_pages=self.released.append)
 
     @property
     def name(self) -> str:
@@ -112,19 +123,52 @@ def test_bound_wait_ignores_other_peers_and_unknown_senders(sides):
     assert res.status is ReceiveStatus.DONE and res.peer_agent == a.name and res.chunks == 2
 
 
-def test_unbound_wait_cancel_expiry_and_peer_loss(sides):
+def until(cond, drive, timeout: float = 10.0) -> None:
+    """Call ``drive()`` until ``cond()`` (bounded)."""
+    t_end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < t_end:
+        drive()
+        time.sleep(0.001)
+    assert cond(), "condition not reached within the timeout"
+
+
+def test_unbound_wait_ended_here_is_held_until_every_peer_settles(sides):
+    dec, a, b = sides("dec"), sides("pre-a", fill=10), sides("pre-b", fill=50)
+    handshake(dec, a)
+    handshake(dec, b)
+    dec.receiver.expect("c", None, 100, [3, 4], 10.0)
+    a.pusher.begin("c", dec.name, 100, [0, 1], [3, 4], 10.0)
+    a.pusher.push("c", 64)  # page 0 posted; decode has not read its notification
+    res = dec.receiver.cancel("c", "client gone")
+    # Still unbound: either handshaked peer may be the one writing.
+    assert (res.status, res.peer_agent, res.held) == (ReceiveStatus.CANCELLED, None, True)
+    assert dec.receiver.writers_of("c") == {a.name, b.name} and dec.released == []
+    # b never had the request: it settles at once; a has not answered yet.
+    until(lambda: dec.receiver.writers_of("c") == {a.name}, lambda: (b.pusher.poll(), dec.receiver.poll()))
+    assert dec.receiver.held == {"c": (3, 4)} and dec.released == []
+    # a reads the cancel, ends the push and settles once its WRITE is done.
+    got = []
+    until(lambda: dec.released, lambda: (got.extend(a.pusher.poll()), dec.receiver.poll()))
+    assert [(r.request_id, r.status) for r in got] == [("c", PushStatus.CANCELLED)]
+    assert dec.released == [(3, 4)] and dec.receiver.held == {} and not dec.receiver.has_work
+    # Neither may push it later: decode may have re-used the pages.
+    for side in (a, b):
+        with pytest.raises(RequestCancelledError):
+            side.pusher.begin("c", dec.name, 100, [0, 1], [3, 4], 10.0)
+
+
+def test_unbound_wait_expiry_and_peer_loss(sides):
     dec, a = sides("dec"), sides("pre-a")
     handshake(dec, a)
-    dec.receiver.expect("c", None, 10, [5], 10.0)
-    res = dec.receiver.cancel("c", "client gone")
-    assert res.status is ReceiveStatus.CANCELLED and res.peer_agent is None  # nobody to tell
     dec.receiver.expect("e", None, 10, [5], 0.0)
     time.sleep(0.01)
     (res,) = dec.receiver.poll()
-    assert res.status is ReceiveStatus.EXPIRED and res.peer_agent is None
-    # peer_lost and forgetting a peer leave unbound waits alone; a bound wait fails with its peer.
-    dec.receiver.expect("u", None, 10, [5], 10.0)
-    dec.receiver.expect("b", None, 10, [6], 10.0)
+    assert (res.status, res.peer_agent, res.held) == (ReceiveStatus.EXPIRED, None, True)
+    until(lambda: dec.released == [(5,)], lambda: (a.pusher.poll(), dec.receiver.poll()))
+    # peer_lost and forgetting a peer leave unbound waits alone; a bound wait
+    # fails with its peer and its pages come back at once (the peer is gone).
+    dec.receiver.expect("u", None, 10, [6], 10.0)
+    dec.receiver.expect("b", None, 10, [7], 10.0)
     a.agent.notify(dec.name, ChunkDone("b", 0))  # binds "b" to a
     t_end = time.monotonic() + 5
     while time.monotonic() < t_end:
@@ -135,7 +179,8 @@ def test_unbound_wait_cancel_expiry_and_peer_loss(sides):
     assert dec.receiver.peer_lost("pre-a@0") == []
     dec.book.forget(a.name)
     (res,) = dec.receiver.poll()
-    assert (res.request_id, res.status, res.peer_agent) == ("b", ReceiveStatus.FAILED, a.name)
+    assert (res.request_id, res.status, res.peer_agent, res.held) == ("b", ReceiveStatus.FAILED, a.name, False)
+    assert dec.released == [(5,), (7,)]
     assert dec.receiver.active == ["u"]
     with pytest.raises(ValueError, match="already used"):
         dec.receiver.expect("b", None, 10, [6], 10.0)

@@ -59,12 +59,22 @@ def pair():
         pre.close()
 
 
+def settle(dec: WorkerProc, pre: WorkerProc, timeout_s: float = 10.0) -> None:
+    """Drive both sides until decode holds no pages (prefill answered every cancel)."""
+    t_end = time.monotonic() + timeout_s
+    while dec.call("held") and time.monotonic() < t_end:
+        pre.call("poll_push", 0.02, until_idle=False)
+        dec.call("settle", 0.02)
+    assert dec.call("held") == {}, "decode still holds pages of cancelled requests"
+
+
 @pytest.fixture
 def pools_restored(pair):
-    """Both pools must be back at their starting free counts after the test."""
+    """Both pools must be back at their starting free counts after the test (once prefill settled)."""
     dec, pre = pair
     start = dec.call("free_count"), pre.call("free_count")
     yield
+    settle(dec, pre)
     assert (dec.call("free_count"), pre.call("free_count")) == start
 
 
@@ -102,17 +112,22 @@ def test_decode_deadline_expiry_frees_both_sides_and_ignores_late_notifs(pair, p
     pre.send("push", [("slow", dec_name, n, pages)], 128, 30.0, pause_after_chunk=0)
     assert pre.recv_tagged(30)[0] == "paused"  # chunk 0 landed, prefill stalls
     t0 = time.monotonic()
+    free_before = dec.call("free_count")
     got = dec.call("wait", 10.0)
-    assert [(r["request_id"], r["status"], r["chunks"]) for r in got] == [("slow", "expired", 1)]
+    assert [(r["request_id"], r["status"], r["chunks"], r["held"]) for r in got] == [("slow", "expired", 1, True)]
     assert time.monotonic() - t0 < 5.0
+    # Prefill has not answered the cancel (it is paused): the pages stay out of the pool.
+    assert dec.call("held") == {"slow": pages} and dec.call("free_count") == free_before
     pre.conn.send("resume")
     pushed = pre.recv(30)
     assert pushed["slow"]["status"] == "cancelled", pushed  # decode's cancel reached prefill
-    # A late notification for the dead request changes nothing.
+    # A late notification for the dead request changes nothing; prefill's
+    # answer to the cancel (read in the same polls) gives the pages back.
     ignored = dec.call("ignored_notifs")
     pre.call("notify_chunk", dec_name, "slow", 5, 6, len(pages))
     assert dec.call("wait", 0.5, until_idle=False) == []
     assert dec.call("ignored_notifs") == ignored + 1
+    assert dec.call("held") == {} and dec.call("free_count") == free_before + len(pages)
 
 
 def test_prefill_deadline_expiry_aborts_decode(pair, pools_restored):
@@ -142,8 +157,15 @@ def test_prefill_killed_mid_transfer_decode_expires_and_frees(pair, pools_restor
         assert victim.recv_tagged(30)[0] == "paused"
         victim.kill()
         got = dec.call("wait", 10.0)
-        assert sorted((r["request_id"], r["status"], r["chunks"]) for r in got) == [
-            ("k1", "expired", 1), ("k2", "expired", 1)]
+        assert sorted((r["request_id"], r["status"], r["chunks"], r["held"]) for r in got) == [
+            ("k1", "expired", 1, True), ("k2", "expired", 1, True)]
+        # Nobody has said the victim is dead: its WRITEs could still land, so
+        # the pages stay held (the cancel to a dead process is never answered).
+        assert sorted(dec.call("held")) == ["k1", "k2"]
+        assert dec.call("settle", 1.5) != {}
+        # Declared dead (Serve: it left the peer directory): nothing more can land.
+        dec.call("peer_lost", v_name)
+        assert dec.call("held") == {}
     finally:
         victim.kill()
 
@@ -165,6 +187,66 @@ def test_decode_killed_mid_transfer_prefill_fails_and_frees(pair, pools_restored
         assert pushed["orphan"]["chunks"] == 1
     finally:
         victim.kill()
+
+
+def test_late_write_lands_only_in_held_pages_until_prefill_settles(pair, pools_restored):
+    """A WRITE posted after decode's deadline must not reach pages given to another request.
+
+    Prefill posts chunk 0, decode's deadline passes, decode reserves pages for
+    a new request and that request is pushed and received; only then does
+    prefill (which has not read decode's cancel yet) post the rest of the
+    dead request. Its bytes land, but only in the dead request's pages, which
+    decode kept out of its pool; they return once prefill answers the cancel.
+    """
+    dec, pre = pair
+    pre_name, dec_name = pre.call("name"), dec.call("name")
+    dec_start = dec.call("free_count")
+    before, pre_snap = dec.call("snapshot"), pre.call("snapshot")
+    n_late, n_fresh = 700, 300
+    late = dec.call("reserve", "late", pre_name, n_late, 0.5)
+    late_src = pre.call("begin_push", "late", dec_name, n_late, late, 30.0)
+    assert pre.call("post", "late", 128)  # chunk 0 (pages 0-1) landed
+    got = dec.call("wait", 10.0)
+    assert [(r["request_id"], r["status"], r["chunks"], r["held"]) for r in got] == [("late", "expired", 1, True)]
+    # Held: out of the free list, so a new reservation cannot get them.
+    assert dec.call("held") == {"late": late}
+    assert dec.call("free_count") == dec_start - len(late)
+    fresh = dec.call("reserve", "fresh", pre_name, n_fresh, 30.0)
+    assert not set(fresh) & set(late)
+    assert dec.call("free_count") == dec_start - len(late) - len(fresh)
+    fresh_src = pre.call("begin_push", "fresh", dec_name, n_fresh, fresh, 30.0)
+    assert pre.call("post", "fresh", n_fresh)
+    assert [(r["request_id"], r["status"]) for r in dec.call("wait", 10.0)] == [("fresh", "done")]
+
+    # The late WRITE: the rest of the dead request, posted before prefill reads the cancel.
+    ignored = dec.call("ignored_notifs")
+    assert pre.call("post", "late", n_late)
+    assert dec.call("wait", 0.3, until_idle=False) == []
+    assert dec.call("ignored_notifs") == ignored + 1  # its ChunkDone is a late notification
+    # Every late byte landed in the held pages; the fresh request's pages are intact.
+    assert_regions_equal(dec.call("snapshot"), expected_decode(before, pre_snap, [(late_src, late), (fresh_src, fresh)]))
+    assert dec.call("held") == {"late": late}  # still no answer from prefill
+
+    # Prefill reads the cancel: the late request ends CANCELLED, nothing is in
+    # flight, so it settles at once and decode gives the pages back.
+    pushed = pre.call("poll_push", 10.0)
+    assert {rid: r["status"] for rid, r in pushed.items()} == {"late": "cancelled", "fresh": "done"}
+    assert dec.call("settle", 10.0) == {}
+    assert dec.call("free_count") == dec_start - len(fresh)
+    dec.call("release", fresh)
+
+
+def test_cancel_before_prefill_begins_is_settled_and_the_request_refused(pair, pools_restored):
+    dec, pre = pair
+    pre_name, dec_name = pre.call("name"), dec.call("name")
+    pages = dec.call("reserve", "early", pre_name, 200, 0.2)
+    assert [r["held"] for r in dec.call("wait", 10.0)] == [True]
+    pre.call("poll_push", 0.5, until_idle=False)  # prefill answers a cancel of a request it never had
+    assert dec.call("settle", 10.0) == {}
+    # Decode may re-use the pages now, so a late task for that request must not push.
+    with pytest.raises(RemoteError) as err:
+        pre.call("begin_push", "early", dec_name, 200, pages, 30.0)
+    assert err.value.type_name == "RequestCancelledError"
 
 
 def test_restarted_decode_is_rehandshaked_never_served_stale(pair):

@@ -119,8 +119,9 @@ class Worker:
         self.agent = TransferAgent(worker_id, self.regions, geometry.compat())
         self.book = PeerBook(self.agent)
         self.pusher = Pusher(self.agent, self.book)
-        self.receiver = Receiver(self.agent, self.book)
         self.pool = PagePool(num_pages, seed)
+        self.receiver = Receiver(self.agent, self.book, release_pages=self.pool.free)
+        self._local: dict[str, list[int]] = {}  # prefill pages of requests begun with `begin_push`
 
     # -- identity / handshake --------------------------------------------------------
 
@@ -167,25 +168,37 @@ class Worker:
         return pages
 
     def wait(self, timeout_s: float, until_idle: bool = True) -> list[dict[str, Any]]:
-        """Poll the receiver for ``timeout_s`` (or until nothing is pending); free pages of failures."""
+        """Poll the receiver for ``timeout_s`` (or until nothing is pending).
+
+        Pages of failures go back to the pool through the receiver, at once
+        or once their writers settled (``held`` says which).
+        """
         t_end = time.monotonic() + timeout_s
         out = []
         while time.monotonic() < t_end:
             for r in self.receiver.poll():
-                if not r.ok:
-                    self.pool.free(r.pages)
                 out.append({"request_id": r.request_id, "status": r.status.value, "pages": list(r.pages),
-                            "chunks": r.chunks, "reason": r.reason})
+                            "chunks": r.chunks, "reason": r.reason, "held": r.held})
             if until_idle and not self.receiver.active:
                 break
             time.sleep(0.001)
         return out
 
+    def held(self) -> dict[str, list[int]]:
+        """Ended requests whose pages the receiver keeps out of the pool, with their page ids."""
+        return {rid: list(p) for rid, p in self.receiver.held.items()}
+
+    def settle(self, timeout_s: float) -> dict[str, list[int]]:
+        """Poll until no pages are held (prefill answered every cancel) or ``timeout_s``; returns what is still held."""
+        t_end = time.monotonic() + timeout_s
+        while self.receiver.held and time.monotonic() < t_end:
+            self.receiver.poll()
+            time.sleep(0.001)
+        return self.held()
+
     def peer_lost(self, agent_name: str) -> list[str]:
-        """Fail every request expected from a dead peer; frees their pages; returns their ids."""
+        """Fail every request expected from a dead peer (the receiver frees their pages); returns their ids."""
         out = self.receiver.peer_lost(agent_name, "peer died")
-        for r in out:
-            self.pool.free(r.pages)
         self.book.forget(agent_name)
         return [r.request_id for r in out]
 
@@ -254,6 +267,47 @@ class Worker:
             chunk += 1
             time.sleep(0.001)
         return results
+
+    # Step by step (the test scripts each action; nothing polls in between):
+
+    def begin_push(self, request_id: str, decode_agent: str, prompt_len: int, decode_pages: list[int],
+                   deadline_s: float) -> list[int]:
+        """Allocate prefill pages and `Pusher.begin`; returns the prefill pages."""
+        from attention.formats import pages_for_tokens
+
+        pages = self.pool.allocate(pages_for_tokens(prompt_len))
+        try:
+            self.pusher.begin(request_id, decode_agent, prompt_len, pages, decode_pages, deadline_s)
+        except Exception:
+            self.pool.free(pages)
+            raise
+        self._local[request_id] = pages
+        return pages
+
+    def post(self, request_id: str, tokens_done: int, timeout_s: float = 10.0) -> bool:
+        """Post the WRITE of the pages final at ``tokens_done`` and wait until it landed, without polling.
+
+        Not polling means cancels from decode stay unread: this is a prefill
+        whose WRITE was posted before it learnt decode gave up.
+        """
+        posted = self.pusher.push(request_id, tokens_done)
+        self._wait_done(lambda: self.pusher.writes_in_flight() == 0, timeout_s)
+        return posted
+
+    def poll_push(self, timeout_s: float, until_idle: bool = True) -> dict[str, dict[str, Any]]:
+        """Poll the pusher (cancels, drains) for ``timeout_s`` or until idle; frees pages of ended requests."""
+        t_end = time.monotonic() + timeout_s
+        out: dict[str, dict[str, Any]] = {}
+        while time.monotonic() < t_end:
+            for r in self.pusher.poll():
+                self.pool.free(r.pages)
+                self._local.pop(r.request_id, None)
+                out[r.request_id] = {"status": r.status.value, "reason": r.reason, "pages": list(r.pages),
+                                     "chunks": r.chunks}
+            if until_idle and not self.pusher.has_work():
+                break
+            time.sleep(0.001)
+        return out
 
     def _wait_done(self, cond, timeout_s: float) -> None:
         t_end = time.monotonic() + timeout_s

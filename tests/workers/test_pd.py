@@ -108,7 +108,13 @@ def test_pd_aborts_at_every_phase_free_both_pools(tiny):
         time.sleep(0.01)
     assert len(r3.output) >= 2 and not r3.finished, "request should be decoding"
     assert dec.abort("d3")
-    pump(2)
+    # Aborted receives hold their decode pages until prefill has answered
+    # the cancel (a WRITE it posted could still land): pump until it has.
+    for _ in range(500):
+        pump(1)
+        if not dec.has_work:
+            break
+        time.sleep(0.01)
     assert not pre.active and not dec.has_work
     assert pre.pool.free_count == p_start and dec.pool.free_count == d_start
     assert all(r.finish_reason is not None for r in (r0, r1, r2, r3))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from attention.formats import pages_for_tokens
-from transfer import Receiver, ReceiveStatus
+from transfer import ReceiveStatus
 from workers.engine import Engine, RequestOutput
 from workers.kv_link import KVLink
 from workers.prefill_worker import PrefillResult
@@ -28,7 +28,7 @@ class DecodeWorker:
         self.engine, self.link, self.deadline_s = engine, link, deadline_s
         # Pages of a request that ended without its KV go back through the
         # receiver: only once no prefill WRITE can still land in them.
-        self.receiver = Receiver(link.agent, link.peers, release_pages=lambda pages: self.pool.free(list(pages)))
+        self.receiver = link.receiver(release_pages=lambda pages: self.pool.free(list(pages)))
         self.awaiting: dict[str, _Awaiting] = {}
 
     @property

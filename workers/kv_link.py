@@ -10,7 +10,7 @@ from pathlib import Path
 
 from attention.cache import PagedKVCache
 from attention.formats import PAGE_SIZE
-from transfer import CompatInfo, PeerBook, TransferAgent
+from transfer import CompatInfo, PeerBook, Pusher, Receiver, TransferAgent
 
 
 def compat_info(model_dir: str | Path, cache: PagedKVCache, has_mtp: bool) -> CompatInfo:
@@ -35,14 +35,25 @@ class KVLink:
     peers: PeerBook
 
     @classmethod
-    def create(cls, worker_id: str, model_dir: str | Path, cache: PagedKVCache, has_mtp: bool) -> "KVLink":
+    def create(cls, worker_id: str, model_dir: str | Path, cache: PagedKVCache, has_mtp: bool,
+               epoch: int | None = None) -> "KVLink":
+        """``epoch``: None for a fresh one; the ranks of a tensor-parallel replica share one."""
         # UCX scatter-gather offload batches the per-descriptor cuda_ipc copies:
         # 2.5x the push throughput on the H100 (docs/perf.md). On DRAM UCX only
         # emulates it, so it stays off there.
         on_gpu = cache.regions()[0].tensor.is_cuda
         agent = TransferAgent(worker_id, cache.regions(), compat_info(model_dir, cache, has_mtp),
-                              ucx_sgl=True if on_gpu else None)
+                              ucx_sgl=True if on_gpu else None, epoch=epoch)
         return cls(agent, PeerBook(agent))
+
+    def pusher(self) -> Pusher:
+        """The prefill side's pusher over this link (a rank group's link makes one over its ranks)."""
+        return Pusher(self.agent, self.peers)
+
+    def receiver(self, release_pages) -> Receiver:
+        """The decode side's receiver; ``release_pages(page_ids)`` gets back pages of a request that ended
+        without its KV, once no prefill WRITE can land in them."""
+        return Receiver(self.agent, self.peers, release_pages=release_pages)
 
     def handshake(self, other: "KVLink") -> None:
         """Both directions (in-process pair): each side checks and loads the other's offer."""

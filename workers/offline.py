@@ -22,6 +22,8 @@ from workers.decode_worker import DecodeWorker
 from workers.kv_link import KVLink
 from workers.page_pool import PoolExhausted
 from workers.prefill_worker import PrefillTask, PrefillWorker
+from workers.rank_group import RankGroup
+from workers.rank_worker import RankSpec
 from workers.request import FinishReason, Request, RequestState
 from workers.sampler import SamplingParams
 from workers.scheduler import SchedulerConfig
@@ -36,6 +38,10 @@ class LLM:
     kv_cache_dtype: ``"auto"`` keeps the MLA latent and indexer keys unquantized
     in ``dtype`` (exact math, for comparisons); ``"fp8"`` uses the serving byte
     formats (656-byte MLA tokens, 132-byte indexer tokens).
+    tp_size: tensor-parallel ranks per replica (each side of ``pd=True``):
+    > 1 runs each rank in its own Ray actor (``workers.rank_group``; gloo on
+    CPU, NCCL and one GPU per rank on ``cuda``) driven by this process's
+    engine; `shutdown` ends them.
     """
 
     def __init__(self, model_dir: str | Path, backend: str = "reference", device: str = "cpu",
@@ -43,7 +49,7 @@ class LLM:
                  hadamard: bool | None = None, mtp_draft_tokens: int = 0, mtp_topk_reuse: bool = False,
                  chunk_size: int = 256, max_batch_size: int = 64, pd: bool = False,
                  transfer_deadline_s: float = 600.0, cuda_graphs: bool | None = None,
-                 cuda_graph_max_context: int | None = None):
+                 cuda_graph_max_context: int | None = None, tp_size: int = 1):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if kv_cache_dtype not in ("auto", "fp8"):
@@ -52,11 +58,20 @@ class LLM:
         # The Hadamard rotation only matters once keys are quantized; in exact
         # mode it is skipped, as in transformers' reference.
         hadamard = kv_cache_dtype == "fp8" if hadamard is None else hadamard
-        self.model = load_model(self.model_dir, _DTYPES[dtype], device, hadamard=hadamard)
+        self.groups: list[RankGroup] = []
+        if tp_size > 1:
+            if cuda_graphs:
+                raise ValueError("cuda_graphs with tp_size > 1 are not built yet")
+            cuda_graphs = False
+            rank_spec = RankSpec(str(self.model_dir), backend, device, dtype, kv_cache_dtype, num_pages, hadamard)
+            self.groups.append(RankGroup(rank_spec, tp_size))
+            self.model, self.runner, self.cache = self.groups[0].model, self.groups[0].runner, None
+        else:
+            self.model = load_model(self.model_dir, _DTYPES[dtype], device, hadamard=hadamard)
+            self.cache = PagedKVCache(cache_spec_for(self.model, num_pages, kv_cache_dtype), device)
+            self.runner = ModelRunner(self.model, self.cache, get_backend(backend), device)
         self.cfg = self.model.cfg
         self.pool = PagePool(num_pages)
-        self.cache = PagedKVCache(cache_spec_for(self.model, num_pages, kv_cache_dtype), device)
-        self.runner = ModelRunner(self.model, self.cache, get_backend(backend), device)
         sched = SchedulerConfig(max_batch_size=max_batch_size, chunk_size=chunk_size, mtp_draft_tokens=mtp_draft_tokens)
         self.engine = Engine(self.runner, self.pool, sched, self.cfg.eos_token_ids, mtp_topk_reuse,
                              detokenize=self._detokenizer())
@@ -67,18 +82,30 @@ class LLM:
         if pd:
             # A second replica in-process: its own weights, cache and pool,
             # linked to this one by real NIXL agents (DRAM on CPU).
-            pmodel = load_model(self.model_dir, _DTYPES[dtype], device, hadamard=hadamard)
             ppool = PagePool(num_pages)
-            pcache = PagedKVCache(cache_spec_for(pmodel, num_pages, kv_cache_dtype), device)
-            prunner = ModelRunner(pmodel, pcache, get_backend(backend), device)
-            has_mtp = len(self.model.mtp) > 0
-            plink = KVLink.create("prefill-0", self.model_dir, pcache, has_mtp)
-            dlink = KVLink.create("decode-0", self.model_dir, self.cache, has_mtp)
+            if tp_size > 1:
+                # Prefill rank i pushes to decode rank i, each pair over its own NIXL agents.
+                self.groups.append(RankGroup(rank_spec, tp_size))
+                prunner = self.groups[1].runner
+                plink, dlink = self.groups[1].link("prefill-0"), self.groups[0].link("decode-0")
+            else:
+                pmodel = load_model(self.model_dir, _DTYPES[dtype], device, hadamard=hadamard)
+                pcache = PagedKVCache(cache_spec_for(pmodel, num_pages, kv_cache_dtype), device)
+                prunner = ModelRunner(pmodel, pcache, get_backend(backend), device)
+                has_mtp = len(self.model.mtp) > 0
+                plink = KVLink.create("prefill-0", self.model_dir, pcache, has_mtp)
+                dlink = KVLink.create("decode-0", self.model_dir, self.cache, has_mtp)
             dlink.handshake(plink)
             # CPU prefill of a queue of prompts is slow: the deadline covers queueing + compute.
             self.pd = _LocalPD(PrefillWorker(prunner, ppool, plink, chunk_size, mtp=mtp_draft_tokens > 0,
                                              deadline_s=transfer_deadline_s),
                                DecodeWorker(self.engine, dlink, deadline_s=transfer_deadline_s))
+
+    def shutdown(self) -> None:
+        """End the rank actors (tp_size > 1); a no-op otherwise."""
+        for g in self.groups:
+            g.shutdown()
+        self.groups = []
 
     def _detokenizer(self):
         try:

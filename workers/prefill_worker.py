@@ -10,7 +10,7 @@ import torch
 
 from attention.formats import pages_for_tokens
 from models.batch import ForwardMode
-from transfer import Pusher, PushStatus
+from transfer import PushStatus
 from workers.kv_link import KVLink
 from workers.model_runner import ModelRunner, WorkItem
 from workers.page_pool import PagePool
@@ -59,7 +59,7 @@ class PrefillWorker:
                  mtp: bool = False, deadline_s: float = 60.0):
         self.runner, self.pool, self.link = runner, pool, link
         self.chunk_size, self.mtp, self.deadline_s = chunk_size, mtp, deadline_s
-        self.pusher = Pusher(link.agent, link.peers)
+        self.pusher = link.pusher()  # a tensor-parallel replica's link pushes rank i -> rank i
         self.active: dict[str, _Active] = {}
 
     def submit(self, task: PrefillTask) -> None:

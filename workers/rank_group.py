@@ -1,0 +1,176 @@
+"""The ranks of one tensor-parallel replica, seen from its driver.
+
+The driver (one process: scheduler, page pool, sampler — the `Engine`,
+`PrefillWorker` or `DecodeWorker` of the replica) runs unchanged on top of
+`GroupRunner` / `GroupModel`, which present the `ModelRunner` /
+`DsaForCausalLM` calls it makes and fan each forward out to the rank actors
+(``workers.rank_worker.RankWorker``, one Ray actor per rank, one GPU each on
+a GPU host): every rank runs the same batch, built by the driver with the
+driver's page ids, and rank 0 answers. Page ids mean the same on every rank
+because the driver's one `PagePool` hands them out and every rank's cache has
+``num_pages`` pages.
+
+Where the ranks run: ``actor_options[r]`` are rank r's Ray actor options
+(resources, and in a Serve replica the placement group and bundle index the
+controller planned). The process group is gloo on CPU and NCCL on GPU; rank 0
+picks the rendezvous address on its own host.
+
+If a rank raises, the ranks' collectives are out of step for good: the group
+is marked broken and every later call raises `RankGroupFailed` (a Serve
+replica then fails its health check and is replaced; its actors die with it).
+
+Cost, as built: the hidden states of every forward travel rank 0 → driver
+(and back for the MTP layer), and sampling runs in the driver. Keeping hidden
+states on the ranks and sampling on rank 0 is the next step for large
+batches; the tiny models and CPU tests do not feel it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+
+from models.config import load_config
+from workers.group_link import GroupLink
+from workers.model_runner import ModelRunner
+from workers.rank_worker import DTYPES, RankSpec, RankWorker
+
+
+class RankGroupFailed(RuntimeError):
+    """A rank failed; the group cannot run another collective."""
+
+
+class RankGroup:
+    """``size`` rank actors of one replica, started and joined in one process group.
+
+    actor_options: one dict of Ray actor options per rank (default: no
+    resources on CPU, one GPU per rank on ``cuda``).
+    """
+
+    def __init__(self, spec: RankSpec, size: int, actor_options: Sequence[dict[str, Any]] | None = None,
+                 start_timeout_s: float = 600.0):
+        import ray
+
+        if size < 2:
+            raise ValueError(f"a rank group has >= 2 ranks (one rank runs in-process), got {size}")
+        if actor_options is None:
+            one = {"num_cpus": 0, "num_gpus": 1 if spec.device.startswith("cuda") else 0}
+            actor_options = [one] * size
+        if len(actor_options) != size:
+            raise ValueError(f"{len(actor_options)} actor option sets for {size} ranks")
+        self.spec, self.size = spec, size
+        self.broken: BaseException | None = None
+        cls = ray.remote(RankWorker)
+        # max_concurrency 1 (the default): a rank runs one call at a time, in order.
+        self.actors = [cls.options(**dict(opts)).remote(spec, r, size) for r, opts in enumerate(actor_options)]
+        address = self._wait([self.actors[0].rendezvous_address.remote()], start_timeout_s)[0]
+        mtp_layers = self._wait([a.start.remote(address, start_timeout_s) for a in self.actors], start_timeout_s)
+        self.model = GroupModel(self, spec, mtp_layers[0])
+        self.runner = GroupRunner(self.model)
+
+    # ------------------------------------------------------------ fan-out
+    def _wait(self, refs: list, timeout_s: float | None = None, return_exceptions: bool = False) -> list:
+        """Results of ``refs`` in order. A rank's error is raised as soon as it is known (not after
+        the others, which may wait forever in a collective it left) and breaks the group."""
+        import ray
+
+        pending = list(refs)
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not done:
+                self.broken = RankGroupFailed(f"ranks did not answer within {timeout_s:.0f}s")
+                raise self.broken
+            if not return_exceptions:
+                try:
+                    ray.get(done[0])
+                except Exception as e:
+                    self.broken = e
+                    raise RankGroupFailed(f"a rank failed: {e}") from e
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref))
+            except Exception as e:  # noqa: BLE001 - return_exceptions: the caller decides
+                out.append(e.as_instanceof_cause() if hasattr(e, "as_instanceof_cause") else e)
+        return out
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise RankGroupFailed(f"the rank group failed earlier: {self.broken!r}") from self.broken
+
+    def call(self, method: str, *args) -> list:
+        """``method(*args)`` on every rank; every rank's result, in rank order."""
+        self._check()
+        return self._wait([getattr(a, method).remote(*args) for a in self.actors])
+
+    def call_each(self, method: str, args: Sequence[tuple], return_exceptions: bool = False) -> list:
+        """``method(*args[r])`` on rank r; with ``return_exceptions`` a rank's error is its result
+        (for calls without collectives, e.g. a transfer ``begin`` that one rank refuses)."""
+        self._check()
+        refs = [getattr(a, method).remote(*args[r]) for r, a in enumerate(self.actors)]
+        return self._wait(refs, return_exceptions=return_exceptions)
+
+    def call_rank(self, rank: int, method: str, *args):
+        """One rank only: never for a call that runs a collective."""
+        self._check()
+        return self._wait([getattr(self.actors[rank], method).remote(*args)])[0]
+
+    def link(self, worker_id: str, epoch: int | None = None) -> GroupLink:
+        """Open every rank's NIXL agent (``worker_id.r<i>@epoch``) and return the replica's link."""
+        from transfer.agent import new_epoch
+
+        return GroupLink(self, worker_id, new_epoch() if epoch is None else epoch)
+
+    def shutdown(self) -> None:
+        """Close the ranks' NIXL agents and process group, then end the actors."""
+        import ray
+
+        if self.broken is None:
+            try:
+                self.call("close")
+            except Exception:  # noqa: BLE001 - ending anyway
+                pass
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
+        self.broken = RankGroupFailed("shut down")
+
+
+class GroupModel:
+    """The driver's handle on the model sharded over a `RankGroup`: the
+    ``DsaForCausalLM`` calls the engine and workers make (``cache`` /
+    ``backend`` arguments are the ranks' own and ignored here)."""
+
+    def __init__(self, group: RankGroup, spec: RankSpec, num_mtp: int):
+        self.group = group
+        self.cfg = load_config(spec.model_dir)
+        self.dtype = DTYPES[spec.dtype]
+        # The engine reads how many MTP layers there are (len); the layers live on the ranks.
+        self.mtp = tuple(range(num_mtp))
+
+    @property
+    def num_cache_layers(self) -> int:
+        return self.cfg.num_hidden_layers + len(self.mtp)
+
+    def __call__(self, batch, cache=None, backend=None) -> torch.Tensor:
+        """Normed hidden ``[T, hidden]`` (host) of the target model over ``batch``."""
+        return self.group.call("forward", batch)[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[n, vocab]``; the head is replicated, so rank 0 alone computes it."""
+        return self.group.call_rank(0, "logits", hidden)
+
+    def mtp_forward(self, batch, prev_hidden: torch.Tensor, cache=None, backend=None, depth: int = 0, reuse=None):
+        """As ``DsaForCausalLM.mtp_forward``: (fp32 logits ``[T, vocab]``, hidden ``[T, hidden]``, selection)."""
+        return self.group.call("mtp_forward", batch, prev_hidden, depth, reuse)[0]
+
+
+class GroupRunner(ModelRunner):
+    """`ModelRunner` whose batches (built on the driver's host) run on the ranks."""
+
+    def __init__(self, model: GroupModel):
+        super().__init__(model, cache=None, backend=None, device="cpu")

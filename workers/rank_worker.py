@@ -1,0 +1,214 @@
+"""One tensor-parallel rank of a replica: its model shard, its paged caches and
+its NIXL agent, driven step by step by the replica's driver (`RankGroup`).
+
+A `RankWorker` runs in its own process (a Ray actor, one GPU each on a GPU
+host). Every rank runs every forward with the same ``ForwardBatch`` (the
+driver builds it; page ids are the driver's, so they are the same on every
+rank), and the ranks meet in the all-reduces of ``models/parallel.py`` over
+their own process group (gloo on CPU, NCCL on GPU). Only rank 0 answers with
+the hidden states: after the all-reduces they are the same bytes everywhere.
+
+The MLA latent (and indexer keys) are shared by all heads, so every rank
+caches them whole: pages of rank i are a full copy, and prefill rank i
+pushes them to decode rank i with its own agent (``workers/group_link.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from attention.backend import get_backend
+from attention.cache import PagedKVCache
+from models.loader import load_model
+from models.parallel import TPContext
+from transfer import PushResult, ReceiveResult
+from workers.kv_link import KVLink
+from workers.model_runner import cache_spec_for
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank of one replica loads (the rank index is separate).
+
+    dtype: ``"float32"`` | ``"bfloat16"``; kv_cache_dtype: ``"auto"`` | ``"fp8"``;
+    num_pages: pages of this rank's cache (the driver's pool hands out their ids).
+    """
+
+    model_dir: str
+    backend: str = "reference"
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_dtype: str = "auto"
+    num_pages: int = 512
+    hadamard: bool = False
+    with_mtp: bool = True
+
+
+def move_to(obj, device: torch.device):
+    """A dataclass (``ForwardBatch``), ``SelectedTokens``, tensor or None with every tensor on ``device``.
+
+    Non-tensor fields are kept as they are: batch fields added later move
+    (or stay host-side) without this helper knowing them.
+    """
+    if obj is None:
+        return None
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{
+            f.name: move_to(getattr(obj, f.name), device) if isinstance(getattr(obj, f.name), torch.Tensor)
+            else getattr(obj, f.name)
+            for f in dataclasses.fields(obj) if f.init
+        })
+    if hasattr(obj, "slots") and hasattr(obj, "positions"):  # models.indexer.SelectedTokens
+        return type(obj)(obj.slots.to(device), obj.positions.to(device))
+    raise TypeError(f"cannot move a {type(obj).__name__} to {device}")
+
+
+class RankWorker:
+    """Rank ``rank`` of ``size``. Construct, then `start` every rank at once
+    (the process group rendezvous blocks until all ranks join)."""
+
+    def __init__(self, spec: RankSpec, rank: int, size: int):
+        self.spec, self.rank, self.size = spec, rank, size
+        self.device = torch.device(spec.device)
+        self.model = None
+        self.cache: PagedKVCache | None = None
+        self.backend = None
+        self.link: KVLink | None = None
+        self.pusher = None
+        self.receiver = None
+
+    # ------------------------------------------------------------- set-up
+    def rendezvous_address(self) -> str:
+        """``tcp://host:port`` on this rank's host with a free port (asked of rank 0 only)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def start(self, init_method: str, timeout_s: float = 300.0) -> int:
+        """Join the process group, load this rank's shard and allocate its caches.
+        Returns the number of MTP layers loaded."""
+        import torch.distributed as dist
+
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            # Ray exposes this actor's one GPU as device 0.
+            torch.cuda.set_device(0)
+            self.device = torch.device("cuda", 0)
+        dist.init_process_group("nccl" if on_gpu else "gloo", init_method=init_method, rank=self.rank,
+                                world_size=self.size, timeout=datetime.timedelta(seconds=timeout_s))
+        tp = TPContext(self.rank, self.size, dist.group.WORLD)
+        s = self.spec
+        self.model = load_model(s.model_dir, DTYPES[s.dtype], str(self.device), tp=tp, hadamard=s.hadamard,
+                                with_mtp=s.with_mtp)
+        self.cache = PagedKVCache(cache_spec_for(self.model, s.num_pages, s.kv_cache_dtype), str(self.device))
+        self.backend = get_backend(s.backend)
+        return len(self.model.mtp)
+
+    # ------------------------------------------------------------- compute
+    def _answer(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if self.rank or t is None else t.cpu()
+
+    @torch.inference_mode()
+    def forward(self, batch) -> torch.Tensor | None:
+        """Target model over ``batch``; rank 0 returns the normed hidden ``[T, hidden]`` (host), others None."""
+        hidden = self.model(move_to(batch, self.device), self.cache, self.backend)
+        return self._answer(hidden)
+
+    @torch.inference_mode()
+    def mtp_forward(self, batch, prev_hidden: torch.Tensor, depth: int, reuse):
+        """``DsaForCausalLM.mtp_forward`` on this shard; rank 0 returns (fp32 logits ``[T, vocab]``,
+        MTP hidden ``[T, hidden]``, selection) on the host, others None."""
+        logits, hidden, selected = self.model.mtp_forward(
+            move_to(batch, self.device), prev_hidden.to(self.device), self.cache, self.backend, depth,
+            move_to(reuse, self.device))
+        if self.rank:
+            return None
+        return logits.cpu(), hidden.cpu(), move_to(selected, torch.device("cpu"))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[n, vocab]`` from hidden ``[n, hidden]`` (the head is replicated: no collective)."""
+        return self.model.logits(hidden.to(self.device)).cpu()
+
+    # ------------------------------------------------------------ KV link
+    # What `workers.group_link` fans out: this rank's agent, pusher and
+    # receiver, called by the driver in the order the single-rank workers call
+    # their own (one actor runs one call at a time: NIXL is used from one thread).
+    def open_link(self, worker_id: str, epoch: int) -> bytes:
+        """Register this rank's caches with a NIXL agent ``worker_id@epoch``; returns its handshake offer."""
+        self.link = KVLink.create(worker_id, self.spec.model_dir, self.cache, has_mtp=len(self.model.mtp) > 0,
+                                  epoch=epoch)
+        self.pusher = self.link.pusher()
+        # Decode pages come back to the driver's pool, not here: record them for the next answer.
+        self._released: list[tuple[int, ...]] = []
+        self.receiver = self.link.receiver(release_pages=self._released.append)
+        return self.link.peers.offer().to_bytes()
+
+    def close_link(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+
+    def accept(self, offer: bytes) -> str:
+        return self.link.peers.accept(offer).agent_name
+
+    def forget(self, agent_name: str) -> None:
+        self.link.peers.forget(agent_name)
+
+    def push_begin(self, request_id: str, peer_agent: str, prompt_len: int, local_pages: list[int],
+                   remote_pages: list[int], deadline_s: float) -> None:
+        self.pusher.begin(request_id, peer_agent, prompt_len, local_pages, remote_pages, deadline_s)
+
+    def push(self, request_id: str, tokens_done: int) -> bool:
+        return self.pusher.push(request_id, tokens_done)
+
+    def push_poll(self) -> list[PushResult]:
+        return self.pusher.poll()
+
+    def push_abort(self, request_id: str, reason: str) -> PushResult | None:
+        return self.pusher.abort(request_id, reason)
+
+    def push_has_work(self) -> bool:
+        return self.pusher.has_work()
+
+    def warm_up(self, peer_agent: str, local_page: int, remote_page: int) -> float:
+        return self.pusher.warm_up(peer_agent, local_page=local_page, remote_page=remote_page)
+
+    def recv_expect(self, request_id: str, peer_agent: str | None, prompt_len: int, pages: list[int],
+                    deadline_s: float) -> None:
+        self.receiver.expect(request_id, peer_agent, prompt_len, pages, deadline_s)
+
+    def _take_released(self) -> list[tuple[int, ...]]:
+        out, self._released[:] = list(self._released), []
+        return out
+
+    def recv_poll(self) -> tuple[list[ReceiveResult], list[tuple[int, ...]]]:
+        """(requests that ended, page tuples given back since the last answer)."""
+        return self.receiver.poll(), self._take_released()
+
+    def recv_cancel(self, request_id: str, reason: str) -> tuple[ReceiveResult | None, list[tuple[int, ...]]]:
+        return self.receiver.cancel(request_id, reason), self._take_released()
+
+    def recv_peer_of(self, request_id: str) -> str | None:
+        return self.receiver.peer_of(request_id)
+
+    def close(self) -> None:
+        """Deregister from NIXL and leave the process group (before the actor is killed)."""
+        import torch.distributed as dist
+
+        self.close_link()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -21,9 +21,24 @@ Reported, all from one run:
 - each as GB/s and as a fraction of the reference copy, with the posting
   time split: ``plan_ms`` (indices / descriptors in Python), ``make_ms``
   (NIXL request creation), ``nixl_post_ms`` (inside NIXL ``transfer``: the
-  backend issuing every descriptor); ``post_ms`` is all of begin + push.
+  backend issuing every descriptor); ``post_ms`` is all of begin + push;
+- with ``--inflight N``: a stream of ``--stream`` requests (default 4N) pushed
+  back to back on the serving path, at most N outstanding, as aggregate GB/s
+  (all bytes / first begin to last completion) and as a fraction of the copy.
+  A single request's time includes fixed costs (posting, completion polling,
+  notification) that a stream overlaps with other requests' copies; this is
+  the throughput a prefill replica can sustain.
 
-GPU (the default): ``python bench/transfer.py [--devices 0,1] [--warmup]``.
+Cache layouts (``--cache-layout``): ``layer-major`` (the serving pool: one
+region per (layer, kind), so a page is 2 x layers descriptors before
+merging) or ``page-major`` (one region whose page holds every layer's MLA and
+indexer bytes back to back: a page is one ~3.08 MB descriptor). Page-id
+layouts (``--layout``): ``contiguous``, ``runs`` (1-16), ``random`` (no two
+adjacent); ``--layout page-major`` is short for ``--cache-layout page-major
+--layout random``: does a page-major pool reach the copy with scattered pages?
+
+GPU (the default): ``python bench/transfer.py [--devices 0,1] [--warmup]``;
+``bench/gpu_transfer.sh`` runs the cases that decide the next step.
 CPU smoke run: ``python bench/transfer.py --device cpu --layers 4 --tokens 512,2048``.
 """
 
@@ -64,11 +79,12 @@ class BenchConfig:
     mla_bytes: int
     index_bytes: int
     pool_pages: int
-    layout: str  # "contiguous" | "runs" | "random"
+    layout: str  # page ids: "contiguous" | "runs" | "random"
     deadline_s: float
     progress_thread: bool
     ucx_sgl: bool = False
     ucx_threads: int = 0
+    cache_layout: str = "layer-major"  # or "page-major": every layer's bytes of a page contiguous
 
     @property
     def bytes_per_page(self) -> int:
@@ -119,11 +135,17 @@ class Side:
             # Distinct random bytes per side so a missed page shows in the checksum.
             return torch.randint(0, 256, (cfg.pool_pages, bpp), dtype=torch.uint8, device=self.dev, generator=gen)
 
-        self.regions = [
-            CacheRegion.of(layer, kind, buf(bpp))
-            for layer in range(cfg.layers)
-            for kind, bpp in (("mla", cfg.mla_bytes), ("index", cfg.index_bytes))
-        ]
+        if cfg.cache_layout == "page-major":
+            # One uint8 [pool_pages, layers * (mla + index)] region: page p of
+            # every layer and kind is one contiguous block, one descriptor.
+            self.regions = [CacheRegion.of(0, "page", buf(cfg.bytes_per_page))]
+        else:
+            # The serving layout: per layer, uint8 [pool_pages, mla_bytes] and [pool_pages, index_bytes].
+            self.regions = [
+                CacheRegion.of(layer, kind, buf(bpp))
+                for layer in range(cfg.layers)
+                for kind, bpp in (("mla", cfg.mla_bytes), ("index", cfg.index_bytes))
+            ]
         if cfg.device == "cuda":
             torch.cuda.synchronize()
         compat = CompatInfo("bench/dsv32-shaped", cfg.layers, PAGE_SIZE, "fp8_656", "fp8_132", False)
@@ -182,6 +204,20 @@ class Side:
                 return {"status": r.status.value, "seconds": r.seconds, "reason": r.reason}
             time.sleep(0)  # yield: on a small CPU the pusher needs the core
 
+    def reserve_many(self, reqs: list[tuple[str, str, int, list[int]]]) -> None:
+        """`reserve` for every ``(request id, prefill agent, tokens, decode pages)`` of a stream."""
+        for rid, peer, tokens, pages in reqs:
+            self.receiver.expect(rid, peer, tokens, pages, self.cfg.deadline_s)
+
+    def wait_many(self, count: int) -> dict[str, int]:
+        """Poll until ``count`` requests ended; returns how many ended with each status."""
+        statuses: dict[str, int] = {}
+        while sum(statuses.values()) < count:
+            for r in self.receiver.poll():
+                statuses[r.status.value] = statuses.get(r.status.value, 0) + 1
+            time.sleep(0)
+        return statuses
+
     # prefill side
     def copy_reference(self, nbytes: int, reps: int) -> float:
         """Median seconds of a torch copy of ``nbytes``, prefill device -> decode device."""
@@ -234,6 +270,37 @@ class Side:
         return {"status": r.status.value, "reason": r.reason, "seconds": t1 - t0, "post_seconds": t_posted - t0,
                 "plan_seconds": st.plan_s, "make_seconds": st.make_s, "nixl_post_seconds": st.post_s,
                 "nbytes": r.nbytes, "descriptors": st.descriptors, "chunks": r.chunks}
+
+
+    def push_stream(self, peer: str, reqs: list[tuple[str, int, list[int], list[int]]], inflight: int,
+                    chunk_tokens: int) -> dict[str, Any]:
+        """Push ``(request id, tokens, local pages, remote pages)`` back to back, at most ``inflight`` outstanding.
+
+        The serving path (prepared lists, merged). A request is posted as
+        soon as a slot frees (its predecessor's WRITEs completed), so posting
+        one request overlaps the copies of the others.
+        """
+        pusher = self.pushers[("prep", True)]
+        before = pusher.stats.copy()
+        queue, active, results = list(reqs), set(), []
+        t0 = time.perf_counter()
+        while queue or active:
+            while queue and len(active) < inflight:
+                rid, tokens, local, remote = queue.pop(0)
+                pusher.begin(rid, peer, tokens, local, remote, self.cfg.deadline_s)
+                chunk, done = chunk_tokens or tokens, 0
+                while done < tokens:
+                    done = min(done + chunk, tokens)
+                    pusher.push(rid, done)
+                active.add(rid)
+            for r in pusher.poll():
+                active.discard(r.request_id)
+                results.append(r)
+        t1 = time.perf_counter()
+        st = pusher.stats.since(before)
+        failed = [f"{r.request_id}: {r.status.value} {r.reason}" for r in results if not r.ok]
+        return {"seconds": t1 - t0, "nbytes": sum(r.nbytes for r in results), "requests": len(results),
+                "descriptors": st.descriptors, "nixl_post_seconds": st.post_s, "failed": failed}
 
 
 def _side_main(conn, role: str, cfg: BenchConfig) -> None:
@@ -325,6 +392,36 @@ class Pair:
         res["receive_seconds"] = got["seconds"]
         return res
 
+    def stream(self, tokens: int, inflight: int, count: int, chunk_tokens: int, verify: bool) -> dict[str, Any]:
+        """``count`` requests of ``tokens`` pushed with at most ``inflight`` outstanding.
+
+        Request i uses slot i % inflight: every slot has its own decode pages
+        (and prefill pages), disjoint from the other slots', scattered per
+        ``--layout``, so outstanding requests never share a page.
+        """
+        n = pages_for_tokens(tokens)
+        pool = self.cfg.pool_pages
+        local_ids = page_ids(self.cfg.layout, inflight * n, pool, self.rng)
+        remote_ids = page_ids(self.cfg.layout, inflight * n, pool, self.rng)
+        slots = [(local_ids[k * n:(k + 1) * n], remote_ids[k * n:(k + 1) * n]) for k in range(inflight)]
+        reqs = []
+        for i in range(count):
+            local, remote = slots[i % inflight]
+            reqs.append((f"req{self.n}", tokens, local, remote))
+            self.n += 1
+        self.dec.call("reserve_many", [(rid, self.pre_name, t, remote) for rid, t, _, remote in reqs])
+        self.dec.send("wait_many", count)
+        res = self.pre.call("push_stream", self.dec_name, reqs, inflight, chunk_tokens)
+        got = self.dec.recv()
+        if res["failed"] or got != {"done": count}:
+            raise RuntimeError(f"stream of {count} x {tokens} tok failed: push {res['failed']}, receive {got}")
+        if verify:
+            # Each slot's last request is the one its pages hold now.
+            for local, remote in slots:
+                if self.pre.call("checksum", local) != self.dec.call("checksum", remote):
+                    raise RuntimeError("stream: decode pages differ from prefill pages")
+        return res
+
     def close(self) -> None:
         self.pre.close()
         self.dec.close()
@@ -359,7 +456,9 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                 print(f"# cpu: {info['cpu']}, torch threads {info['threads']}")
                 print(f"# versions: torch {info['torch']}, nixl {info['nixl']}")
             print(f"# geometry: {cfg.layers} layers x ({cfg.mla_bytes} MLA + {cfg.index_bytes} index) B/page = "
-                  f"{cfg.bytes_per_page / 1e6:.3f} MB/page; pool {cfg.pool_pages} pages/side; layout {cfg.layout}; "
+                  f"{cfg.bytes_per_page / 1e6:.3f} MB/page; cache {cfg.cache_layout} "
+                  f"({1 if cfg.cache_layout == 'page-major' else 2 * cfg.layers} region(s)); "
+                  f"pool {cfg.pool_pages} pages/side; page ids {cfg.layout}; "
                   f"chunk {args.chunk_tokens or 'whole prompt'}; NIXL progress thread "
                   f"{'on' if cfg.progress_thread else 'off'}; UCX threads {cfg.ucx_threads}")
         if copy_s is None:
@@ -390,8 +489,9 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
         print(f"{'tokens':>6} {'path':>4} {'merge':>5} {'descs':>7} {'MB':>9} {'plan_ms':>8} {'make_ms':>8} "
               f"{'nixl_post_ms':>12} {'post_ms':>8} {'push_ms':>9} {'GB/s':>8} {'fraction_of_copy':>16}")
         rows = []
+        paths = [ROWS[i] for i in args.row_indices]
         for t in tokens:
-            for path, merge in ROWS:
+            for path, merge in paths:
                 runs = [pair.request(t, path, merge, args.chunk_tokens, verify and i == 0) for i in range(args.reps)]
                 med = {k: statistics.median(r[k] for r in runs)
                        for k in ("seconds", "post_seconds", "plan_seconds", "make_seconds", "nixl_post_seconds")}
@@ -407,6 +507,27 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                              "make_seconds": med["make_seconds"], "nixl_post_seconds": med["nixl_post_seconds"],
                              "gbps": bw, "copy_seconds": copy_s[t], "fraction_of_copy": frac})
         out["rows"] = rows
+        out["streams"] = []
+        if args.inflight:
+            count = args.stream or 4 * args.inflight
+            print(f"stream: {count} requests back to back, at most {args.inflight} outstanding, prep merged "
+                  f"(median of {args.stream_reps})")
+            print(f"{'tokens':>6} {'inflight':>8} {'requests':>8} {'descs/req':>9} {'MB/req':>8} {'nixl_post_ms':>12} "
+                  f"{'stream_ms':>9} {'GB/s':>8} {'fraction_of_copy':>16}")
+            for t in tokens:
+                runs = [pair.stream(t, args.inflight, count, args.chunk_tokens, verify and i == 0)
+                        for i in range(args.stream_reps)]
+                sec = statistics.median(r["seconds"] for r in runs)
+                post = statistics.median(r["nixl_post_seconds"] for r in runs)
+                nb = runs[0]["nbytes"]
+                bw = gbps(nb, sec)
+                copy_bw = gbps(pages_for_tokens(t) * cfg.bytes_per_page, copy_s[t])
+                print(f"{t:>6} {args.inflight:>8} {count:>8} {runs[0]['descriptors'] // count:>9} "
+                      f"{nb / count / 1e6:>8.1f} {ms(post):>12} {ms(sec):>9} {bw:>8.1f} {bw / copy_bw:>16.3f}")
+                out["streams"].append({"tokens": t, "inflight": args.inflight, "requests": count,
+                                       "ucx_sgl": cfg.ucx_sgl, "descriptors": runs[0]["descriptors"], "nbytes": nb,
+                                       "stream_seconds": sec, "nixl_post_seconds": post, "gbps": bw,
+                                       "copy_seconds": copy_s[t], "fraction_of_copy": bw / copy_bw})
         return out, copy_s
     finally:
         pair.close()
@@ -420,8 +541,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layers", type=int, default=DSV32_LAYERS)
     ap.add_argument("--mla-bytes", type=int, default=DSV32_MLA_BYTES)
     ap.add_argument("--index-bytes", type=int, default=DSV32_INDEX_BYTES)
-    ap.add_argument("--layout", choices=("contiguous", "runs", "random"), default="runs",
-                    help="how page ids are scattered in both pools (default runs: 1-16 consecutive pages)")
+    ap.add_argument("--layout", choices=("contiguous", "runs", "random", "page-major"), default="runs",
+                    help="how page ids are scattered in both pools (default runs: 1-16 consecutive pages); "
+                         "page-major: --cache-layout page-major with random page ids")
+    ap.add_argument("--cache-layout", choices=("layer-major", "page-major"), default=None,
+                    help="layer-major (default): a region per (layer, kind), as served; page-major: one region "
+                         "whose page holds every layer's MLA + indexer bytes (one descriptor per page)")
+    ap.add_argument("--inflight", type=int, default=0,
+                    help="also push a stream of requests with up to N outstanding and report aggregate GB/s")
+    ap.add_argument("--stream", type=int, default=0, help="requests per stream (default 4 x --inflight)")
+    ap.add_argument("--stream-reps", type=int, default=3, help="streams per configuration (median)")
+    ap.add_argument("--paths", default="prep,flat,init",
+                    help="warm rows to run, comma-separated: prep (prepared, merged), flat (prepared, not "
+                         "merged), init (explicit descriptors, merged); empty: none")
     ap.add_argument("--chunk-tokens", type=int, default=0, help="push in chunks of this many tokens (0: one chunk)")
     ap.add_argument("--reps", type=int, default=5, help="warm repetitions per configuration (median)")
     ap.add_argument("--warmup", action="store_true", help="warm the pair up at start (connect + one page per region)")
@@ -441,20 +573,35 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     tokens = [int(t) for t in args.tokens.split(",")]
     pre_dev, dec_dev = (int(x) for x in args.devices.split(","))
-    max_pages = pages_for_tokens(max(tokens))
+    if args.layout == "page-major":
+        if args.cache_layout == "layer-major":
+            ap.error("--layout page-major means --cache-layout page-major")
+        args.layout, args.cache_layout = "random", "page-major"
+    cache_layout = args.cache_layout or "layer-major"
+    names = {"prep": 0, "flat": 1, "init": 2}
+    try:
+        args.row_indices = [names[p] for p in args.paths.split(",") if p]
+    except KeyError as e:
+        ap.error(f"--paths: unknown path {e}")
+    if args.inflight < 0 or args.stream < 0:
+        ap.error("--inflight and --stream must be >= 0")
+    # Every outstanding request of a stream has its own pages.
+    max_pages = pages_for_tokens(max(tokens)) * max(1, args.inflight)
     pool = max_pages if args.layout == "contiguous" else max_pages + max_pages // 4 + 16
     base = BenchConfig(args.device, pre_dev, dec_dev, args.layers, args.mla_bytes, args.index_bytes, pool,
-                       args.layout, args.deadline, not args.no_progress_thread, ucx_threads=args.ucx_threads)
+                       args.layout, args.deadline, not args.no_progress_thread, ucx_threads=args.ucx_threads,
+                       cache_layout=cache_layout)
     verify = not args.no_verify
     sgl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.ucx_sgl]
 
-    report: dict[str, Any] = {"config": asdict(base), "tokens": tokens, "modes": [], "rows": []}
+    report: dict[str, Any] = {"config": asdict(base), "tokens": tokens, "modes": [], "rows": [], "streams": []}
     copy_s = None
     for k, sgl in enumerate(sgl_modes):
         cfg = dataclasses.replace(base, ucx_sgl=sgl)
         mode, copy_s = run_mode(cfg, args, tokens, copy_s, verify, header=k == 0)
         report["modes"].append(mode)
         report["rows"] += mode["rows"]
+        report["streams"] += mode["streams"]
     report["info"] = report["modes"][0]["info"]
     report["copy_seconds"] = {str(t): s for t, s in copy_s.items()}
     if verify:

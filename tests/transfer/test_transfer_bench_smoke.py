@@ -33,3 +33,24 @@ def test_bench_transfer_cpu_smoke(tmp_path):
     # The posting time is split into its parts.
     for r in report["rows"]:
         assert r["plan_seconds"] + r["make_seconds"] + r["nixl_post_seconds"] <= r["post_seconds"]
+
+
+def test_bench_transfer_cpu_page_major_and_inflight_stream(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "transfer.py"), "--device", "cpu", "--layers", "3",
+           "--tokens", "1000", "--reps", "1", "--ucx-sgl", "off", "--layout", "page-major", "--paths", "prep,flat",
+           "--inflight", "2", "--stream", "3", "--stream-reps", "1", "--json", str(out)]
+    env = dict(os.environ, UCX_NET_DEVICES="lo")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "stream: 3 requests back to back, at most 2 outstanding" in proc.stdout and "verified" in proc.stdout
+    report = json.loads(out.read_text())
+    # --layout page-major: one region per side holding every layer's bytes of a page, random page ids.
+    assert (report["config"]["cache_layout"], report["config"]["layout"]) == ("page-major", "random")
+    assert [(r["path"], r["merge"]) for r in report["rows"]] == [("prep", True), ("prep", False)]
+    flat = report["rows"][1]
+    assert flat["descriptors"] == 16 and flat["nbytes"] == 16 * 3 * (41_984 + 8_448)  # one descriptor per page
+    (stream,) = report["streams"]
+    assert (stream["tokens"], stream["inflight"], stream["requests"]) == (1000, 2, 3)
+    assert stream["nbytes"] == 3 * flat["nbytes"] and stream["descriptors"] <= 3 * 16
+    assert stream["gbps"] > 0 and stream["fraction_of_copy"] > 0

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One GPU-machine call (~4-5 min on an H100): the transfer experiments that decide
+# issue 4's next step. Usage (device run, repo root, .devicewheels/nixl carried):
+#   bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
+# The host has torch but no nixl: its wheels come from .devicewheels/nixl
+# (../shared/offline-wheels, pack_wheels.py --groups nixl). Results land in $OUT.
+#
+# Questions, each answered by ratios to a torch copy measured in the same run
+# (UCX scatter-gather offload on, as served; pairs warmed up at start):
+#   1. page-major cache, scattered page ids (one ~3.08 MB descriptor per page):
+#      single request and a stream of requests (--inflight): >= 0.8 of the copy?
+#   2. layer-major cache (today's pool), contiguous page ids (what the new
+#      PagePool hands out): does a stream reach 0.8 where one request got 0.41?
+#   3. page-major cache with runs of 1-16 page ids, and 8 requests in flight.
+#   4. layer-major, runs of 1-16 (fragmented pool): the stream baseline.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicewheels/nixl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+{
+  date -u; git log --oneline -1 2>/dev/null || true
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, importlib.metadata as md; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nixl', md.version('nixl'))"
+} 2>&1 | tee "$OUT/versions.txt"
+
+COMMON=(--warmup --ucx-sgl on --tokens 8192,32768 --reps 5 --stream-reps 3)
+run_case() {  # name, timeout seconds, bench args...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: bench/transfer.py $*" | tee "$OUT/$name.txt"
+  timeout "$limit" python3 bench/transfer.py "$@" --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/$name.txt" | tail -14
+  echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
+}
+run_case page_major_random 75 "${COMMON[@]}" --layout page-major --paths prep,flat --inflight 4 "$@"
+run_case layer_major_contiguous 60 "${COMMON[@]}" --layout contiguous --paths prep --inflight 4 "$@"
+run_case page_major_runs_inflight8 75 "${COMMON[@]}" --cache-layout page-major --layout runs --paths prep --inflight 8 "$@"
+run_case layer_major_runs 75 "${COMMON[@]}" --layout runs --paths prep --inflight 4 "$@"
+echo "results: $OUT/*.txt, $OUT/*.json"

@@ -9,8 +9,11 @@ Every figure is a ratio against something measured in the same run:
    requests with contexts uniform in [context/2, 3*context/2], for each
    ``--next-n``: the key bytes it must read (sum of contexts x 132 B, once per
    request) plus the logits it writes, over its time, as a fraction of the
-   copy bandwidth; then the fused Triton top-k (k = 2048) on those logits vs
-   ``torch.topk`` on the same logits, and the whole indexer step;
+   copy bandwidth; then the Triton top-k (k = 2048) on those logits — the
+   fused one-program-per-row kernel and the split kernel (rows cut into
+   segments across programs), checked equal bit for bit — vs ``torch.topk`` on
+   the same logits, and the whole indexer step (logits + the backend's top-k,
+   which takes the split kernel for long rows) over the logits alone;
 3. sparse prefill (``flash_mla_sparse_fwd``, h = 128 and 64, top-k 2048):
    ``2 * s * h * topk * (576 + 512)`` FLOP over its time, as a fraction of the
    bf16 matmul;
@@ -113,6 +116,7 @@ def _index_setup(B, context, next_n, gen):
 def indexer_decode(args, roof, gen) -> list[dict]:
     from attention.cuda import backend as cb
     from attention.cuda import logits as cl
+    from attention.cuda import topk as tk
 
     rows = []
     cases = [(n, "auto") for n in args.next_n] + [(n, "per_token") for n in args.next_n if n > 2]
@@ -124,7 +128,14 @@ def indexer_decode(args, roof, gen) -> list[dict]:
         t_logits = bench(lambda: cl.paged_mqa_logits(q, pool, w, ctx, bt, max_len, layout=mode))
         lengths = ctx.view(-1)
         bt_rows = bt.repeat_interleave(next_n, 0)
-        t_topk = bench(lambda: cb.topk_slots(logits, lengths, TOPK, bt_rows))
+        cfg = cb.topk_launch_config(logits.shape[1])
+        fused = tk.topk_slots(logits, lengths, TOPK, bt_rows, return_positions=True, method="fused", **cfg)
+        split = tk.topk_slots_split(logits, lengths, TOPK, bt_rows, return_positions=True)
+        split_ok = all(torch.equal(a, b) for a, b in zip(fused, split))
+        t_topk = bench(lambda: tk.topk_slots(logits, lengths, TOPK, bt_rows, return_positions=True,
+                                             method="fused", **cfg))
+        t_split = bench(lambda: tk.topk_slots_split(logits, lengths, TOPK, bt_rows, return_positions=True))
+        t_backend_topk = bench(lambda: cb.topk_slots(logits, lengths, TOPK, bt_rows))
         t_torch_topk = bench(lambda: torch.topk(logits, TOPK, dim=1))
         t_step = bench(lambda: cb.topk_slots(cl.paged_mqa_logits(q, pool, w, ctx, bt, max_len, layout=mode),
                                              lengths, TOPK, bt_rows))
@@ -137,8 +148,10 @@ def indexer_decode(args, roof, gen) -> list[dict]:
             "next_n": next_n, "layout": plan.name, "batch": B, "avg_context": total / B, "max_len": max_len,
             "logits_ms": t_logits, "logits_GBps": gbs, "logits_frac_of_copy": gbs / roof["copy_GBps"],
             "keys_read_x": plan.groups,
-            "fused_topk_ms": t_topk, "torch_topk_ms": t_torch_topk, "topk_speedup": t_torch_topk / t_topk,
-            "indexer_step_ms": t_step,
+            "fused_topk_ms": t_topk, "split_topk_ms": t_split, "split_equals_fused": split_ok,
+            "split_speedup_vs_fused": t_topk / t_split, "backend_topk_ms": t_backend_topk,
+            "torch_topk_ms": t_torch_topk, "topk_speedup": t_torch_topk / t_topk,
+            "indexer_step_ms": t_step, "step_over_logits": t_step / t_logits,
             "step_frac_of_copy": (key_bytes + logit_bytes) / t_step / 1e6 / roof["copy_GBps"],
         })
         del q, pool, w, logits
@@ -149,17 +162,27 @@ def indexer_decode(args, roof, gen) -> list[dict]:
 
 
 def topk_tuning(logits, lengths, bt_rows, t_torch) -> list[dict]:
-    """The fused top-k kernel at several (block, num_warps) vs torch.topk on the same logits."""
-    from attention.cuda.topk import topk_slots
+    """The fused top-k at several (block, num_warps) and the split top-k at several
+    (seg, block, num_warps), vs torch.topk on the same logits."""
+    from attention.cuda.topk import topk_slots, topk_slots_split
 
     out = []
-    for block, warps in ((512, 4), (1024, 4), (1024, 8), (2048, 8), (2048, 16), (4096, 16), (4096, 32)):
+    for block, warps in ((1024, 8), (2048, 8), (4096, 16)):
         try:
             t = bench(lambda: topk_slots(logits, lengths, TOPK, bt_rows, return_positions=True,
-                                         block=block, num_warps=warps))
-            out.append({"block": block, "num_warps": warps, "ms": t, "vs_torch_topk": t / t_torch})
+                                         block=block, num_warps=warps, method="fused"))
+            out.append({"kernel": "fused", "block": block, "num_warps": warps, "ms": t, "vs_torch_topk": t / t_torch})
         except Exception as exc:  # a config that does not compile
-            out.append({"block": block, "num_warps": warps, "error": str(exc)[:200]})
+            out.append({"kernel": "fused", "block": block, "num_warps": warps, "error": str(exc)[:200]})
+    for seg, block, warps in ((2048, 2048, 4), (2048, 2048, 8), (4096, 4096, 8), (4096, 2048, 8), (4096, 4096, 16),
+                              (8192, 4096, 8), (8192, 8192, 16)):
+        try:
+            t = bench(lambda: topk_slots_split(logits, lengths, TOPK, bt_rows, return_positions=True,
+                                               seg=seg, block=block, num_warps=warps))
+            out.append({"kernel": "split", "seg": seg, "block": block, "num_warps": warps, "ms": t,
+                        "vs_torch_topk": t / t_torch})
+        except Exception as exc:
+            out.append({"kernel": "split", "seg": seg, "block": block, "num_warps": warps, "error": str(exc)[:200]})
     return out
 
 
@@ -305,20 +328,27 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
 
-    print("\nindexer decode (DeepGEMM paged logits + tail mask; fused top-k k=2048)")
-    print("| next_n | layout | B | avg ctx | logits ms | GB/s | of copy | fused top-k ms | torch.topk ms | step ms | step of copy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\nindexer decode (DeepGEMM paged logits + tail mask; top-k k=2048: fused = one program per row, "
+          "split = rows across programs; step = logits + the backend's top-k)")
+    print("| next_n | layout | B | avg ctx | logits ms | GB/s | of copy | fused top-k ms | split top-k ms | "
+          "split = fused | fused / split | torch.topk ms | step ms | step / logits | step of copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res["indexer_decode"] or []:
         if "topk_tuning" in r:
             continue
         print(f"| {r['next_n']} | {r['layout']} | {r['batch']} | {r['avg_context']:.0f} | {r['logits_ms']:.3f} | "
               f"{r['logits_GBps']:.0f} | {r['logits_frac_of_copy']:.2f} | {r['fused_topk_ms']:.3f} | "
-              f"{r['torch_topk_ms']:.3f} | {r['indexer_step_ms']:.3f} | {r['step_frac_of_copy']:.2f} |")
+              f"{r['split_topk_ms']:.3f} | {'yes' if r['split_equals_fused'] else '**NO**'} | "
+              f"{r['split_speedup_vs_fused']:.2f} | {r['torch_topk_ms']:.3f} | {r['indexer_step_ms']:.3f} | "
+              f"{r['step_over_logits']:.2f} | {r['step_frac_of_copy']:.2f} |")
     for r in res["indexer_decode"] or []:
         if "topk_tuning" in r:
-            print("\nfused top-k (B x 1 rows of next_n=1 logits): block, num_warps -> ms (x torch.topk)")
-            print(", ".join(f"{t['block']}/{t['num_warps']}: " + (f"{t['ms']:.3f} ({t['vs_torch_topk']:.2f})"
-                                                               if "ms" in t else "error") for t in r["topk_tuning"]))
+            print("\ntop-k configs (B x 1 rows of next_n=1 logits) -> ms (x torch.topk)")
+            for t in r["topk_tuning"]:
+                name = (f"fused {t['block']}/{t['num_warps']}" if t["kernel"] == "fused"
+                        else f"split seg {t['seg']} block {t['block']}/{t['num_warps']}")
+                print(f"  {name}: " + (f"{t['ms']:.3f} ({t['vs_torch_topk']:.2f})" if "ms" in t
+                                        else "error " + t["error"]))
     print("\nsparse prefill (flash_mla_sparse_fwd, top-k 2048)")
     print("| s | h | s_kv | ms | TFLOP/s | of bf16 matmul |")
     print("|---|---|---|---|---|---|")

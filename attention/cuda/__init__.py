@@ -12,7 +12,9 @@ interpreter and compiled on a GPU):
 ``dequantize_mla_fp8_pages``           the same for whole pages (``page_slots`` gives their slots)
 ``gather_indexer_fp8``                 copy indexer keys out of their pages: ``(k_fp8 [n, D], scale [n])``
 ``positions_to_slots``                 top-k positions -> FlashMLA indices ``page * 64 + offset`` / ``-1``
-``topk_slots`` / ``topk_positions``    fused radix top-k over each row's valid length -> slots / positions
+``topk_slots`` / ``topk_positions``    radix top-k over each row's valid length -> slots / positions
+                                       (rows of >= ``SPLIT_MIN_LEN`` logits take the split kernel)
+``topk_slots_split`` (``_positions``)  the same with each row split across programs
 =====================================  ==============================================
 
 Kernels run on CUDA tensors compiled, or on CPU tensors when ``triton`` was
@@ -23,7 +25,7 @@ pools with int64 byte offsets.
 from .cache_write import write_indexer_fp8, write_mla_fp8
 from .dequant import dequantize_mla_fp8, dequantize_mla_fp8_pages, gather_indexer_fp8, page_slots
 from .index_transform import positions_to_slots
-from .topk import topk_positions, topk_slots
+from .topk import topk_positions, topk_positions_split, topk_slots, topk_slots_split
 
 __all__ = [
     "dequantize_mla_fp8",
@@ -32,7 +34,9 @@ __all__ = [
     "page_slots",
     "positions_to_slots",
     "topk_positions",
+    "topk_positions_split",
     "topk_slots",
+    "topk_slots_split",
     "write_indexer_fp8",
     "write_mla_fp8",
 ]

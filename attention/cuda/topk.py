@@ -30,9 +30,41 @@ the reference raises.
 
 Cost: each pass re-reads the row (from L2 for the rows of one decode step), so
 the kernel moves about five row reads; there is no sort.
+
+Split version (``topk_slots_split`` / ``topk_positions_split``; what
+``topk_slots`` / ``topk_positions`` run for rows of ``>= SPLIT_MIN_LEN``
+logits): one program per row is latency bound (about one row per SM), so each
+row is cut into segments of ``seg`` logits and every step runs one program per
+(row, segment), grid ``(R, cdiv(L, seg))``:
+
+* pass ``p`` (four launches, ``p = 0..3``): each segment histograms digit ``p``
+  of its candidates that match the prefix chosen so far and stores its 256
+  counts to ``seg_hist[row, seg]``; then takes a ticket (an atomic per-row
+  counter). The segment that takes the last ticket of its row sums the
+  segments' histograms, picks the bin exactly as the fused kernel does
+  (updating the row's prefix, remaining k, take-all and done flags), and per
+  segment records how many of its candidates are now known to be above the
+  threshold (``gt``: the counts of the bins above the chosen one, summed over
+  the passes) and how many are in the tie bin (``eq``). Rows that are done
+  skip the remaining passes. Pass 1 compacts each segment's candidates
+  matching the first digit into a scratch buffer (keys only), passes 2 and 3
+  re-filter that buffer in place, so only pass 0 histograms the whole row.
+* output (one launch): each segment gets its output offset and its tie rank
+  from exclusive sums of ``gt`` / ``eq`` over the row's earlier segments (no
+  extra counting pass), then streams its logits like the fused kernel's output
+  pass; the ``-1`` padding is split over the row's programs.
+
+Same selection, order, padding, tie rule and slot rule as the fused kernel (bit
+for bit). No host syncs and scratch sized from shapes only, so it can be
+captured in a CUDA graph. Memory ordering of the ticket: the segment's
+histogram stores, a CTA barrier, then the ``acq_rel`` atomic (CUTLASS's
+semaphore pattern); the last program reads the histograms with ``.cg`` loads
+(not through L1).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -140,6 +172,244 @@ def _topk_kernel(
         start += BLOCK
 
 
+# ---------------------------------------------------------------------------
+# split version: every row cut into segments, one program per (row, segment)
+# ---------------------------------------------------------------------------
+
+# Scratch of the split version (sized from R, L and seg only):
+# state   int32 [R, 8]: prefix (uint32 bits), k_rem, take_all, done, shift; written
+#         by the last program of each pass run, read by the next launches;
+# info    int32 [3, R, NSEG]: per segment gt (candidates known to be above the
+#         threshold), eq (candidates in the tie group), cnt (keys compacted
+#         into the segment's scratch by the last pass);
+# seg_hist int32 [R, NSEG, 256]: each segment's histogram of the current pass;
+# ticket  int32 [R], zeroed: per-row arrival counter, re-zeroed by the last program;
+# buf     int32 [R, NSEG * seg]: the keys compacted by passes 1-3, segment s at [s * seg, ...).
+SPLIT_STATE = 8
+
+
+@triton.jit
+def _select_bin(hist_ptr, info_ptr, state_ptr, row, NSEG, info_plane, nseg_r, K,
+                P: tl.constexpr, SCH: tl.constexpr):
+    """Run by the last program of a row: the row's histogram -> the next digit of the threshold."""
+    bins = tl.arange(0, 256)
+    srow = row.to(tl.int64) * NSEG
+    hist = tl.zeros([256], dtype=tl.int32)
+    c = 0
+    while c < nseg_r:
+        sidx = c + tl.arange(0, SCH)
+        tile = tl.load(hist_ptr + (srow + sidx)[:, None] * 256 + bins[None, :],
+                       mask=(sidx < nseg_r)[:, None], other=0, cache_modifier=".cg")
+        hist += tl.sum(tile, axis=0)
+        c += SCH
+    total = tl.sum(hist, axis=0)
+    st = state_ptr + row.to(tl.int64) * 8
+    if P == 0:
+        prefix = tl.zeros([], dtype=tl.uint32)
+        k_rem = K + tl.zeros([], dtype=tl.int32)
+        take_all = total <= K
+    else:
+        prefix = tl.load(st + 0).to(tl.uint32, bitcast=True)
+        k_rem = tl.load(st + 1)
+        take_all = total < 0  # decided in pass 0: rows that take all stop there
+    # As in _topk_kernel: ge[b] = candidates whose digit is >= b; the threshold
+    # bin is the last b with ge[b] >= k_rem.
+    ge = total - tl.cumsum(hist, axis=0) + hist
+    b = tl.sum((ge >= k_rem).to(tl.int32), axis=0) - 1
+    above = tl.sum(tl.where(bins > b, hist, 0), axis=0)
+    in_bin = tl.sum(tl.where(bins == b, hist, 0), axis=0)
+    k_rem = k_rem - above
+    prefix = (prefix << 8) | b.to(tl.uint32)
+    done = (in_bin == k_rem) | take_all
+    tl.store(st + 0, prefix.to(tl.int32, bitcast=True))
+    tl.store(st + 1, k_rem)
+    tl.store(st + 2, take_all.to(tl.int32))
+    tl.store(st + 3, done.to(tl.int32))
+    tl.store(st + 4, tl.full([], 24 - 8 * P, tl.int32))
+    # Per segment: the candidates above the chosen bin join `gt`; the chosen
+    # bin's are the tie group so far (`eq`).
+    c = 0
+    while c < nseg_r:
+        sidx = c + tl.arange(0, SCH)
+        sm = sidx < nseg_r
+        tile = tl.load(hist_ptr + (srow + sidx)[:, None] * 256 + bins[None, :],
+                       mask=sm[:, None], other=0, cache_modifier=".cg")
+        above_s = tl.sum(tl.where(bins[None, :] > b, tile, 0), axis=1)
+        eq_s = tl.sum(tl.where(bins[None, :] == b, tile, 0), axis=1)
+        if P == 0:
+            gt_s = tl.where(take_all, tl.sum(tile, axis=1), above_s)
+            eq_s = tl.where(take_all, 0, eq_s)
+        else:
+            gt_s = tl.load(info_ptr + srow + sidx, mask=sm, other=0) + above_s
+        tl.store(info_ptr + srow + sidx, gt_s, mask=sm)
+        tl.store(info_ptr + info_plane + srow + sidx, eq_s, mask=sm)
+        c += SCH
+
+
+@triton.jit
+def _split_pass_kernel(
+    logits_ptr, logits_stride, L,
+    lengths_ptr, K,
+    buf_ptr, buf_stride, hist_ptr, info_ptr, state_ptr, ticket_ptr, NSEG, info_plane,
+    P: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr, SCH: tl.constexpr,
+):
+    row = tl.program_id(0)
+    s = tl.program_id(1)
+    n = tl.maximum(tl.minimum(tl.load(lengths_ptr + row), L), 0)
+    nseg_r = (n + SEG - 1) // SEG
+    if P == 0:
+        prefix = tl.zeros([], dtype=tl.uint32)
+        active = s < nseg_r
+    else:
+        st = state_ptr + row.to(tl.int64) * 8
+        prefix = tl.load(st + 0).to(tl.uint32, bitcast=True)
+        active = (s < nseg_r) & (tl.load(st + 3) == 0)
+    if active:
+        seg_start = s * SEG
+        seg_end = tl.minimum(seg_start + SEG, n)
+        row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
+        cnt_ptr = info_ptr + 2 * info_plane + row.to(tl.int64) * NSEG + s
+        hist = tl.zeros([256], dtype=tl.int32)
+        if P == 0:
+            # Every candidate of the segment: the top digit.
+            start = seg_start
+            while start < seg_end:
+                offs = start + tl.arange(0, BLOCK)
+                inb = offs < seg_end
+                key = float_order_key(tl.load(row_ptr + offs, mask=inb, other=0.0))
+                m = inb & (key != NEG_INF_KEY)
+                hist += tl.histogram(((key >> 24) & 0xFF).to(tl.int32), 256, mask=m)
+                start += BLOCK
+        else:
+            # Compact the keys matching the prefix into the segment's scratch
+            # (from the logits in pass 1, in place from the scratch in passes
+            # 2 and 3), then histogram only those.
+            seg_buf = buf_ptr + row.to(tl.int64) * buf_stride + seg_start
+            cnt = tl.zeros([], dtype=tl.int32)
+            if P == 1:
+                start = seg_start
+                while start < seg_end:
+                    offs = start + tl.arange(0, BLOCK)
+                    inb = offs < seg_end
+                    key = float_order_key(tl.load(row_ptr + offs, mask=inb, other=0.0))
+                    m = inb & (key != NEG_INF_KEY) & ((key >> 24) == prefix)
+                    m_i = m.to(tl.int32)
+                    dst = cnt + tl.cumsum(m_i, axis=0) - m_i
+                    tl.store(seg_buf + dst, key.to(tl.int32, bitcast=True), mask=m)
+                    cnt += tl.sum(m_i, axis=0)
+                    start += BLOCK
+            else:
+                n_prev = tl.load(cnt_ptr)
+                start = 0
+                while start < n_prev:
+                    offs = start + tl.arange(0, BLOCK)
+                    inb = offs < n_prev
+                    key = tl.load(seg_buf + offs, mask=inb, other=0).to(tl.uint32, bitcast=True)
+                    m = inb & ((key >> (32 - 8 * P)) == prefix)
+                    m_i = m.to(tl.int32)
+                    dst = cnt + tl.cumsum(m_i, axis=0) - m_i
+                    # In place: every thread has loaded this block before any
+                    # writes into it (dst <= offs, and later blocks are untouched).
+                    tl.debug_barrier()
+                    tl.store(seg_buf + dst, key.to(tl.int32, bitcast=True), mask=m)
+                    cnt += tl.sum(m_i, axis=0)
+                    start += BLOCK
+            tl.store(cnt_ptr, cnt)
+            tl.debug_barrier()  # the compacted keys are visible to the whole program
+            start = 0
+            while start < cnt:
+                offs = start + tl.arange(0, BLOCK)
+                inb = offs < cnt
+                key = tl.load(seg_buf + offs, mask=inb, other=0).to(tl.uint32, bitcast=True)
+                hist += tl.histogram(((key >> (24 - 8 * P)) & 0xFF).to(tl.int32), 256, mask=inb)
+                start += BLOCK
+        bins = tl.arange(0, 256)
+        tl.store(hist_ptr + (row.to(tl.int64) * NSEG + s) * 256 + bins, hist)
+        # All of this program's histogram stores happen before its ticket
+        # (barrier, then the acq_rel atomic); the last ticket of the row picks
+        # the bin for everyone.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if ticket == nseg_r - 1:
+            tl.store(ticket_ptr + row, 0)  # zero again for the next pass (a later launch)
+            _select_bin(hist_ptr, info_ptr, state_ptr, row, NSEG, info_plane, nseg_r, K, P, SCH)
+
+
+@triton.jit
+def _split_output_kernel(
+    logits_ptr, logits_stride, L,
+    lengths_ptr, K,
+    bt_ptr, bt_stride, bt_cols, rows_per_table,
+    slots_ptr, pos_ptr, out_stride,
+    info_ptr, state_ptr, NSEG, info_plane, pad_chunk,
+    WRITE_SLOTS: tl.constexpr, WRITE_POS: tl.constexpr,
+    PAGE: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr, NSEG_P2: tl.constexpr,
+):
+    row = tl.program_id(0)
+    s = tl.program_id(1)
+    n = tl.maximum(tl.minimum(tl.load(lengths_ptr + row), L), 0)
+    nseg_r = (n + SEG - 1) // SEG
+    # (A row of length 0 ran no pass: its state is never read, every mask below is off.)
+    st = state_ptr + row.to(tl.int64) * 8
+    prefix = tl.load(st + 0, mask=nseg_r > 0, other=0).to(tl.uint32, bitcast=True)
+    k_rem = tl.load(st + 1, mask=nseg_r > 0, other=0)
+    take_all = tl.load(st + 2, mask=nseg_r > 0, other=1) != 0
+    shift = tl.load(st + 4, mask=nseg_r > 0, other=0)
+    # Output offset and tie rank of this segment: exclusive sums over the
+    # row's segments of the selected count (gt + the ties that fit) and of eq.
+    sidx = tl.arange(0, NSEG_P2)
+    sm = sidx < nseg_r
+    srow = row.to(tl.int64) * NSEG
+    gt = tl.load(info_ptr + srow + sidx, mask=sm, other=0)
+    eq = tl.load(info_ptr + info_plane + srow + sidx, mask=sm, other=0)
+    eq_before = tl.cumsum(eq, axis=0) - eq
+    sel = gt + tl.minimum(tl.maximum(k_rem - eq_before, 0), eq)
+    sel_before = tl.cumsum(sel, axis=0) - sel
+    n_total = tl.sum(sel, axis=0)
+    n_sel = tl.sum(tl.where(sidx == s, sel_before, 0), axis=0)
+    n_eq = tl.sum(tl.where(sidx == s, eq_before, 0), axis=0)
+
+    table_row = (row // rows_per_table).to(tl.int64)
+    out_row = row.to(tl.int64) * out_stride
+    row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
+    seg_end = tl.minimum(s * SEG + SEG, n)
+    start = s * SEG
+    while start < seg_end:
+        offs = start + tl.arange(0, BLOCK)
+        key = float_order_key(tl.load(row_ptr + offs, mask=offs < seg_end, other=0.0))
+        m = (offs < seg_end) & (key != NEG_INF_KEY)
+        top = key >> shift.to(tl.uint32)
+        gt_m = m & (take_all | (top > prefix))
+        eq_m = m & (take_all == 0) & (top == prefix)
+        eq_i = eq_m.to(tl.int32)
+        eq_rank = n_eq + tl.cumsum(eq_i, axis=0) - eq_i  # ties taken in position order across segments
+        sel_m = gt_m | (eq_m & (eq_rank < k_rem))
+        sel_i = sel_m.to(tl.int32)
+        dst = n_sel + tl.cumsum(sel_i, axis=0) - sel_i
+        sel_m = sel_m & (dst < K)  # a guard, as in _topk_kernel
+        if WRITE_SLOTS:
+            page_idx = offs // PAGE
+            page = tl.load(bt_ptr + table_row * bt_stride + page_idx, mask=sel_m & (page_idx < bt_cols), other=-1)
+            slot = tl.where(page >= 0, page * PAGE + offs % PAGE, -1)
+            tl.store(slots_ptr + out_row + dst, slot, mask=sel_m)
+        if WRITE_POS:
+            tl.store(pos_ptr + out_row + dst, offs, mask=sel_m)
+        n_eq += tl.sum(eq_i, axis=0)
+        n_sel += tl.sum(sel_i, axis=0)
+        start += BLOCK
+    # Pad [n_total, K) with -1; program s pads its share [s * pad_chunk, (s + 1) * pad_chunk).
+    pad_end = tl.minimum(s * pad_chunk + pad_chunk, K)
+    start = s * pad_chunk
+    while start < pad_end:
+        offs = start + tl.arange(0, BLOCK)
+        pad = (offs >= n_total) & (offs < pad_end)
+        if WRITE_SLOTS:
+            tl.store(slots_ptr + out_row + offs, tl.full([BLOCK], -1, tl.int32), mask=pad)
+        if WRITE_POS:
+            tl.store(pos_ptr + out_row + offs, tl.full([BLOCK], -1, tl.int32), mask=pad)
+        start += BLOCK
+
+
 def _check(logits: torch.Tensor, lengths: torch.Tensor, topk: int) -> torch.Tensor:
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits: expected float32 [R, L], got {logits.dtype} {tuple(logits.shape)}")
@@ -167,6 +437,75 @@ def _launch(logits, lengths, topk, block_table, rows_per_table, slots, positions
     )
 
 
+# Rows of at least this many logits (the row length L of the logits tensor) take
+# the split kernel in topk_slots / topk_positions (method="auto"). Two segments
+# of the default size; to be re-measured (bench/attention.py).
+SPLIT_MIN_LEN = 8192
+SPLIT_DEFAULTS = {"seg": 4096, "block": 4096, "num_warps": 8}
+
+
+def split_scratch_shapes(R: int, L: int, seg: int) -> dict:
+    """Shapes of the split kernel's scratch for ``R`` rows of ``L`` logits (from the shapes only)."""
+    nseg = max(1, -(-L // seg))
+    return {"ticket": (R,), "state": (R, SPLIT_STATE), "info": (3, R, nseg), "seg_hist": (R, nseg, 256),
+            "buf": (R, nseg * seg)}
+
+
+def _launch_split(logits, lengths, topk, block_table, rows_per_table, slots, positions, seg, block, num_warps):
+    R, L = logits.shape
+    if R == 0:
+        return
+    if seg < 1 or block < 1 or seg & (seg - 1) or block & (block - 1):
+        raise ValueError(f"seg and block must be powers of two, got seg={seg} block={block}")
+    nseg = max(1, -(-L // seg))
+    dev = logits.device
+    # One allocation for the scratch that needs no initial value (a view per
+    # part, each 16-byte aligned), and the zeroed per-row tickets.
+    shapes = split_scratch_shapes(R, L, seg)
+    sizes = [math.prod(shapes[name]) for name in ("state", "info", "seg_hist", "buf")]
+    scratch = torch.empty(sum(-(-n // 4) * 4 for n in sizes), dtype=torch.int32, device=dev)
+    parts, o = [], 0
+    for name, n in zip(("state", "info", "seg_hist", "buf"), sizes):
+        parts.append(scratch[o:o + n].view(shapes[name]))
+        o += -(-n // 4) * 4
+    state, info, seg_hist, buf = parts
+    ticket = torch.zeros(shapes["ticket"], dtype=torch.int32, device=dev)
+    lengths = lengths.contiguous()
+    info_plane = R * nseg
+    nseg_p2 = max(16, triton.next_power_of_2(nseg))  # few compiled variants across row lengths
+    grid = (R, nseg)
+    for p in range(4):
+        _split_pass_kernel[grid](
+            logits, logits.stride(0), L, lengths, topk,
+            buf, buf.stride(0), seg_hist, info, state, ticket, nseg, info_plane,
+            P=p, SEG=seg, BLOCK=min(block, seg), SCH=16, num_warps=num_warps,
+        )
+    dummy = slots if slots is not None else positions
+    bt = block_table if block_table is not None else dummy
+    _split_output_kernel[grid](
+        logits, logits.stride(0), L, lengths, topk,
+        bt, bt.stride(0), bt.shape[1] if block_table is not None else 0, rows_per_table,
+        slots if slots is not None else dummy, positions if positions is not None else dummy, topk,
+        info, state, nseg, info_plane, -(-topk // nseg),
+        WRITE_SLOTS=slots is not None, WRITE_POS=positions is not None,
+        PAGE=PAGE_SIZE, SEG=seg, BLOCK=min(block, seg), NSEG_P2=nseg_p2, num_warps=num_warps,
+    )
+
+
+def _use_split(method: str, L: int) -> bool:
+    if method not in ("auto", "fused", "split"):
+        raise ValueError(f"method must be 'auto', 'fused' or 'split', got {method!r}")
+    return method == "split" or (method == "auto" and L >= SPLIT_MIN_LEN)
+
+
+def _check_table(block_table: torch.Tensor, R: int, rows_per_table: int) -> torch.Tensor:
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table: expected int32 [T, max_pages], got {block_table.dtype} {tuple(block_table.shape)}")
+    if rows_per_table < 1 or (R and (R - 1) // rows_per_table >= block_table.shape[0]):
+        raise ValueError(f"{R} rows at {rows_per_table} rows per table need more than {block_table.shape[0]} table rows")
+    return block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+
+
 def topk_slots(
     logits: torch.Tensor,
     lengths: torch.Tensor,
@@ -177,6 +516,7 @@ def topk_slots(
     return_positions: bool = False,
     block: int = 1024,
     num_warps: int = 8,
+    method: str = "auto",
 ):
     """Fused top-k over each row's valid prefix -> FlashMLA sparse indices.
 
@@ -189,6 +529,10 @@ def topk_slots(
             ``r // rows_per_table`` (``rows_per_table = next_n`` for the
             ``B * next_n`` rows of an MTP decode step).
         return_positions: also return the selected positions.
+        block, num_warps: launch configuration of the one-program-per-row kernel.
+        method: ``"fused"`` (one program per row), ``"split"`` (rows split
+            across programs, :func:`topk_slots_split` with its defaults) or
+            ``"auto"``: split when ``L >= SPLIT_MIN_LEN``. Same results.
 
     Returns:
         int32 ``[R, topk]`` slots ``page * 64 + offset`` of the selected tokens,
@@ -197,13 +541,12 @@ def topk_slots(
         ``(positions int32 [R, topk], slots)`` like the reference ``topk_slots``.
         See the module docstring for the tie rule.
     """
+    if _use_split(method, logits.shape[1] if logits.dim() == 2 else 0):
+        return topk_slots_split(logits, lengths, topk, block_table, rows_per_table=rows_per_table,
+                                return_positions=return_positions)
     logits = _check(logits, lengths, topk)
-    if block_table.dim() != 2 or block_table.dtype != torch.int32:
-        raise ValueError(f"block_table: expected int32 [T, max_pages], got {block_table.dtype} {tuple(block_table.shape)}")
     R = logits.shape[0]
-    if rows_per_table < 1 or (R and (R - 1) // rows_per_table >= block_table.shape[0]):
-        raise ValueError(f"{R} rows at {rows_per_table} rows per table need more than {block_table.shape[0]} table rows")
-    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    block_table = _check_table(block_table, R, rows_per_table)
     slots = torch.empty(R, topk, dtype=torch.int32, device=logits.device)
     positions = torch.empty_like(slots) if return_positions else None
     _launch(logits, lengths, topk, block_table, rows_per_table, slots, positions, block, num_warps)
@@ -217,13 +560,60 @@ def topk_positions(
     *,
     block: int = 1024,
     num_warps: int = 8,
+    method: str = "auto",
 ) -> torch.Tensor:
     """The same selection without a page table: int32 ``[R, topk]`` positions, ascending, ``-1`` padded.
 
     For prefill, where FlashMLA's sparse kernel indexes a dequantized workspace
-    instead of the paged cache.
+    instead of the paged cache. ``method`` as for :func:`topk_slots`.
     """
+    if _use_split(method, logits.shape[1] if logits.dim() == 2 else 0):
+        return topk_positions_split(logits, lengths, topk)
     logits = _check(logits, lengths, topk)
     positions = torch.empty(logits.shape[0], topk, dtype=torch.int32, device=logits.device)
     _launch(logits, lengths, topk, None, 1, None, positions, block, num_warps)
+    return positions
+
+
+def topk_slots_split(
+    logits: torch.Tensor,
+    lengths: torch.Tensor,
+    topk: int,
+    block_table: torch.Tensor,
+    *,
+    rows_per_table: int = 1,
+    return_positions: bool = False,
+    seg: int = SPLIT_DEFAULTS["seg"],
+    block: int = SPLIT_DEFAULTS["block"],
+    num_warps: int = SPLIT_DEFAULTS["num_warps"],
+):
+    """:func:`topk_slots` with each row split into segments of ``seg`` logits (module docstring).
+
+    Same arguments and results as :func:`topk_slots`, bit for bit; ``seg`` and
+    ``block`` (the tile each program streams, ``<= seg``) are powers of two.
+    Six launches (a zeroed counter, four radix passes, the output), no host
+    sync: CUDA-graph capturable.
+    """
+    logits = _check(logits, lengths, topk)
+    R = logits.shape[0]
+    block_table = _check_table(block_table, R, rows_per_table)
+    slots = torch.empty(R, topk, dtype=torch.int32, device=logits.device)
+    positions = torch.empty_like(slots) if return_positions else None
+    _launch_split(logits, lengths, topk, block_table, rows_per_table, slots, positions, seg, block, num_warps)
+    return (positions, slots) if return_positions else slots
+
+
+def topk_positions_split(
+    logits: torch.Tensor,
+    lengths: torch.Tensor,
+    topk: int,
+    *,
+    seg: int = SPLIT_DEFAULTS["seg"],
+    block: int = SPLIT_DEFAULTS["block"],
+    num_warps: int = SPLIT_DEFAULTS["num_warps"],
+) -> torch.Tensor:
+    """:func:`topk_positions` on the split kernel (see :func:`topk_slots_split`)."""
+    logits = _check(logits, lengths, topk)
+    positions = torch.empty(logits.shape[0], topk, dtype=torch.int32, device=logits.device)
+    _launch_split(logits, lengths, topk, None, 1, None, positions, seg, block, num_warps)
     return positions

@@ -310,11 +310,11 @@ def _topk_case(device, gen, logits, lengths, k, rows_per_table, block, label):
     block_table = torch.randperm(T * max_pages * 3, generator=gen)[: T * max_pages].view(T, max_pages).int()
     pos, slots = ck.topk_slots(
         logits.to(device), lengths.to(device), k, block_table.to(device),
-        rows_per_table=rows_per_table, return_positions=True, block=block,
+        rows_per_table=rows_per_table, return_positions=True, block=block, method="fused",
     )
     pos, slots = pos.cpu(), slots.cpu()
     if label == "random":  # the page-table-free entry point runs the same kernel
-        plain = ck.topk_positions(logits.to(device), lengths.to(device), k, block=block).cpu()
+        plain = ck.topk_positions(logits.to(device), lengths.to(device), k, block=block, method="fused").cpu()
         assert torch.equal(plain, pos), f"{label}: topk_positions != topk_slots positions"
     assert pos.shape == slots.shape == (R, k) and pos.dtype == slots.dtype == torch.int32
     want = stable_topk_oracle(logits, lengths, k)
@@ -385,6 +385,135 @@ def check_topk(device, gen, big):
     _topk_case(device, gen, close, torch.tensor([L], dtype=torch.int32), k, 1, block, "close")
 
 
+def expected_slots(positions: torch.Tensor, block_table: torch.Tensor, rows_per_table: int) -> torch.Tensor:
+    """int32 slots of ``positions`` (``-1`` padded) by the kernels' rule: ``-1`` where the page is missing."""
+    valid = positions >= 0
+    page_idx = torch.where(valid, positions.long() // PAGE_SIZE, 0)
+    inside = page_idx < block_table.shape[1]
+    rows = torch.arange(positions.shape[0]) // rows_per_table
+    table = block_table.long() if block_table.shape[1] else torch.full((block_table.shape[0], 1), -1)
+    page = torch.where(inside, table[rows[:, None], torch.where(inside, page_idx, 0)], -1)
+    ok = valid & (page >= 0)
+    return torch.where(ok, page * PAGE_SIZE + positions.long() % PAGE_SIZE, -1).int()
+
+
+def _split_case(device, gen, logits, lengths, k, label, *, rows_per_table=1, configs, block_table=None,
+                entry_points=False):
+    """The split top-k == the fused top-k, bit for bit (slots and positions, every entry point), == the oracle."""
+    from attention.cuda import topk as tk
+
+    R, L = logits.shape
+    if block_table is None:
+        T = -(-R // rows_per_table)
+        max_pages = -(-L // PAGE_SIZE)
+        block_table = torch.randperm(T * max_pages * 3, generator=gen)[: T * max_pages].view(T, max_pages).int()
+    lg, ln, bt = logits.to(device), lengths.to(device), block_table.to(device)
+    kw = dict(rows_per_table=rows_per_table, return_positions=True)
+    want_pos, want_slots = tk.topk_slots(lg, ln, k, bt, method="fused", **kw)
+    want_pos, want_slots = want_pos.cpu(), want_slots.cpu()
+    for i, cfg in enumerate(configs):
+        got_pos, got_slots = tk.topk_slots_split(lg, ln, k, bt, **kw, **cfg)
+        got_pos, got_slots = got_pos.cpu(), got_slots.cpu()
+        for r in range(R):
+            assert torch.equal(got_pos[r], want_pos[r]), (
+                f"{label} {cfg}: row {r} (len {int(lengths[r])}) positions differ from the fused kernel: "
+                f"first at {torch.nonzero(got_pos[r] != want_pos[r])[0].item()}")
+        assert torch.equal(got_slots, want_slots), f"{label} {cfg}: slots differ from the fused kernel"
+        if not (entry_points and i == 0):
+            continue
+        only_slots = tk.topk_slots_split(lg, ln, k, bt, rows_per_table=rows_per_table, **cfg).cpu()
+        assert torch.equal(only_slots, want_slots), f"{label} {cfg}: slots without positions"
+        only_pos = tk.topk_positions_split(lg, ln, k, **cfg).cpu()
+        assert torch.equal(only_pos, want_pos), f"{label} {cfg}: topk_positions_split"
+    want = stable_topk_oracle(logits, lengths.clamp(0, L), k)
+    for r in range(R):
+        cnt = len(want[r])
+        assert want_pos[r, :cnt].tolist() == want[r], f"{label}: row {r} selects a different set"
+        assert torch.all(want_pos[r, cnt:] == -1), f"{label}: row {r} padding"
+    assert torch.equal(want_slots, expected_slots(want_pos, block_table, rows_per_table)), f"{label}: slots"
+
+
+def check_topk_split(device, gen, big):
+    """The split top-k (rows cut into segments) against the fused kernel and the oracle.
+
+    On the interpreter: tiny rows cut into many small segments, so that tie
+    groups, compacted candidates and the output offsets cross segment
+    boundaries. On the GPU: the serving shape (128 rows x ~34k, k = 2048).
+    """
+    if big:
+        R, L, k = 128, 49_152, 2048
+        configs = [{}, {"seg": 2048, "block": 2048, "num_warps": 4}, {"seg": 8192, "block": 4096}]
+        lengths = torch.randint(16_384, L + 1, (R,), generator=gen, dtype=torch.int32)
+    else:
+        R, L, k = 9, 320, 24
+        configs = [{"seg": 32, "block": 32, "num_warps": 4}, {"seg": 64, "block": 16, "num_warps": 4}]
+        lengths = torch.randint(k + 1, L + 1, (R,), generator=gen, dtype=torch.int32)
+    # Random logits, rows around k and around segment boundaries, lengths past
+    # L and negative (clamped), poison past each length, a NaN candidate,
+    # -inf holes; a block table narrower than the rows with -1 holes (missing
+    # pages -> slot -1).
+    lengths[:8] = torch.tensor([0, k - 7, k, k + 1, 64, 65, L + 5, -3], dtype=torch.int32)
+    logits = torch.randn(R, L, generator=gen)
+    past = torch.arange(L)[None, :] >= lengths.clamp(0, L)[:, None].long()
+    logits = torch.where(past, torch.full_like(logits, float("nan")), logits)
+    logits[4, past[4]] = float("inf")
+    logits[R - 1, 3] = float("nan")
+    logits[torch.rand(R, L, generator=gen) < 0.05] = float("-inf")
+    max_pages = -(-L // PAGE_SIZE)
+    table = torch.randperm(R * max_pages * 2, generator=gen)[: R * (max_pages - 2)].view(R, max_pages - 2).int()
+    table[torch.rand(table.shape, generator=gen) < 0.1] = -1
+    _split_case(device, gen, logits, lengths, k, "random", configs=configs, block_table=table, entry_points=True)
+    configs = configs[:1]
+
+    # Heavy ties (five levels, -0.0 and +0.0, -inf holes): the tie group runs
+    # across many segments and k_rem cuts it inside one; MTP rows share a table row.
+    levels = torch.randint(-2, 3, (R, L), generator=gen).float()
+    levels[levels == 0] = torch.where(torch.rand(int((levels == 0).sum()), generator=gen) < 0.5, -0.0, 0.0)
+    levels[torch.rand(R, L, generator=gen) < 0.2] = float("-inf")
+    lengths = torch.full((R,), L, dtype=torch.int32)
+    lengths[1] = k + 3  # fewer than k candidates left after the holes: all taken
+    lengths[2] = 3 * k
+    _split_case(device, gen, levels, lengths, k, "ties", rows_per_table=3, configs=configs)
+
+    # A tie group that is the whole row but k/2 larger logits: the first k/2
+    # equal ones by position win; rows of one value, of -inf only, of NaN only.
+    tie = torch.full((4, L), 0.25)
+    for r in range(4):
+        tie[r, torch.randperm(L, generator=gen)[: k // 2]] = 1.0 + torch.rand(k // 2, generator=gen)
+    tie[1] = 0.25
+    tie[2] = float("-inf")
+    tie[3] = float("nan")
+    _split_case(device, gen, tie, torch.full((4,), L, dtype=torch.int32), k, "tie group", configs=configs)
+
+    # Exactly k logits far above the rest (pass 0 takes its bin whole: early
+    # exit), and values differing only in the lowest key bits (all four passes).
+    exact = torch.randn(2, L, generator=gen)
+    exact[0, torch.randperm(L, generator=gen)[:k]] = 100.0 + torch.rand(k, generator=gen)
+    base = torch.full((1, L), 1.0).view(torch.int32)
+    exact[1] = (base + torch.randint(0, 300, (1, L), generator=gen, dtype=torch.int32)).view(torch.float32)
+    _split_case(device, gen, exact, torch.full((2,), L, dtype=torch.int32), k, "exact/close", configs=configs)
+
+    # method="auto" dispatches rows of >= SPLIT_MIN_LEN logits to the split
+    # kernel (at its default segment: one segment per row here).
+    from attention.cuda import topk as tk
+
+    saved = tk.SPLIT_MIN_LEN
+    try:
+        tk.SPLIT_MIN_LEN = L
+        lg, ln = exact.to(device), torch.full((2,), L, dtype=torch.int32, device=device)
+        assert tk._use_split("auto", L) and not tk._use_split("auto", L - 1) and tk._use_split("split", 1)
+        auto = tk.topk_positions(lg, ln, k)
+        assert torch.equal(auto.cpu(), tk.topk_positions(lg, ln, k, method="fused").cpu()), "auto dispatch"
+    finally:
+        tk.SPLIT_MIN_LEN = saved
+
+    if big:
+        # bf16-rounded logits (many exact ties at the threshold) at the serving shape.
+        q = torch.randn(R, L, generator=gen).to(torch.bfloat16).float()
+        lengths = torch.randint(16_384, L + 1, (R,), generator=gen, dtype=torch.int32)
+        _split_case(device, gen, q, lengths, k, "bf16 ties", configs=configs)
+
+
 CHECKS = {
     "fp8_rounding": check_fp8_rounding,
     "mla_write": check_mla_write,
@@ -393,6 +522,7 @@ CHECKS = {
     "indexer_gather": check_indexer_gather,
     "index_transform": check_index_transform,
     "topk": check_topk,
+    "topk_split": check_topk_split,
 }
 
 
@@ -476,6 +606,33 @@ def test_pool_beyond_2_31_bytes_gpu():
     assert torch.equal(got.view(torch.int16), torch.cat([lat, rp], 1).to(torch.bfloat16).view(torch.int16))
 
 
+@pytest.mark.gpu
+def test_topk_split_cuda_graph_gpu():
+    """The split top-k captured in a CUDA graph (scratch allocated in capture, no host sync), replayed on new data."""
+    from attention.cuda import topk as tk
+
+    gen = torch.Generator().manual_seed(SEED)
+    R, L, k = 128, 49_152, 2048
+    max_pages = L // PAGE_SIZE
+    logits = torch.randn(R, L, generator=gen).cuda()
+    lengths = torch.randint(16_384, L + 1, (R,), generator=gen, dtype=torch.int32).cuda()
+    bt = torch.randperm(R * max_pages * 2, generator=gen)[: R * max_pages].view(R, max_pages).int().cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        tk.topk_slots_split(logits, lengths, k, bt, return_positions=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pos, slots = tk.topk_slots_split(logits, lengths, k, bt, return_positions=True)
+    for trial in range(3):
+        logits.copy_(torch.randn(R, L, generator=gen).to(torch.bfloat16).float())  # ties too
+        lengths.copy_(torch.randint(0, L + 1, (R,), generator=gen, dtype=torch.int32))
+        graph.replay()
+        want_pos, want_slots = tk.topk_slots(logits, lengths, k, bt, return_positions=True, method="fused")
+        assert torch.equal(pos, want_pos) and torch.equal(slots, want_slots), f"replay {trial}"
+
+
 # ---------------------------------------------------------------------------
 # compiles for sm_90 without a GPU
 # ---------------------------------------------------------------------------
@@ -532,6 +689,26 @@ def _compile_worker() -> None:
                  out_stride=i64),
             dict(WRITE_SLOTS=write_slots, WRITE_POS=True, PAGE=64, BLOCK=1024), 8,
         )
+    # The split top-k: the four radix passes and the output, at the default
+    # segment / block / warps and at the small config the interpreter tests use.
+    for seg, block, warps in ((topk.SPLIT_DEFAULTS["seg"], topk.SPLIT_DEFAULTS["block"],
+                               topk.SPLIT_DEFAULTS["num_warps"]), (32, 16, 4)):
+        for p in range(4):
+            compile_one(
+                topk._split_pass_kernel,
+                dict(logits_ptr="*fp32", logits_stride=i64, L=i32, lengths_ptr="*i32", K=i32, buf_ptr="*i32",
+                     buf_stride=i64, hist_ptr="*i32", info_ptr="*i32", state_ptr="*i32", ticket_ptr="*i32",
+                     NSEG=i32, info_plane=i32),
+                dict(P=p, SEG=seg, BLOCK=block, SCH=16), warps,
+            )
+        for write_slots in (True, False):
+            compile_one(
+                topk._split_output_kernel,
+                dict(logits_ptr="*fp32", logits_stride=i64, L=i32, lengths_ptr="*i32", K=i32, bt_ptr="*i32",
+                     bt_stride=i64, bt_cols=i32, rows_per_table=i32, slots_ptr="*i32", pos_ptr="*i32",
+                     out_stride=i64, info_ptr="*i32", state_ptr="*i32", NSEG=i32, info_plane=i32, pad_chunk=i32),
+                dict(WRITE_SLOTS=write_slots, WRITE_POS=True, PAGE=64, SEG=seg, BLOCK=block, NSEG_P2=16), warps,
+            )
     print("COMPILED")
 
 

@@ -24,23 +24,12 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from deployments.app_config import AppConfig
-from deployments.controller import ROLES, AppConfigError, Violation, check_args, plan_placement
+from deployments.controller import AppConfigError, check_args, plan_placement
 
 log = logging.getLogger("ray.serve")
 
 DIRECTORY_TTL_S = 10.0
 """A replica whose heartbeats stopped this long is treated as gone by its peers."""
-
-
-def serving_violations(cfg: AppConfig) -> list[Violation]:
-    """What the controller accepts for planning but these deployments cannot serve yet."""
-    out = []
-    for role in ROLES:
-        tp = cfg.pool(role).tensor_parallel_size
-        if tp > 1:
-            out.append(Violation(f"{role}.tensor_parallel_size",
-                                 f"serving with tensor_parallel_size {tp} needs rank workers, not built yet: use 1"))
-    return out
 
 
 def _router_config(router_cls: type, cfg: AppConfig, role: str) -> RequestRouterConfig:
@@ -60,11 +49,8 @@ def _router_config(router_cls: type, cfg: AppConfig, role: str) -> RequestRouter
 def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
     """Validate ``args`` (an `AppConfig` mapping), make the model if it is a tiny spec, and build the app."""
     result = check_args(args)
-    violations = list(result.violations)
-    if result.app_cfg is not None:
-        violations += serving_violations(result.app_cfg)
-    if violations:
-        raise AppConfigError(violations)
+    if result.violations:
+        raise AppConfigError(list(result.violations))
     cfg = result.app_cfg
     assert cfg is not None
 

@@ -96,24 +96,10 @@ def _serve(args) -> int:
     """
     import shutil
 
-    import yaml
-
-    from deployments.app import serving_violations
-    from deployments.app_config import APP_IMPORT_PATH, AppConfig
-
     check = argparse.Namespace(configs=[args.config], gpu_memory_gib=args.gpu_memory_gib)
     code = _check(check)
     if code:
         return code
-    # What the controller accepts for planning but these deployments cannot serve yet.
-    extra = []
-    for app in yaml.safe_load(Path(args.config).read_text())["applications"]:
-        if app.get("import_path") == APP_IMPORT_PATH:
-            extra += serving_violations(AppConfig.model_validate(app.get("args") or {}))
-    if extra:
-        print(f"{args.config}: cannot be served yet:")
-        print("\n".join(f"  args.{v}" for v in extra))
-        return 1
     exe = shutil.which("serve")
     if exe is None:
         print("error: the `serve` command (ray[serve]) is not on PATH", file=sys.stderr)

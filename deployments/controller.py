@@ -406,6 +406,13 @@ def _agreement_rules(app_cfg: AppConfig, model_cfg: ModelConfig | None, out: lis
     """
     p, d = app_cfg.prefill, app_cfg.decode
     n_before = len(out)
+    if p.tensor_parallel_size != d.tensor_parallel_size:
+        out.append(Violation(
+            "decode.tensor_parallel_size",
+            f"prefill tensor_parallel_size {p.tensor_parallel_size} vs decode {d.tensor_parallel_size}: every rank "
+            "caches the whole MLA latent and prefill rank i pushes its pages to decode rank i, so both pools "
+            "need the same number of ranks",
+        ))
     if p.page_size != d.page_size:
         out.append(Violation(
             "decode.page_size", f"prefill pages hold {p.page_size} tokens, decode pages {d.page_size}: they must agree"

@@ -66,8 +66,9 @@ class RankGroup:
         # max_concurrency 1 (the default): a rank runs one call at a time, in order.
         self.actors = [cls.options(**dict(opts)).remote(spec, r, size) for r, opts in enumerate(actor_options)]
         address = self._wait([self.actors[0].rendezvous_address.remote()], start_timeout_s)[0]
-        mtp_layers = self._wait([a.start.remote(address, start_timeout_s) for a in self.actors], start_timeout_s)
-        self.model = GroupModel(self, spec, mtp_layers[0])
+        started = self._wait([a.start.remote(address, start_timeout_s) for a in self.actors], start_timeout_s)
+        self.pids = [pid for _, pid in started]
+        self.model = GroupModel(self, spec, started[0][0])
         self.runner = GroupRunner(self.model)
 
     # ------------------------------------------------------------ fan-out
@@ -174,3 +175,7 @@ class GroupRunner(ModelRunner):
 
     def __init__(self, model: GroupModel):
         super().__init__(model, cache=None, backend=None, device="cpu")
+
+    def enable_decode_graphs(self, widths, max_batch_size, max_context, capture) -> None:
+        # The graphs would have to be captured on every rank, collectives included.
+        raise NotImplementedError("CUDA graphs for tensor-parallel rank workers are not built yet")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import socket
 from dataclasses import dataclass
 
@@ -97,9 +98,9 @@ class RankWorker:
             port = s.getsockname()[1]
         return f"tcp://{host}:{port}"
 
-    def start(self, init_method: str, timeout_s: float = 300.0) -> int:
+    def start(self, init_method: str, timeout_s: float = 300.0) -> tuple[int, int]:
         """Join the process group, load this rank's shard and allocate its caches.
-        Returns the number of MTP layers loaded."""
+        Returns (MTP layers loaded, this process's pid)."""
         import torch.distributed as dist
 
         on_gpu = self.device.type == "cuda"
@@ -115,7 +116,7 @@ class RankWorker:
                                 with_mtp=s.with_mtp)
         self.cache = PagedKVCache(cache_spec_for(self.model, s.num_pages, s.kv_cache_dtype), str(self.device))
         self.backend = get_backend(s.backend)
-        return len(self.model.mtp)
+        return len(self.model.mtp), os.getpid()
 
     # ------------------------------------------------------------- compute
     def _answer(self, t: torch.Tensor | None) -> torch.Tensor | None:

@@ -156,7 +156,14 @@ def test_tensor_parallel_size_must_divide_heads():
     assert "does not divide num_attention_heads (8)" in text
     assert "n_routed_experts (8)" in text and "intermediate_size (128)" in text
     assert "8 indexer heads are replicated" in text
-    assert validate(app(merged(CPU, prefill={"tensor_parallel_size": 2}, decode={"tensor_parallel_size": 4})), tiny_model()) == []
+    assert validate(app(merged(CPU, prefill={"tensor_parallel_size": 2}, decode={"tensor_parallel_size": 2})), tiny_model()) == []
+
+
+def test_prefill_and_decode_tensor_parallel_sizes_must_agree():
+    # Pages go prefill rank i -> decode rank i.
+    vs = validate(app(merged(CPU, prefill={"tensor_parallel_size": 2}, decode={"tensor_parallel_size": 4})), tiny_model())
+    v = only(vs, "decode.tensor_parallel_size")
+    assert "prefill tensor_parallel_size 2 vs decode 4" in v.message and "rank i" in v.message
 
 
 def test_fp8_weight_shards_must_align_to_blocks():
@@ -196,7 +203,8 @@ def test_cuda_backend_needs_cuda_device_and_bf16():
 ])
 def test_gpu_counts(pool, path, needle):
     vs = validate(app(merged(GPU, decode=pool)), gpu_model())
-    assert needle in only(vs, path).message
+    # (a decode tp other than prefill's is a violation at the same path too)
+    assert len([v for v in vs if v.path == path and needle in v.message]) == 1, [str(v) for v in vs]
 
 
 def test_cpu_device_holds_no_gpus():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the cuda attention backend (issue 3): install the
 # carried wheels, print versions, run the `gpu` tests of the backend, the
-# attention bench, then the end-to-end LLM tests. Usage (device run, repo root):
+# top-k kernel tests (fused vs split, CUDA graph), the attention bench, then the
+# end-to-end LLM tests. Usage (device run, repo root):
 #   bash bench/gpu_attention.sh
 # Carry: .devicewheels/kernels (../shared/offline-wheels, --groups kernels) and
 # .whl (pytest + transformers 5.23.0: the host's 5.17 lacks deepseek_v32 / glm_moe_dsa).
@@ -17,6 +18,8 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 } 2>&1 | tee "$OUT/versions.txt"
 timeout ${KERNEL_TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
     tests/attention/test_cuda_backend.py -k "test_cuda_backend_gpu" 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | tail -40
+timeout ${TOPK_TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
+    tests/attention/test_triton_kernels.py -k "topk" 2>&1 | tee "$OUT/gpu_topk_tests.txt" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | tail -20
 timeout ${BENCH_S:-180} python3 bench/attention.py --json "$OUT/bench_attention.json" 2>&1 | tee "$OUT/bench_attention.txt" | tail -40
 timeout ${LLM_TESTS_S:-400} python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
     tests/attention/test_cuda_backend.py -k "llm or noise" 2>&1 | tee "$OUT/gpu_llm_tests.txt" | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert|E2E|NOISE" | tail -30

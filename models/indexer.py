@@ -68,20 +68,20 @@ class Indexer(nn.Module):
         rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
         return torch.cat([apply_rope(rot, cos, sin, self.rope_interleaved), rest], dim=-1)
 
-    def write_keys(self, x, cos, sin, batch: ForwardBatch, cache, layer: int) -> None:
+    def write_keys(self, x, cos, sin, batch: ForwardBatch, cache, layer: int, backend) -> None:
         """Compute and cache this step's indexer keys only (a step that reuses an
         earlier top-k still leaves its keys for later queries)."""
         k = self._rope(self.k_norm(self.wk(x)), cos, sin).float()
         if self.hadamard:
             # Orthonormal: q.k is unchanged, but outliers spread out before fp8.
             k = k @ self.rotation
-        cache.write_index(layer, batch.out_slots, k)
+        backend.write_index(cache, layer, batch.out_slots, k)
 
     def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, cache, layer: int, backend) -> SelectedTokens:
         """x: ``[T, hidden]``, q_resid: ``[T, q_lora]``; writes this step's keys to
         ``cache`` layer ``layer`` and returns the top-k selection of every token."""
         T = x.shape[0]
-        self.write_keys(x, cos, sin, batch, cache, layer)
+        self.write_keys(x, cos, sin, batch, cache, layer, backend)
         q = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin).float()
         weights = self.weights_proj(x.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         if self.hadamard:

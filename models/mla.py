@@ -60,10 +60,12 @@ class MLAttention(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[:, : self.rank])
         k_pe = apply_rope(kv[:, None, self.rank :], cos, sin, interleaved=True)[:, 0]
-        cache.write_mla(layer, batch.out_slots, latent, k_pe)
+        # Through the backend: the cuda one writes with a Triton kernel that
+        # skips slot -1 on the device (no host check: decode steps are graph-captured).
+        backend.write_mla(cache, layer, batch.out_slots, latent, k_pe)
 
         if self.indexer is not None and reuse is not None:
-            self.indexer.write_keys(x, cos, sin, batch, cache, layer)
+            self.indexer.write_keys(x, cos, sin, batch, cache, layer, backend)
             selected = reuse
         elif self.indexer is not None:
             selected = self.indexer(x, q_resid, cos, sin, batch, cache, layer, backend)

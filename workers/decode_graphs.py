@@ -17,9 +17,9 @@ static buffers that are overwritten in place before every replay:
   depends only on the shapes and top-k width: it is made by the warm-up run
   before capture and stays fixed for the graph's life.
 
-Rows past the live requests are padding: position ``-1`` (so context 0:
-no key is scored or attended), cache slot ``-1`` (the cache writes skip
-it), page table zeros. They are rewritten on every step, so a row that held a
+Rows past the live requests are padding: position 0 of page 0 (context 1:
+they read one key and attend to it, harmlessly), cache slot ``-1`` (the
+cache writes skip it), page table zeros. They are rewritten on every step, so a row that held a
 request in the previous replay can never write into that request's pages.
 
 The forward runs with ``ForwardBatch.static_shapes`` (the MoE takes every
@@ -148,10 +148,13 @@ class _StaticInputs:
         host = torch.zeros(3 * B * w + 2 * B, dtype=torch.int64)
         host[0: R * w] = tokens
         host[B * w: B * w + R * w] = positions
-        host[B * w + R * w: B * w + n] = -1          # padding: context 0
+        # Padding rows sit at position 0 of page 0: context 1, so they read one
+        # key (DeepGEMM's paged logits faulted on a step whose every row had
+        # context 0, H100 2026-11-22) and write none (slot -1).
         host[2 * B * w: 2 * B * w + R * w] = slots
-        host[2 * B * w + R * w: 2 * B * w + n] = -1  # padding: no cache write
+        host[2 * B * w + R * w: 2 * B * w + n] = -1
         host[3 * B * w: 3 * B * w + R] = seq_lens
+        host[3 * B * w + R: 3 * B * w + bucket] = 1
         host[3 * B * w + B: 3 * B * w + B + bucket] = w
         bt = torch.zeros(bucket, self.plan.max_pages, dtype=torch.int32)
         bt[:R, : tables.shape[1]] = tables

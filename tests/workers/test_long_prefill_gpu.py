@@ -51,7 +51,7 @@ def chunk_logits(llm, prompt, pages, start, end, chunk, rows):
             if want:
                 logits = llm.model.logits(h[torch.tensor([r - s for r in want], device=h.device)]).float().cpu()
                 out.update(zip(want, logits))
-    return torch.stack([out[r] for r in rows])
+    return torch.stack([out[r] for r in rows]) if rows else None
 
 
 def rel_errors(a, b):

@@ -44,6 +44,7 @@ def test_agent_names_map_rank_to_rank():
 
 # One arch without MTP, the other with one draft token (the MTP layer is sharded too,
 # and its cache pages travel with the others).
+@pytest.mark.slow  # ~45 s on 2 cores: four rank actors start per case
 @pytest.mark.parametrize("arch,mtp", [("deepseek_v32", 0), ("glm_moe_dsa", 1)])
 def test_tp2_monolithic_and_pd_equal_tp1(arch, mtp, ray_session, tmp_path):
     tiny = make_mtp_friendly(arch, tmp_path / arch)

@@ -11,7 +11,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    .devicewheels/kernels/*.whl .whl/*.whl 2>&1 | tail -2
+    .devicewheels/kernels/*.whl .whl*/*.whl 2>&1 | tail -2
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv

@@ -441,7 +441,9 @@ def _launch(logits, lengths, topk, block_table, rows_per_table, slots, positions
 # the split kernel in topk_slots / topk_positions (method="auto"). Two segments
 # of the default size; to be re-measured (bench/attention.py).
 SPLIT_MIN_LEN = 8192
-SPLIT_DEFAULTS = {"seg": 4096, "block": 4096, "num_warps": 8}
+# H100, 128 rows x ~34k, k 2048 (bench/attention.py, docs/perf.md): seg/block/warps 4096/2048/8
+# 0.185 ms, 4096/4096/8 0.215, 2048/2048/4 0.390, 8192/4096/8 0.283, 4096/4096/16 0.334.
+SPLIT_DEFAULTS = {"seg": 4096, "block": 2048, "num_warps": 8}
 
 
 def split_scratch_shapes(R: int, L: int, seg: int) -> dict:

@@ -17,7 +17,7 @@ from workers.model_runner import ModelRunner, WorkItem
 from workers.mtp import accept_drafts, check_topk_reuse, draft_slot_layout
 from workers.page_pool import PagePool
 from workers.request import FinishReason, Request
-from workers.sampler import sample, sampling_probs
+from workers.sampler import draw, sample, sampling_probs
 from workers.scheduler import PrefillChunk, Scheduler, SchedulerConfig, prefill_length
 
 
@@ -240,7 +240,7 @@ class Engine:
                     r.drafts.append(int(logits[i].argmax()))
                 else:
                     q = sampling_probs(logits[i], r.params)
-                    r.drafts.append(int(torch.multinomial(q, 1, generator=r.generator)))
+                    r.drafts.append(draw(q, r.generator))
                     step_probs.append(q)
             probs.append(step_probs)
             if step == self.k - 1:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from attention.formats import PAGE_SIZE
-from workers.sampler import SamplingParams, sampling_probs
+from workers.sampler import SamplingParams, draw, sampling_probs
 
 
 def draft_slot_layout(block_tables: torch.Tensor, first_positions: torch.Tensor, steps: int,
@@ -84,6 +84,6 @@ def accept_drafts(drafts: list[int], target_logits: torch.Tensor, params: Sampli
         residual = (p - q).clamp_min(0)
         total = residual.sum()
         residual = residual / total if total > 0 else p
-        return Acceptance(out + [int(torch.multinomial(residual, 1, generator=generator))], j)
+        return Acceptance(out + [draw(residual, generator)], j)
     p = sampling_probs(target_logits[k], params)
-    return Acceptance(out + [int(torch.multinomial(p, 1, generator=generator))], k)
+    return Acceptance(out + [draw(p, generator)], k)

@@ -51,8 +51,20 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One index from probabilities ``[n]`` with ``generator``.
+
+    A request's generator lives on the host (its state crosses processes with
+    a prefilled request), so probabilities computed on a GPU are drawn from on
+    the host: the same seed then draws the same stream on any device.
+    """
+    if generator is not None and generator.device != probs.device:
+        probs = probs.to(generator.device)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from fp32 logits ``[vocab]``."""
     if params.greedy:
         return int(torch.argmax(logits))
-    return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
+    return draw(sampling_probs(logits, params), generator)

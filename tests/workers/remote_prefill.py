@@ -9,8 +9,11 @@ as pickles (results carry CPU tensors only).
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import time
+
+_IDS = itertools.count()  # request ids are never reused (the receiver refuses a reused one)
 
 
 def _child(conn, model_dir: str, llm_kwargs: dict, chunk_size: int, mtp: bool) -> None:
@@ -106,7 +109,7 @@ def generate_pd(decode_llm, prefill: RemotePrefill, decode_worker, prompts, **sa
         params = SamplingParams(sampling.get("max_new_tokens", 16), sampling.get("temperature", 0.0),
                                 sampling.get("top_p", 1.0), sampling.get("top_k", 0),
                                 None if seed is None else seed + i, (), sampling.get("ignore_eos", False))
-        reqs.append(Request(f"pd-{i}", list(p), params))
+        reqs.append(Request(f"pd-{next(_IDS)}", list(p), params))
     for r in reqs:
         pages = decode_worker.reserve(r, prefill.agent_name)
         prefill.submit(PrefillTask(r.request_id, r.prompt, r.params, decode_worker.link.agent.name, pages))

@@ -224,6 +224,15 @@ class PoolConfig(_Strict):
         "cache pages are filled for decode; prefill and decode must agree on whether MTP is on.",
     )
     max_batch_size: int = Field(32, ge=1, description="Most requests in one forward.")
+    cuda_graphs: bool | None = Field(
+        None,
+        description="Decode steps from one captured CUDA graph per batch-size bucket (decode pool). Default: on "
+        "for backend 'cuda' on a GPU with one rank; True elsewhere is an error.",
+    )
+    cuda_graph_max_context: int | None = Field(
+        None, ge=64, description="Longest context a captured decode step serves (longer ones run eagerly); "
+        "default: what the page pool holds for one request, capped by the model's max positions.",
+    )
     max_ongoing_requests: int | None = Field(
         None, ge=1, description="Serve's per-replica request cap; default 2 x max_batch_size (one batch queued)."
     )

@@ -390,6 +390,13 @@ def _device_rules(role: str, pool: PoolConfig, out: list[Violation]) -> None:
             f"{role}.num_gpus",
             f"device 'cpu' does not use GPUs but num_gpus is {pool.num_gpus:g}: the replica would hold them idle",
         ))
+    if pool.cuda_graphs and not (pool.backend == "cuda" and pool.device == "cuda" and tp == 1):
+        out.append(Violation(
+            f"{role}.cuda_graphs",
+            "CUDA graphs capture the cuda backend's decode step on a GPU with one rank (backend 'cuda', device "
+            f"'cuda', tensor_parallel_size 1); got backend {pool.backend!r}, device {pool.device!r}, "
+            f"tensor_parallel_size {tp}",
+        ))
     if pool.page_size != PAGE_SIZE:
         out.append(Violation(
             f"{role}.page_size",

@@ -25,6 +25,7 @@ from deployments.app_config import AppConfig, PoolConfig
 from deployments.controller import PoolPlacement, plan_placement
 from models.loader import load_model
 from models.model import DsaForCausalLM
+from workers.decode_graphs import default_graph_context, graphs_wanted
 from workers.decode_worker import DecodeWorker
 from workers.group_link import GroupLink
 from workers.engine import Engine
@@ -124,4 +125,10 @@ def build_decode_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: st
                             mtp_draft_tokens=pool_cfg.mtp_draft_tokens)
     engine = Engine(p.runner, p.pool, sched, p.model.cfg.eos_token_ids, app_cfg.features.mtp_topk_reuse,
                     detokenize=detokenizer(model_dir))
+    wanted = pool_cfg.cuda_graphs
+    if wanted is None and pool_cfg.tensor_parallel_size > 1:
+        wanted = False  # not built for rank workers yet (workers/rank_group.py)
+    if graphs_wanted(wanted, pool_cfg.backend, pool_cfg.device):
+        engine.enable_cuda_graphs(pool_cfg.cuda_graph_max_context
+                                  or default_graph_context(p.model.cfg, pool_cfg.num_pages))
     return DecodeWorker(engine, p.link, deadline_s=app_cfg.transfer.deadline_s)

@@ -207,6 +207,13 @@ def test_gpu_counts(pool, path, needle):
     assert len([v for v in vs if v.path == path and needle in v.message]) == 1, [str(v) for v in vs]
 
 
+def test_cuda_graphs_need_the_cuda_backend_on_one_gpu():
+    v = only(validate(app(merged(CPU, decode={"cuda_graphs": True})), tiny_model()), "decode.cuda_graphs")
+    assert "backend 'reference', device 'cpu'" in v.message
+    vs = validate(app(merged(GPU, decode={"cuda_graphs": True})), gpu_model())
+    assert not [v for v in vs if v.path == "decode.cuda_graphs"]
+
+
 def test_cpu_device_holds_no_gpus():
     v = only(validate(app(merged(CPU, decode={"num_gpus": 1})), tiny_model()), "decode.num_gpus")
     assert "device 'cpu'" in v.message

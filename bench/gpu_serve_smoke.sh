@@ -26,5 +26,6 @@ curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
   -d '{"model":"nope","prompt":"x"}'; echo
 python3 bench/openai_client_smoke.py 2>&1 | tee "$OUT/openai_client.txt"
 curl -s localhost:8000/stats; echo
+grep -h "CUDA graphs" "$OUT/serve.log" | tail -3
 tail -40 "$OUT/serve.log" | grep -v "NIXL INFO" | tail -25
 serve shutdown -y >/dev/null 2>&1; ray stop -f >/dev/null 2>&1; true

@@ -8,6 +8,7 @@ forward) — and returns what each request produced.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,8 @@ from workers.page_pool import PagePool
 from workers.request import FinishReason, Request
 from workers.sampler import draw, sample, sampling_probs
 from workers.scheduler import PrefillChunk, Scheduler, SchedulerConfig, prefill_length
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -111,6 +114,9 @@ class Engine:
         with contexts up to ``max_context`` tokens (``workers.decode_graphs``);
         ``capture=False`` runs the same static-buffer path eagerly."""
         self.runner.enable_decode_graphs((self.k + 1,), self.cfg.max_batch_size, max_context, capture)
+        g = self.runner.decode_graphs[self.k + 1]
+        log.info("decode steps of width %d: %s for batch sizes %s, contexts up to %d tokens",
+                 self.k + 1, "CUDA graphs captured" if capture else "static buffers", g.plan.batch_sizes, max_context)
 
     @property
     def has_work(self) -> bool:

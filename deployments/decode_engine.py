@@ -130,6 +130,7 @@ class DecodeEngine(EngineThread):
             "mtp_accepted": s.mtp_accepted,
             "mtp_acceptance_rate": s.mtp_acceptance_rate,
             "preemptions": s.preemptions,
+            "decode_graph_replays": sum(g.replays for g in getattr(eng.runner, "decode_graphs", {}).values()),
             "known_prefills": len(w.link.peers.peers()),
         }
 

@@ -2,19 +2,20 @@
 
 The model: DeepSeek-V3.2's attention at its real dims (128 query heads, 512 +
 64 latent, 64 x 128 indexer, top-k 2048, YaRN to 160k positions) in two dense
-layers with a small hidden size, random weights, bf16, fp8 caches.
+layers with a small hidden size, random weights at DeepSeek's init scale,
+bf16, fp8 caches.
 
-* 32k: the whole prompt is prefilled in 8k-token chunks on the cuda backend
-  and in 512-token chunks on the reference backend (same GPU); logits at
-  sampled positions (the last included) agree within the tolerances of the
-  end-to-end cuda-vs-reference test.
-* 128k: the cuda backend prefills all but the last 256 tokens in 8k chunks;
-  the reference backend is handed a byte copy of that fp8 cache (same format,
-  same page ids) and both run the last chunk over the 128k-token cached
-  prefix: their logits agree on every row of it.
+* For each of 32k and 128k: the cuda backend prefills all but the last 256
+  tokens in 8k chunks; the reference backend is handed a byte copy of that fp8
+  cache (same format, same page ids) and both run the last chunk over the
+  cached prefix. Layer 0 sees identical inputs on both backends: its top-k
+  sets must agree (recall >= 0.98) and its attention output must agree within
+  2%. Logits errors are printed.
+* For the record: 32k end to end, cuda in 8k chunks vs the reference in 512
+  chunks, logits at sampled rows (printed).
 * The naive path -- the whole 128k prompt as one forward -- is tried and its
   outcome printed (it needs the [S, h, 576] f32 queries and [S, h, 512]
-  outputs of all 128k rows at once).
+  outputs of all 128k rows at once: out of memory on the H100).
 """
 
 from __future__ import annotations

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from tests.workers.mtp_friendly import make_mtp_friendly
+from tests.workers.pd_aborts import abort_at_every_phase
 from workers.offline import LLM
-from workers.prefill_worker import PrefillTask
-from workers.request import Request
-from workers.sampler import SamplingParams
 from tests.workers.prompts import random_prompt
 
 LENGTHS = (1, 64, 65, 128, 150, 9)
@@ -66,55 +63,4 @@ def test_pd_seeded_sampling_equals_monolithic(tiny, reference):
 
 def test_pd_aborts_at_every_phase_free_both_pools(tiny):
     llm = LLM(tiny, pd=True, chunk_size=32, num_pages=32)
-    pre, dec = llm.pd.prefill, llm.pd.decode
-    p_start, d_start = pre.pool.free_count, dec.pool.free_count
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-
-    def start(rid, n):
-        r = Request(rid, random_prompt(n, 300, n), params)
-        pages = dec.reserve(r, pre.link.agent.name)
-        pre.submit(PrefillTask(rid, r.prompt, params, dec.link.agent.name, pages))
-        return r
-
-    def pump(times=1):
-        for _ in range(times):
-            for res in pre.step():
-                dec.on_prefill_result(res)
-            dec.step()
-
-    # queued on decode (reserved, nothing computed yet)
-    r0 = start("q0", 100)
-    assert dec.abort("q0")
-    pre.abort("q0")
-    pump(2)
-    # mid-prefill: 100 tokens at 32 per step
-    r1 = start("m1", 100)
-    pump(1)
-    assert 0 < pre.active["m1"].done < 100
-    dec.abort("m1")   # decode cancels: prefill is told and frees its pages
-    pump(3)
-    # mid-transfer: prefill finished computing, notifications not yet consumed by decode
-    r2 = start("t2", 20)
-    for res in pre.step():
-        pass          # drop prefill's answer on the floor, as a lost RPC would
-    assert dec.abort("t2")
-    pump(3)
-    # mid-decode
-    r3 = start("d3", 20)
-    for _ in range(400):  # bounded: NIXL completes the push within a few polls
-        pump(1)
-        if len(r3.output) >= 2:
-            break
-        time.sleep(0.01)
-    assert len(r3.output) >= 2 and not r3.finished, "request should be decoding"
-    assert dec.abort("d3")
-    # Aborted receives hold their decode pages until prefill has answered
-    # the cancel (a WRITE it posted could still land): pump until it has.
-    for _ in range(500):
-        pump(1)
-        if not dec.has_work:
-            break
-        time.sleep(0.01)
-    assert not pre.active and not dec.has_work
-    assert pre.pool.free_count == p_start and dec.pool.free_count == d_start
-    assert all(r.finish_reason is not None for r in (r0, r1, r2, r3))
+    abort_at_every_phase(llm.pd.prefill, llm.pd.decode)

@@ -77,6 +77,24 @@ NEG_INF_KEY = tl.constexpr(0x007FFFFF)  # float_order_key(-inf): -inf is never a
 
 
 @triton.jit
+def _store_selection(offs, sel, dst, K, bt_ptr, table_row, bt_stride, bt_cols, slots_ptr, pos_ptr, out_row,
+                     WRITE_SLOTS: tl.constexpr, WRITE_POS: tl.constexpr, PAGE: tl.constexpr):
+    """Write the selected positions ``offs[sel]`` at output offsets ``dst`` of
+    row ``out_row``: slots through page-table row ``table_row`` (-1 for a
+    missing page) and/or the positions themselves."""
+    # Never true when the select is right; a guard so that a bug could not
+    # write into the next row.
+    sel = sel & (dst < K)
+    if WRITE_SLOTS:
+        page_idx = offs // PAGE
+        page = tl.load(bt_ptr + table_row * bt_stride + page_idx, mask=sel & (page_idx < bt_cols), other=-1)
+        slot = tl.where(page >= 0, page * PAGE + offs % PAGE, -1)
+        tl.store(slots_ptr + out_row + dst, slot, mask=sel)
+    if WRITE_POS:
+        tl.store(pos_ptr + out_row + dst, offs, mask=sel)
+
+
+@triton.jit
 def _topk_kernel(
     logits_ptr, logits_stride, L,
     lengths_ptr, K,
@@ -147,16 +165,8 @@ def _topk_kernel(
         sel = gt | (eq & (eq_rank < k_rem))
         sel_i = sel.to(tl.int32)
         dst = n_sel + tl.cumsum(sel_i, axis=0) - sel_i
-        # Never true when the select is right; a guard so that a bug could not
-        # write into the next row.
-        sel = sel & (dst < K)
-        if WRITE_SLOTS:
-            page_idx = offs // PAGE
-            page = tl.load(bt_ptr + table_row * bt_stride + page_idx, mask=sel & (page_idx < bt_cols), other=-1)
-            slot = tl.where(page >= 0, page * PAGE + offs % PAGE, -1)
-            tl.store(slots_ptr + out_row + dst, slot, mask=sel)
-        if WRITE_POS:
-            tl.store(pos_ptr + out_row + dst, offs, mask=sel)
+        _store_selection(offs, sel, dst, K, bt_ptr, table_row, bt_stride, bt_cols, slots_ptr, pos_ptr, out_row,
+                         WRITE_SLOTS, WRITE_POS, PAGE)
         n_eq += tl.sum(eq_i, axis=0)
         n_sel += tl.sum(sel_i, axis=0)
         start += BLOCK
@@ -386,14 +396,8 @@ def _split_output_kernel(
         sel_m = gt_m | (eq_m & (eq_rank < k_rem))
         sel_i = sel_m.to(tl.int32)
         dst = n_sel + tl.cumsum(sel_i, axis=0) - sel_i
-        sel_m = sel_m & (dst < K)  # a guard, as in _topk_kernel
-        if WRITE_SLOTS:
-            page_idx = offs // PAGE
-            page = tl.load(bt_ptr + table_row * bt_stride + page_idx, mask=sel_m & (page_idx < bt_cols), other=-1)
-            slot = tl.where(page >= 0, page * PAGE + offs % PAGE, -1)
-            tl.store(slots_ptr + out_row + dst, slot, mask=sel_m)
-        if WRITE_POS:
-            tl.store(pos_ptr + out_row + dst, offs, mask=sel_m)
+        _store_selection(offs, sel_m, dst, K, bt_ptr, table_row, bt_stride, bt_cols, slots_ptr, pos_ptr, out_row,
+                         WRITE_SLOTS, WRITE_POS, PAGE)
         n_eq += tl.sum(eq_i, axis=0)
         n_sel += tl.sum(sel_i, axis=0)
         start += BLOCK

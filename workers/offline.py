@@ -79,10 +79,11 @@ class LLM:
             self.engine.enable_cuda_graphs(cuda_graph_max_context or default_graph_context(self.cfg, num_pages))
         self._next_id = 0
         self.pd = None
-        if pd and torch.device(device).type == "cuda":
+        if pd and tp_size == 1 and torch.device(device).type == "cuda":
             # Measured on the H100 (nixl 1.5.1): a VRAM push between two agents of
             # one process fails with NIXL_ERR_REMOTE_DISCONNECT; across processes
-            # it works (the Serve app; tests/workers/remote_prefill.py).
+            # it works (the Serve app; tests/workers/remote_prefill.py; with
+            # tp_size > 1 every rank is its own process).
             raise ValueError("LLM(pd=True) runs prefill and decode in one process, which NIXL cannot link "
                              "over GPU memory; on a GPU serve the app (prefill and decode replicas are "
                              "separate processes) or use pd=False")

@@ -58,6 +58,15 @@ class RankGroup:
         if actor_options is None:
             one = {"num_cpus": 0, "num_gpus": 1 if spec.device.startswith("cuda") else 0}
             actor_options = [one] * size
+            if one["num_gpus"]:
+                if not ray.is_initialized():
+                    ray.init()
+                free = ray.available_resources().get("GPU", 0)
+                if free < size:
+                    # Otherwise the actors wait for GPUs that never come (found on 2 x H200:
+                    # a tp=2 pd=True LLM needs 4).
+                    raise RuntimeError(f"{size} rank workers need {size} free GPUs, Ray has {free:g} free "
+                                       f"(of {ray.cluster_resources().get('GPU', 0):g})")
         if len(actor_options) != size:
             raise ValueError(f"{len(actor_options)} actor option sets for {size} ranks")
         self.spec, self.size = spec, size

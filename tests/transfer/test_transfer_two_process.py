@@ -192,11 +192,11 @@ def test_decode_killed_mid_transfer_prefill_fails_and_frees(pair, pools_restored
 def test_late_write_lands_only_in_held_pages_until_prefill_settles(pair, pools_restored):
     """A WRITE posted after decode's deadline must not reach pages given to another request.
 
-    Prefill posts chunk 0, decode's deadline passes, decode reserves pages for
-    a new request and that request is pushed and received; only then does
-    prefill (which has not read decode's cancel yet) post the rest of the
-    dead request. Its bytes land, but only in the dead request's pages, which
-    decode kept out of its pool; they return once prefill answers the cancel.
+    Prefill posts chunk 0, decode's deadline passes, and prefill (which has not
+    read decode's cancel yet) posts the rest of the dead request. Its bytes
+    land, but only in the dead request's pages, which decode keeps out of its
+    pool: a new request reserved next gets other pages, and its own push lands
+    intact. The held pages return once prefill answers the cancel.
     """
     dec, pre = pair
     pre_name, dec_name = pre.call("name"), dec.call("name")
@@ -208,24 +208,28 @@ def test_late_write_lands_only_in_held_pages_until_prefill_settles(pair, pools_r
     assert pre.call("post", "late", 128)  # chunk 0 (pages 0-1) landed
     got = dec.call("wait", 10.0)
     assert [(r["request_id"], r["status"], r["chunks"], r["held"]) for r in got] == [("late", "expired", 1, True)]
-    # Held: out of the free list, so a new reservation cannot get them.
+    # Held: out of the free list.
     assert dec.call("held") == {"late": late}
     assert dec.call("free_count") == dec_start - len(late)
+
+    # The late WRITE: the rest of the dead request, posted before prefill reads
+    # decode's cancel (prefill reads cancels only when it polls or begins a
+    # push, and does neither in between: no race with the cancel's arrival).
+    ignored = dec.call("ignored_notifs")
+    assert pre.call("post", "late", n_late)
+    assert dec.call("wait", 0.3, until_idle=False) == []
+    assert dec.call("ignored_notifs") == ignored + 1  # its ChunkDone is a late notification
+    assert dec.call("held") == {"late": late}  # still no answer from prefill
+
+    # A new request cannot get the held pages; its push lands in its own.
     fresh = dec.call("reserve", "fresh", pre_name, n_fresh, 30.0)
     assert not set(fresh) & set(late)
     assert dec.call("free_count") == dec_start - len(late) - len(fresh)
     fresh_src = pre.call("begin_push", "fresh", dec_name, n_fresh, fresh, 30.0)
     assert pre.call("post", "fresh", n_fresh)
     assert [(r["request_id"], r["status"]) for r in dec.call("wait", 10.0)] == [("fresh", "done")]
-
-    # The late WRITE: the rest of the dead request, posted before prefill reads the cancel.
-    ignored = dec.call("ignored_notifs")
-    assert pre.call("post", "late", n_late)
-    assert dec.call("wait", 0.3, until_idle=False) == []
-    assert dec.call("ignored_notifs") == ignored + 1  # its ChunkDone is a late notification
-    # Every late byte landed in the held pages; the fresh request's pages are intact.
+    # Every late byte landed in the held pages; the fresh request's pages hold its own.
     assert_regions_equal(dec.call("snapshot"), expected_decode(before, pre_snap, [(late_src, late), (fresh_src, fresh)]))
-    assert dec.call("held") == {"late": late}  # still no answer from prefill
 
     # Prefill reads the cancel: the late request ends CANCELLED, nothing is in
     # flight, so it settles at once and decode gives the pages back.

@@ -135,3 +135,31 @@ class ServeProcess:
         self._log.close()
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
         return self.proc.returncode
+
+
+def serve_args(work: Path, name: str, raw_args: dict) -> "ServeProcess":
+    """Write a one-application Serve config of ``raw_args`` to ``work/name`` and start `serve run` on it."""
+    config = work / name
+    config.write_text(yaml.safe_dump({"applications": [{
+        "name": "dsa-pd", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": raw_args}]}))
+    return ServeProcess(config, work, cache_dir=work / "cache").start()
+
+
+def offline_greedy_texts(args, cache_dir: Path, prompts: list[list[int]], tokens: int) -> list[str]:
+    """``LLM(pd=False)`` greedy text of ``prompts`` for the model of ``args`` (an ``AppConfig``),
+    made in ``cache_dir`` with one torch thread (the server's processes share the cores)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from workers.offline import LLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model_dir = args.model.model_copy(update={"cache_dir": str(cache_dir)}).checkpoint_dir(make=True)
+        llm = LLM(model_dir, kv_cache_dtype=args.decode.kv_cache_dtype)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        return [tok.decode(o, skip_special_tokens=True)
+                for o in llm.generate(prompts, max_new_tokens=tokens, ignore_eos=True)]
+    finally:
+        torch.set_num_threads(threads)

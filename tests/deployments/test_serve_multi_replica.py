@@ -18,11 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import yaml
 
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import merged, yaml_args
-from tests.deployments.serve_process import ServeProcess
+from tests.deployments.serve_process import offline_greedy_texts, serve_args
 from tests.deployments.test_serve_app import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -66,33 +65,15 @@ def pools_whole(server):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve-multi")
-    config = work / "tiny_pd_2x2.yaml"
-    config.write_text(yaml.safe_dump({"applications": [{
-        "name": "dsa-pd", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": RAW}]}))
-    proc = ServeProcess(config, work, cache_dir=work / "cache").start()
+    proc = serve_args(tmp_path_factory.mktemp("serve-multi"), "tiny_pd_2x2.yaml", RAW)
     yield proc
     proc.stop()
 
 
 @pytest.fixture(scope="module")
 def reference(server, tmp_path_factory) -> list[str]:
-    import torch
-    from transformers import AutoTokenizer
-
-    from workers.offline import LLM
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see test_serve_app.reference
-    try:
-        model_dir = ARGS.model.model_copy(update={"cache_dir": str(tmp_path_factory.mktemp("ref"))}) \
-            .checkpoint_dir(make=True)
-        llm = LLM(model_dir, kv_cache_dtype=ARGS.decode.kv_cache_dtype)
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        return [tok.decode(o, skip_special_tokens=True)
-                for o in llm.generate(PROMPTS, max_new_tokens=TOKENS, ignore_eos=True)]
-    finally:
-        torch.set_num_threads(threads)
+    """Offline single-process greedy text (made while the server starts)."""
+    return offline_greedy_texts(ARGS, tmp_path_factory.mktemp("ref"), PROMPTS, TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -224,6 +224,43 @@ def sparse_prefill(args, roof, gen) -> list[dict]:
     return rows
 
 
+def layer_prefill(args, roof, gen) -> dict:
+    """One prefill chunk of an attention layer: ``s`` query rows at the end of an
+    ``s_kv``-token context: indexer logits + top-k (``ragged_topk``, row chunks,
+    float keys re-quantized as the model passes them) then sparse prefill, vs
+    ``flash_mla_sparse_fwd`` alone on the same selection."""
+    from attention.cuda import logits as lg
+    from attention.cuda import mla
+
+    s, s_kv = args.prefill_tokens, args.prefill_kv
+    q_idx = torch.randn(s, H_INDEX, D_INDEX, device="cuda")
+    w = torch.rand(s, H_INDEX, device="cuda")
+    k_idx = torch.randn(s_kv, D_INDEX, device="cuda")
+    ks = torch.zeros(s, dtype=torch.int32, device="cuda")
+    ke = torch.arange(s_kv - s + 1, s_kv + 1, dtype=torch.int32, device="cuda")
+    q = torch.randn(s, 128, 576, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(s_kv, 1, 576, device="cuda", dtype=torch.bfloat16)
+    scale = 576 ** -0.5
+    pos, _ = lg.ragged_topk(q_idx, k_idx, None, w, ks, ke, TOPK)
+    idx = pos[:, None, :].contiguous()
+
+    def indexer():
+        lg.ragged_topk(q_idx, k_idx, None, w, ks, ke, TOPK)
+
+    def layer():
+        p, _ = lg.ragged_topk(q_idx, k_idx, None, w, ks, ke, TOPK)
+        mla.sparse_mla_prefill(q, kv, p[:, None, :], scale, 512)
+
+    t_logits = bench(lambda: lg.ragged_mqa_logits(q_idx, k_idx, None, w, ks, ke))
+    t_index = bench(indexer)
+    t_attn = bench(lambda: mla.sparse_mla_prefill(q, kv, idx, scale, 512))
+    t_layer = bench(layer)
+    flop = 2 * s * 128 * TOPK * (576 + 512)
+    return {"s": s, "s_kv": s_kv, "indexer_logits_ms": t_logits, "indexer_logits_topk_ms": t_index,
+            "sparse_prefill_ms": t_attn, "layer_ms": t_layer, "layer_TFLOPs": flop / t_layer / 1e9,
+            "sparse_prefill_TFLOPs": flop / t_attn / 1e9, "layer_over_sparse_prefill": t_attn / t_layer}
+
+
 def _mla_cache(num_pages, device="cuda"):
     from attention.cache import CacheSpec, PagedKVCache
 
@@ -317,6 +354,8 @@ def main() -> None:
     ap.add_argument("--mm", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sections", default="indexer_decode,sparse_prefill,sparse_decode,layer_step,layer_prefill",
+                    help="comma-separated sections to run")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
     res = {"versions": versions(), "args": vars(args)}
@@ -324,8 +363,13 @@ def main() -> None:
     res["roofs"] = roof = roofs(args)
     print(f"roofs: copy {roof['copy_GBps']:.0f} GB/s, bf16 matmul {roof['bf16_mm_TFLOPs']:.0f} TFLOP/s")
 
+    wanted = set(args.sections.split(","))
+
     def section(name, fn, *a):
         # one failing section must not cost the others (device time is scarce)
+        if name not in wanted:
+            res[name] = None
+            return
         try:
             res[name] = fn(*a)
         except Exception:
@@ -338,10 +382,13 @@ def main() -> None:
 
     section("indexer_decode", indexer_decode, args, roof, gen)
     section("sparse_prefill", sparse_prefill, args, roof, gen)
-    pages = args.batch * (-(-3 * args.context // 2 // PAGE_SIZE)) + 8
-    cache = _mla_cache(pages)
-    section("sparse_decode", sparse_decode, args, roof, gen, cache)
-    section("layer_step", layer_step, args, roof, gen, cache)
+    if wanted & {"sparse_decode", "layer_step"}:
+        pages = args.batch * (-(-3 * args.context // 2 // PAGE_SIZE)) + 8
+        cache = _mla_cache(pages)
+        section("sparse_decode", sparse_decode, args, roof, gen, cache)
+        section("layer_step", layer_step, args, roof, gen, cache)
+        del cache
+    section("layer_prefill", layer_prefill, args, roof, gen)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
@@ -351,7 +398,7 @@ def main() -> None:
     print("| next_n | layout | B | avg ctx | logits ms | GB/s | of copy | fused top-k ms | split top-k ms | "
           "split graph ms | split = fused | fused / split | torch.topk ms | step ms | step / logits | step of copy |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in res["indexer_decode"] or []:
+    for r in res.get("indexer_decode") or []:
         if "topk_tuning" in r:
             continue
         print(f"| {r['next_n']} | {r['layout']} | {r['batch']} | {r['avg_context']:.0f} | {r['logits_ms']:.3f} | "
@@ -360,7 +407,7 @@ def main() -> None:
               f"{'yes' if r['split_equals_fused'] else '**NO**'} | "
               f"{r['split_speedup_vs_fused']:.2f} | {r['torch_topk_ms']:.3f} | {r['indexer_step_ms']:.3f} | "
               f"{r['step_over_logits']:.2f} | {r['step_frac_of_copy']:.2f} |")
-    for r in res["indexer_decode"] or []:
+    for r in res.get("indexer_decode") or []:
         if "topk_tuning" in r:
             print("\ntop-k configs (B x 1 rows of next_n=1 logits) -> ms (x torch.topk)")
             for t in r["topk_tuning"]:
@@ -371,20 +418,26 @@ def main() -> None:
     print("\nsparse prefill (flash_mla_sparse_fwd, top-k 2048)")
     print("| s | h | s_kv | ms | TFLOP/s | of bf16 matmul |")
     print("|---|---|---|---|---|---|")
-    for r in res["sparse_prefill"] or []:
+    for r in res.get("sparse_prefill") or []:
         print(f"| {r['s']} | {r['h']} | {r['s_kv']} | {r['ms']:.3f} | {r['TFLOPs']:.0f} | {r['frac_of_bf16_mm']:.2f} |")
     print("\nsparse decode (flash_mla_with_kvcache, fp8 pool, top-k 2048)")
     print("| B | s_q | h | ms | gather GB/s | of copy | TFLOP/s | of bf16 matmul |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in res["sparse_decode"] or []:
+    for r in res.get("sparse_decode") or []:
         print(f"| {r['batch']} | {r['s_q']} | {r['h']} | {r['ms']:.3f} | {r['gather_GBps']:.0f} | "
               f"{r['frac_of_copy']:.2f} | {r['TFLOPs']:.0f} | {r['frac_of_bf16_mm']:.2f} |")
-    ls = res["layer_step"]
-    if not ls:
-        return
-    print("\nattention layer decode step (B=%d, avg ctx %.0f)" % (ls["batch"], ls["avg_context"]))
-    print(" | ".join(f"{k} {v:.3f}" for k, v in ls.items() if k.endswith("_ms")))
-    print(f"step / sum of kernels = {ls['step_over_sum']:.2f}")
+    ls = res.get("layer_step")
+    if ls:
+        print("\nattention layer decode step (B=%d, avg ctx %.0f)" % (ls["batch"], ls["avg_context"]))
+        print(" | ".join(f"{k} {v:.3f}" for k, v in ls.items() if k.endswith("_ms")))
+        print(f"step / sum of kernels = {ls['step_over_sum']:.2f}")
+    lp = res.get("layer_prefill")
+    if lp:
+        print("\nattention layer prefill chunk (s=%d rows at the end of %d tokens, 128 heads, top-k %d)"
+              % (lp["s"], lp["s_kv"], TOPK))
+        print(" | ".join(f"{k} {v:.3f}" for k, v in lp.items() if k.endswith("_ms")))
+        print(f"layer {lp['layer_TFLOPs']:.0f} TFLOP/s vs sparse prefill alone {lp['sparse_prefill_TFLOPs']:.0f}: "
+              f"**{lp['layer_over_sparse_prefill']:.2f}** (target >= 0.7)")
 
 
 if __name__ == "__main__":

@@ -445,6 +445,10 @@ def _launch(logits, lengths, topk, block_table, rows_per_table, slots, positions
 # the split kernel in topk_slots / topk_positions (method="auto"). Two segments
 # of the default size; to be re-measured (bench/attention.py).
 SPLIT_MIN_LEN = 8192
+# ... and fewer rows than this: with many rows one program per row already
+# fills the GPU. H100, random f32 rows of 32k, k 2048 (ms, fused 2048/8 vs
+# split): 1024 rows 0.65 vs 0.71, 2048 rows 1.21 vs 1.39, 4096 rows 2.34 vs 2.74.
+SPLIT_MAX_ROWS = 512
 # H100, 128 rows x ~34k, k 2048 (bench/attention.py, docs/perf.md): seg/block/warps 4096/2048/8
 # 0.185 ms, 4096/4096/8 0.215, 2048/2048/4 0.390, 8192/4096/8 0.283, 4096/4096/16 0.334.
 SPLIT_DEFAULTS = {"seg": 4096, "block": 2048, "num_warps": 8}
@@ -498,10 +502,10 @@ def _launch_split(logits, lengths, topk, block_table, rows_per_table, slots, pos
     )
 
 
-def _use_split(method: str, L: int) -> bool:
+def _use_split(method: str, L: int, R: int) -> bool:
     if method not in ("auto", "fused", "split"):
         raise ValueError(f"method must be 'auto', 'fused' or 'split', got {method!r}")
-    return method == "split" or (method == "auto" and L >= SPLIT_MIN_LEN)
+    return method == "split" or (method == "auto" and L >= SPLIT_MIN_LEN and R < SPLIT_MAX_ROWS)
 
 
 def _check_table(block_table: torch.Tensor, R: int, rows_per_table: int) -> torch.Tensor:
@@ -547,7 +551,7 @@ def topk_slots(
         ``(positions int32 [R, topk], slots)`` like the reference ``topk_slots``.
         See the module docstring for the tie rule.
     """
-    if _use_split(method, logits.shape[1] if logits.dim() == 2 else 0):
+    if _use_split(method, logits.shape[1] if logits.dim() == 2 else 0, logits.shape[0]):
         return topk_slots_split(logits, lengths, topk, block_table, rows_per_table=rows_per_table,
                                 return_positions=return_positions)
     logits = _check(logits, lengths, topk)
@@ -573,7 +577,7 @@ def topk_positions(
     For prefill, where FlashMLA's sparse kernel indexes a dequantized workspace
     instead of the paged cache. ``method`` as for :func:`topk_slots`.
     """
-    if _use_split(method, logits.shape[1] if logits.dim() == 2 else 0):
+    if _use_split(method, logits.shape[1] if logits.dim() == 2 else 0, logits.shape[0]):
         return topk_positions_split(logits, lengths, topk)
     logits = _check(logits, lengths, topk)
     positions = torch.empty(logits.shape[0], topk, dtype=torch.int32, device=logits.device)

@@ -501,7 +501,9 @@ def check_topk_split(device, gen, big):
     try:
         tk.SPLIT_MIN_LEN = L
         lg, ln = exact.to(device), torch.full((2,), L, dtype=torch.int32, device=device)
-        assert tk._use_split("auto", L) and not tk._use_split("auto", L - 1) and tk._use_split("split", 1)
+        assert tk._use_split("auto", L, 2) and not tk._use_split("auto", L - 1, 2) and tk._use_split("split", 1, 2)
+        # many rows fill the GPU with one program per row: the fused kernel
+        assert not tk._use_split("auto", L, tk.SPLIT_MAX_ROWS) and tk._use_split("split", L, tk.SPLIT_MAX_ROWS)
         auto = tk.topk_positions(lg, ln, k)
         assert torch.equal(auto.cpu(), tk.topk_positions(lg, ln, k, method="fused").cpu()), "auto dispatch"
     finally:

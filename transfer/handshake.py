@@ -26,7 +26,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 from transfer.agent import TransferAgent
 from transfer.compat import CompatInfo, check_compatible
@@ -92,12 +92,50 @@ class Peer:
     compat: CompatInfo
 
 
-class PeerBook:
+class EpochBook:
+    """Peers by worker id, at most one (the newest) epoch each; a peer is named
+    ``worker_id@epoch`` (its ``agent_name``). Subclasses add the handshake and
+    say in `_dropped` what forgetting a peer releases."""
+
+    def __init__(self) -> None:
+        self._by_worker: dict[str, Any] = {}
+
+    def get(self, agent_name: str):
+        """The peer named ``agent_name``; `UnknownPeerError` if never handshaked or superseded."""
+        worker_id = agent_name.rpartition("@")[0]
+        peer = self._by_worker.get(worker_id)
+        if peer is None or peer.agent_name != agent_name:
+            current = f" (known epoch: {peer.agent_name})" if peer else ""
+            raise UnknownPeerError(f"no handshake with agent {agent_name!r}{current}: handshake again")
+        return peer
+
+    def knows(self, agent_name: str) -> bool:
+        try:
+            self.get(agent_name)
+            return True
+        except UnknownPeerError:
+            return False
+
+    def forget(self, agent_name: str) -> None:
+        """Drop a peer (it died or restarted); unknown names are ignored."""
+        if not self.knows(agent_name):
+            return
+        del self._by_worker[agent_name.rpartition("@")[0]]
+        self._dropped(agent_name)
+
+    def _dropped(self, agent_name: str) -> None:
+        raise NotImplementedError
+
+    def peers(self) -> list:
+        return list(self._by_worker.values())
+
+
+class PeerBook(EpochBook):
     """Peers of one `TransferAgent`, at most one (the newest) epoch per worker."""
 
     def __init__(self, agent: TransferAgent):
+        super().__init__()
         self.agent = agent
-        self._by_worker: dict[str, Peer] = {}
 
     def offer(self) -> HandshakeOffer:
         a = self.agent
@@ -149,29 +187,5 @@ class PeerBook:
         self.accept(offer)
         return self.offer().to_bytes()
 
-    def get(self, agent_name: str) -> Peer:
-        """The peer named ``agent_name``; `UnknownPeerError` if never handshaked or superseded."""
-        worker_id = agent_name.rpartition("@")[0]
-        peer = self._by_worker.get(worker_id)
-        if peer is None or peer.agent_name != agent_name:
-            current = f" (known epoch: {peer.agent_name})" if peer else ""
-            raise UnknownPeerError(f"no handshake with agent {agent_name!r}{current}: handshake again")
-        return peer
-
-    def knows(self, agent_name: str) -> bool:
-        try:
-            self.get(agent_name)
-            return True
-        except UnknownPeerError:
-            return False
-
-    def forget(self, agent_name: str) -> None:
-        """Drop a peer (it died or restarted); unknown names are ignored."""
-        worker_id = agent_name.rpartition("@")[0]
-        peer = self._by_worker.get(worker_id)
-        if peer is not None and peer.agent_name == agent_name:
-            del self._by_worker[worker_id]
-            self.agent.drop_peer(agent_name)
-
-    def peers(self) -> list[Peer]:
-        return list(self._by_worker.values())
+    def _dropped(self, agent_name: str) -> None:
+        self.agent.drop_peer(agent_name)

@@ -37,8 +37,8 @@ from transfer import (
     ReceiveStatus,
     StaleEpochError,
     TransferError,
-    UnknownPeerError,
 )
+from transfer.handshake import EpochBook
 
 
 def rank_agent_name(group_agent: str, rank: int) -> str:
@@ -104,12 +104,12 @@ class GroupPeer:
     agent_name: str
 
 
-class GroupPeerBook:
+class GroupPeerBook(EpochBook):
     """Peer replicas of one rank group (at most the newest epoch per worker), each rank handshaked with its twin."""
 
     def __init__(self, group, own: GroupOffer):
+        super().__init__()
         self.group, self.own = group, own
-        self._by_worker: dict[str, GroupPeer] = {}
 
     def offer(self) -> GroupOffer:
         return self.own
@@ -141,27 +141,8 @@ class GroupPeerBook:
         self.accept(offer)
         return self.own.to_bytes()
 
-    def get(self, agent_name: str) -> GroupPeer:
-        peer = self._by_worker.get(agent_name.rpartition("@")[0])
-        if peer is None or peer.agent_name != agent_name:
-            raise UnknownPeerError(f"no handshake with agent {agent_name!r}: handshake again")
-        return peer
-
-    def knows(self, agent_name: str) -> bool:
-        try:
-            self.get(agent_name)
-            return True
-        except UnknownPeerError:
-            return False
-
-    def forget(self, agent_name: str) -> None:
-        if not self.knows(agent_name):
-            return
-        del self._by_worker[agent_name.rpartition("@")[0]]
+    def _dropped(self, agent_name: str) -> None:
         self.group.call_each("forget", [(rank_agent_name(agent_name, r),) for r in range(self.group.size)])
-
-    def peers(self) -> list[GroupPeer]:
-        return list(self._by_worker.values())
 
 
 @dataclass

@@ -163,3 +163,19 @@ def offline_greedy_texts(args, cache_dir: Path, prompts: list[list[int]], tokens
                 for o in llm.generate(prompts, max_new_tokens=tokens, ignore_eos=True)]
     finally:
         torch.set_num_threads(threads)
+
+
+def stats(server: "ServeProcess") -> dict:
+    """The app's ``/stats`` (every prefill and decode replica's snapshot)."""
+    return httpx.get(server.url + "/stats", timeout=10).json()
+
+
+def wait_until(fn, timeout: float, what: str, poll_s: float = 0.25):
+    """``fn()``'s first truthy value within ``timeout`` seconds; AssertionError naming ``what`` otherwise."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = fn()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"{what} not within {timeout}s")

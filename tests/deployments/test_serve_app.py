@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -25,7 +24,7 @@ import yaml
 
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import CONFIGS
-from tests.deployments.serve_process import ServeProcess
+from tests.deployments.serve_process import ServeProcess, stats, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -119,23 +118,9 @@ def client(ready):
     return openai.OpenAI(base_url=ready.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def stats(server) -> dict:
-    return httpx.get(server.url + "/stats", timeout=10).json()
-
-
 def free_pages(server) -> tuple[int, int]:
     s = stats(server)
     return s["prefill"][0]["stats"]["free_pages"], s["decode"][0]["stats"]["free_pages"]
-
-
-def wait_until(fn, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"{what} not within {timeout}s")
 
 
 # --------------------------------------------------------------------------- happy paths

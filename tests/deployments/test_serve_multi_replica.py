@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
 
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import merged, yaml_args
-from tests.deployments.serve_process import offline_greedy_texts, serve_args
+from tests.deployments.serve_process import offline_greedy_texts, serve_args, stats, wait_until
 from tests.deployments.test_serve_app import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -32,20 +30,6 @@ ARGS = AppConfig.model_validate(RAW)
 MODEL = ARGS.model_name
 PROMPTS = [prompt_ids(30 + 41 * i, seed=500 + i) for i in range(8)]
 TOKENS = 10
-
-
-def stats(server) -> dict:
-    return httpx.get(server.url + "/stats", timeout=10).json()
-
-
-def wait_until(fn, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"{what} not within {timeout}s")
 
 
 def fully_meshed(server, exclude: set[str] = frozenset()):

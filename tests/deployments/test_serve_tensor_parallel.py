@@ -14,13 +14,12 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import openai
 import pytest
 
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import merged, yaml_args
-from tests.deployments.serve_process import offline_greedy_texts, serve_args
+from tests.deployments.serve_process import offline_greedy_texts, serve_args, stats
 from tests.deployments.test_serve_app import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -48,10 +47,6 @@ def reference(server, tmp_path_factory) -> list[str]:
     return offline_greedy_texts(ARGS, tmp_path_factory.mktemp("ref"), PROMPTS, TOKENS)
 
 
-def _stats(server) -> dict:
-    return httpx.get(server.url + "/stats", timeout=10).json()
-
-
 def test_tp2_pools_answer_like_the_offline_engine(server, reference):
     server.wait_ready(timeout=420)
     # Two replicas (prefill, decode), each with two rank workers in their own processes.
@@ -75,7 +70,7 @@ def test_tp2_pools_answer_like_the_offline_engine(server, reference):
 
     end = time.monotonic() + 30
     while True:
-        s = _stats(server)
+        s = stats(server)
         whole = (all(e["stats"]["free_pages"] == ARGS.prefill.num_pages for e in s["prefill"])
                  and all(e["stats"]["free_pages"] == ARGS.decode.num_pages - 1 for e in s["decode"]))  # - warm-up page
         if whole or time.monotonic() > end:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call (~4-5 min on an H100): the transfer experiments that decide
 # issue 4's next step. Usage (device run, repo root, .devicewheels/nixl carried):
-#   bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
+#   [CASES=layouts|ucx] bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
 # The host has torch but no nixl: its wheels come from .devicewheels/nixl
 # (../shared/offline-wheels, pack_wheels.py --groups nixl). Results land in $OUT.
 #
@@ -30,6 +30,30 @@ run_case() {  # name, timeout seconds, bench args...
   timeout "$limit" python3 bench/transfer.py "$@" --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/$name.txt" | tail -14
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
 }
+if [ "${CASES:-layouts}" = ucx ]; then
+  # UCX / NIXL settings, A/B on the best layout of the first set (page-major,
+  # runs of 1-16, 8 in flight, 32k). cuda_ipc puts every copy to one peer GPU
+  # from one UCX worker on one CUDA stream, and the progress thread arms host
+  # callbacks on that stream whenever it sleeps: so (b) no progress thread,
+  # (c, d) the WRITE split over 4 posting threads on 4 UCX workers (4 streams),
+  # (e) more completions drained per progress call.
+  U=(--warmup --tokens 32768 --reps 3 --stream-reps 2 --cache-layout page-major --layout runs --paths prep
+     --inflight 8)
+  run_case ucx_a_baseline 75 "${U[@]}" --ucx-sgl on "$@"
+  run_case ucx_b_no_progress_thread 75 "${U[@]}" --ucx-sgl on --no-progress-thread "$@"
+  run_case ucx_c_4threads_4workers_sgl_off 75 "${U[@]}" --ucx-sgl off --ucx-threads 4 \
+      --ucx-param num_workers=4 --ucx-param split_batch_size=8 "$@"
+  run_case ucx_d_4threads_4workers_sgl_on 75 "${U[@]}" --ucx-sgl on --ucx-threads 4 \
+      --ucx-param num_workers=4 --ucx-param split_batch_size=8 "$@"
+  export UCX_CUDA_IPC_MAX_POLL=256
+  run_case ucx_e_max_poll_256 75 "${U[@]}" --ucx-sgl on "$@"
+  unset UCX_CUDA_IPC_MAX_POLL
+  run_case ucx_f_layer_major_contiguous_4threads 75 --warmup --tokens 32768 --reps 3 --stream-reps 2 \
+      --layout contiguous --paths prep --inflight 4 --ucx-sgl off --ucx-threads 4 \
+      --ucx-param num_workers=4 --ucx-param split_batch_size=8 "$@"
+  echo "results: $OUT/*.txt, $OUT/*.json"
+  exit 0
+fi
 run_case page_major_random 75 "${COMMON[@]}" --layout page-major --paths prep,flat --inflight 4 "$@"
 run_case layer_major_contiguous 60 "${COMMON[@]}" --layout contiguous --paths prep --inflight 4 "$@"
 run_case page_major_runs_inflight8 75 "${COMMON[@]}" --cache-layout page-major --layout runs --paths prep --inflight 8 "$@"

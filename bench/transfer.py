@@ -85,6 +85,7 @@ class BenchConfig:
     ucx_sgl: bool = False
     ucx_threads: int = 0
     cache_layout: str = "layer-major"  # or "page-major": every layer's bytes of a page contiguous
+    backend_params: tuple = ()  # (key, value) pairs: NIXL UCX backend init parameters
 
     @property
     def bytes_per_page(self) -> int:
@@ -150,7 +151,8 @@ class Side:
             torch.cuda.synchronize()
         compat = CompatInfo("bench/dsv32-shaped", cfg.layers, PAGE_SIZE, "fp8_656", "fp8_132", False)
         self.agent = TransferAgent(f"bench-{role}", self.regions, compat, progress_thread=cfg.progress_thread,
-                                   ucx_sgl=cfg.ucx_sgl, num_threads=cfg.ucx_threads)
+                                   ucx_sgl=cfg.ucx_sgl, num_threads=cfg.ucx_threads,
+                                   backend_params=dict(cfg.backend_params))
         self.book = PeerBook(self.agent)
         self.pushers = {(path, m): Pusher(self.agent, self.book, merge=m, prepped=path == "prep")
                         for path in ("prep", "init") for m in (True, False)}
@@ -460,7 +462,9 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                   f"({1 if cfg.cache_layout == 'page-major' else 2 * cfg.layers} region(s)); "
                   f"pool {cfg.pool_pages} pages/side; page ids {cfg.layout}; "
                   f"chunk {args.chunk_tokens or 'whole prompt'}; NIXL progress thread "
-                  f"{'on' if cfg.progress_thread else 'off'}; UCX threads {cfg.ucx_threads}")
+                  f"{'on' if cfg.progress_thread else 'off'}; UCX threads {cfg.ucx_threads}; UCX backend params "
+                  f"{dict(cfg.backend_params) or 'default'}; UCX env "
+                  f"{ {k: v for k, v in os.environ.items() if k.startswith('UCX_')} or 'default'}")
         if copy_s is None:
             copy_s = {t: pair.pre.call("copy_reference", pages_for_tokens(t) * cfg.bytes_per_page, max(args.reps, 3))
                       for t in tokens}
@@ -563,6 +567,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="NIXL's UCX scatter-gather offload (NIXL_UCX_SGL_ENABLE): off, on, or both in turn "
                          "(a fresh pair each; default both)")
     ap.add_argument("--ucx-threads", type=int, default=0, help="NIXL UCX posting threads (num_threads; default 0)")
+    ap.add_argument("--ucx-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="NIXL UCX backend init parameter (num_workers, split_batch_size, ...); repeatable")
     ap.add_argument("--no-verify", action="store_true", help="skip the page checksum comparison")
     ap.add_argument("--deadline", type=float, default=120.0, help="per-request deadline, seconds")
     ap.add_argument("--no-progress-thread", action="store_true",
@@ -590,7 +596,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     pool = max_pages if args.layout == "contiguous" else max_pages + max_pages // 4 + 16
     base = BenchConfig(args.device, pre_dev, dec_dev, args.layers, args.mla_bytes, args.index_bytes, pool,
                        args.layout, args.deadline, not args.no_progress_thread, ucx_threads=args.ucx_threads,
-                       cache_layout=cache_layout)
+                       cache_layout=cache_layout,
+                       backend_params=tuple(tuple(kv.split("=", 1)) for kv in args.ucx_param))
     verify = not args.no_verify
     sgl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.ucx_sgl]
 

@@ -107,6 +107,9 @@ class TransferAgent:
     of one operation per descriptor. None leaves NIXL's setting (environment;
     off by default). ``num_threads``: NIXL's UCX thread pool (0 = none):
     large WRITEs are split over that many posting threads.
+    ``backend_params``: extra init parameters of every backend (NIXL's UCX
+    plugin: ``num_workers``, ``split_batch_size``, ``engine_config``, ...);
+    None: NIXL's defaults.
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class TransferAgent:
         progress_thread: bool = True,
         ucx_sgl: Optional[bool] = None,
         num_threads: int = 0,
+        backend_params: Optional[dict[str, str]] = None,
     ):
         from nixl._api import nixl_agent, nixl_agent_config  # deferred: importing nixl loads UCX
 
@@ -131,10 +135,12 @@ class TransferAgent:
         self.worker_id = worker_id
         self.epoch = new_epoch() if epoch is None else int(epoch)
         self.name = agent_name(worker_id, self.epoch)
-        config = nixl_agent_config(
-            enable_prog_thread=progress_thread, backends=list(backends), num_threads=int(num_threads)
-        )
-        self._nixl = _new_nixl_agent(nixl_agent, self.name, config, ucx_sgl)
+        params = {str(k): str(v) for k, v in (backend_params or {}).items()}
+        if num_threads:
+            params.setdefault("num_threads", str(int(num_threads)))
+        # The backends are created here, not by nixl_agent (whose config passes num_threads only).
+        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
+        self._nixl = _new_nixl_agent(nixl_agent, self.name, config, ucx_sgl, backends, params)
         self.ucx_sgl = ucx_sgl
         self._mem = self.table.mem_type
         reg = [(e.base_addr, e.nbytes, e.device_id, f"{e.layer}:{e.kind}") for e in self.table]
@@ -332,18 +338,26 @@ class TransferAgent:
         self.close()
 
 
-def _new_nixl_agent(nixl_agent, name: str, config, ucx_sgl: Optional[bool]):
-    """Create the NIXL agent with ``NIXL_UCX_SGL_ENABLE`` set as asked while its UCX backend is made.
+def _new_nixl_agent(nixl_agent, name: str, config, ucx_sgl: Optional[bool], backends, params: dict[str, str]):
+    """Create the NIXL agent and its ``backends`` (init ``params``), with
+    ``NIXL_UCX_SGL_ENABLE`` set as asked while the UCX backend is made.
 
     NIXL reads the switch from the environment when the backend is created;
     the previous value is restored afterwards so other agents are unaffected.
     """
+
+    def make():
+        agent = nixl_agent(name, config)
+        for b in backends:
+            agent.create_backend(b, dict(params))
+        return agent
+
     if ucx_sgl is None:
-        return nixl_agent(name, config)
+        return make()
     old = os.environ.get(SGL_ENV)
     os.environ[SGL_ENV] = "1" if ucx_sgl else "0"
     try:
-        return nixl_agent(name, config)
+        return make()
     finally:
         if old is None:
             os.environ.pop(SGL_ENV, None)

@@ -471,6 +471,10 @@ def ragged_mqa_logits(
     return out
 
 
+# The prefill top-k: chunks have many rows, so the fused kernel at 2048/8 (see topk.SPLIT_MAX_ROWS).
+PREFILL_TOPK = {"method": "fused", "block": 2048, "num_warps": 8}
+
+
 def ragged_topk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -482,6 +486,7 @@ def ragged_topk(
     block_table_rows: torch.Tensor | None = None,
     *,
     logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
+    topk_method: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged logits + top-k, chunk by chunk: ``ragged_mqa_logits`` then ``topk_slots`` without ``[S, N]``.
 
@@ -489,6 +494,7 @@ def ragged_topk(
     reference's ``topk_slots(ragged_mqa_logits(...), ke, topk, block_table_rows)``
     would (positions index the packed keys; ascending, ``-1`` padded; slots
     through ``block_table_rows [S, max_pages]``, or the positions when None).
+    ``topk_method``: the top-k kernel (``topk.METHODS``); None: :data:`PREFILL_TOPK`.
     """
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
@@ -500,8 +506,8 @@ def ragged_topk(
             continue
         logits = _chunk_logits(q8, k8, ksc, w, ks_d, ke_d, c)
         lengths = (ke_d[c.r0:c.r1] - c.k0).clamp(0, c.k1 - c.k0).to(torch.int32)
-        # Prefill chunks have many rows: the fused kernel at 2048/8 (see topk.SPLIT_MAX_ROWS).
-        pos = topk_positions(logits, lengths, topk, block=2048, num_warps=8)
+        pos = topk_positions(logits, lengths, topk, **(PREFILL_TOPK if topk_method is None
+                                                        else {"method": topk_method}))
         positions[c.r0:c.r1] = torch.where(pos >= 0, pos + c.k0, -1)
     if block_table_rows is None:
         return positions, positions.clone()

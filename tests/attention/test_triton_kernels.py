@@ -398,9 +398,13 @@ def expected_slots(positions: torch.Tensor, block_table: torch.Tensor, rows_per_
 
 
 def _split_case(device, gen, logits, lengths, k, label, *, rows_per_table=1, configs, block_table=None,
-                entry_points=False):
-    """The split top-k == the fused top-k, bit for bit (slots and positions, every entry point), == the oracle."""
+                entry_points=False, kind="split"):
+    """The split (or sampled) top-k == the fused top-k, bit for bit (slots and positions, every entry
+    point), == the oracle."""
     from attention.cuda import topk as tk
+
+    slots_fn = {"split": tk.topk_slots_split, "sampled": tk.topk_slots_sampled}[kind]
+    positions_fn = {"split": tk.topk_positions_split, "sampled": tk.topk_positions_sampled}[kind]
 
     R, L = logits.shape
     if block_table is None:
@@ -412,7 +416,7 @@ def _split_case(device, gen, logits, lengths, k, label, *, rows_per_table=1, con
     want_pos, want_slots = tk.topk_slots(lg, ln, k, bt, method="fused", **kw)
     want_pos, want_slots = want_pos.cpu(), want_slots.cpu()
     for i, cfg in enumerate(configs):
-        got_pos, got_slots = tk.topk_slots_split(lg, ln, k, bt, **kw, **cfg)
+        got_pos, got_slots = slots_fn(lg, ln, k, bt, **kw, **cfg)
         got_pos, got_slots = got_pos.cpu(), got_slots.cpu()
         for r in range(R):
             assert torch.equal(got_pos[r], want_pos[r]), (
@@ -421,10 +425,10 @@ def _split_case(device, gen, logits, lengths, k, label, *, rows_per_table=1, con
         assert torch.equal(got_slots, want_slots), f"{label} {cfg}: slots differ from the fused kernel"
         if not (entry_points and i == 0):
             continue
-        only_slots = tk.topk_slots_split(lg, ln, k, bt, rows_per_table=rows_per_table, **cfg).cpu()
+        only_slots = slots_fn(lg, ln, k, bt, rows_per_table=rows_per_table, **cfg).cpu()
         assert torch.equal(only_slots, want_slots), f"{label} {cfg}: slots without positions"
-        only_pos = tk.topk_positions_split(lg, ln, k, **cfg).cpu()
-        assert torch.equal(only_pos, want_pos), f"{label} {cfg}: topk_positions_split"
+        only_pos = positions_fn(lg, ln, k, **cfg).cpu()
+        assert torch.equal(only_pos, want_pos), f"{label} {cfg}: topk_positions ({kind})"
     want = stable_topk_oracle(logits, lengths.clamp(0, L), k)
     for r in range(R):
         cnt = len(want[r])
@@ -501,9 +505,10 @@ def check_topk_split(device, gen, big):
     try:
         tk.SPLIT_MIN_LEN = L
         lg, ln = exact.to(device), torch.full((2,), L, dtype=torch.int32, device=device)
-        assert tk._use_split("auto", L, 2) and not tk._use_split("auto", L - 1, 2) and tk._use_split("split", 1, 2)
+        assert tk._pick_method("auto", L, 2) == "split" and tk._pick_method("auto", L - 1, 2) == "fused"
+        assert tk._pick_method("split", 1, 2) == "split" and tk._pick_method("sampled", 1, 2) == "sampled"
         # many rows fill the GPU with one program per row: the fused kernel
-        assert not tk._use_split("auto", L, tk.SPLIT_MAX_ROWS) and tk._use_split("split", L, tk.SPLIT_MAX_ROWS)
+        assert tk._pick_method("auto", L, tk.SPLIT_MAX_ROWS) == "fused"
         auto = tk.topk_positions(lg, ln, k)
         assert torch.equal(auto.cpu(), tk.topk_positions(lg, ln, k, method="fused").cpu()), "auto dispatch"
     finally:
@@ -516,6 +521,88 @@ def check_topk_split(device, gen, big):
         _split_case(device, gen, q, lengths, k, "bf16 ties", configs=configs)
 
 
+def check_topk_sampled(device, gen, big):
+    """The sampled top-k (threshold from a sample, one compaction, exact select
+    of the candidates; the fused select where the sample missed) against the
+    fused kernel and the oracle, bit for bit, on rows that take each path."""
+    from attention.cuda import topk as tk
+
+    if big:
+        R, L, k = 128, 49_152, 2048
+        configs = [{}, {"sample": 4096}, {"seg": 8192, "block": 4096, "num_warps": 16}]
+        lengths = torch.randint(16_384, L + 1, (R,), generator=gen, dtype=torch.int32)
+        small = {}
+    else:
+        R, L, k = 12, 320, 24
+        configs = [{"sample": 64, "cap": 64, "seg": 32, "block": 16, "num_warps": 4},
+                   {"sample": 32, "cap": 32, "seg": 64, "block": 64, "num_warps": 4}]
+        lengths = torch.randint(k + 1, L + 1, (R,), generator=gen, dtype=torch.int32)
+        small = configs[0]
+    cap = small.get("cap", tk.SAMPLED_DEFAULTS["cap"])
+    sample = small.get("sample", tk.SAMPLED_DEFAULTS["sample"])
+
+    def paths(logits, lengths):
+        """(rows the candidates served, rows that fell back) at the first config."""
+        lg = logits.to(device)
+        pos = torch.empty(lg.shape[0], k, dtype=torch.int32, device=device)
+        thr, cnt = tk._launch_sampled(lg, lengths.to(device), k, None, 1, None, pos, **small)
+        back = tk.sampled_fallback_rows(thr.cpu(), cnt.cpu(), k, cap)
+        return int((~back).sum()), int(back.sum())
+
+    # Random rows (the candidate path), rows around k and cap, lengths past L
+    # and negative, poison past each length, a NaN, -inf holes, a narrow block
+    # table with -1 holes; one row whose sampled positions hold the largest
+    # logits (the sample overestimates the threshold: fewer than k candidates,
+    # the row falls back).
+    lengths[:8] = torch.tensor([0, k - 7, k, k + 1, cap, cap + 1, L + 5, -3], dtype=torch.int32)
+    lengths[R - 2] = L
+    logits = torch.randn(R, L, generator=gen)
+    past = torch.arange(L)[None, :] >= lengths.clamp(0, L)[:, None].long()
+    logits = torch.where(past, torch.full_like(logits, float("nan")), logits)
+    logits[4, past[4]] = float("inf")
+    logits[R - 1, 3] = float("nan")
+    logits[torch.rand(R, L, generator=gen) < 0.05] = float("-inf")
+    sampled_at = (torch.arange(sample) * L) // sample
+    logits[R - 2, sampled_at] = 50.0 + torch.rand(sample, generator=gen)
+    max_pages = -(-L // PAGE_SIZE)
+    table = torch.randperm(R * max_pages * 2, generator=gen)[: R * (max_pages - 2)].view(R, max_pages - 2).int()
+    table[torch.rand(table.shape, generator=gen) < 0.1] = -1
+    served, fell_back = paths(logits, lengths)
+    assert served >= R // 2 and fell_back >= 1, f"random rows: {served} served by the candidates, {fell_back} fell back"
+    _split_case(device, gen, logits, lengths, k, "sampled random", configs=configs, block_table=table,
+                entry_points=True, kind="sampled")
+    configs = configs[:1]
+
+    # Heavy ties: the threshold's tie group overflows cap (fallback) or fits;
+    # MTP rows share a table row.
+    levels = torch.randint(-2, 3, (R, L), generator=gen).float()
+    levels[levels == 0] = torch.where(torch.rand(int((levels == 0).sum()), generator=gen) < 0.5, -0.0, 0.0)
+    levels[torch.rand(R, L, generator=gen) < 0.2] = float("-inf")
+    lengths = torch.full((R,), L, dtype=torch.int32)
+    lengths[1] = k + 3
+    lengths[2] = 3 * k
+    _split_case(device, gen, levels, lengths, k, "sampled ties", rows_per_table=3, configs=configs, kind="sampled")
+
+    # A whole-row tie group under k/2 larger logits, rows of one value, of
+    # -inf only, of NaN only; exactly k logits far above the rest; values
+    # differing only in the lowest key bits; bf16-rounded logits.
+    tie = torch.full((4, L), 0.25)
+    for r in range(4):
+        tie[r, torch.randperm(L, generator=gen)[: k // 2]] = 1.0 + torch.rand(k // 2, generator=gen)
+    tie[1] = 0.25
+    tie[2] = float("-inf")
+    tie[3] = float("nan")
+    _split_case(device, gen, tie, torch.full((4,), L, dtype=torch.int32), k, "sampled tie group", configs=configs,
+                kind="sampled")
+    exact = torch.randn(3, L, generator=gen)
+    exact[0, torch.randperm(L, generator=gen)[:k]] = 100.0 + torch.rand(k, generator=gen)
+    base = torch.full((1, L), 1.0).view(torch.int32)
+    exact[1] = (base + torch.randint(0, 300, (1, L), generator=gen, dtype=torch.int32)).view(torch.float32)
+    exact[2] = torch.randn(L, generator=gen).to(torch.bfloat16).float()
+    _split_case(device, gen, exact, torch.full((3,), L, dtype=torch.int32), k, "sampled exact/close/bf16",
+                configs=configs, kind="sampled")
+
+
 CHECKS = {
     "fp8_rounding": check_fp8_rounding,
     "mla_write": check_mla_write,
@@ -525,6 +612,7 @@ CHECKS = {
     "index_transform": check_index_transform,
     "topk": check_topk,
     "topk_split": check_topk_split,
+    "topk_sampled": check_topk_sampled,
 }
 
 
@@ -609,9 +697,13 @@ def test_pool_beyond_2_31_bytes_gpu():
 
 
 @pytest.mark.gpu
-def test_topk_split_cuda_graph_gpu():
-    """The split top-k captured in a CUDA graph (scratch allocated in capture, no host sync), replayed on new data."""
+@pytest.mark.parametrize("kind", ["split", "sampled"])
+def test_topk_cuda_graph_gpu(kind):
+    """The split / sampled top-k captured in a CUDA graph (scratch allocated in capture, no host sync),
+    replayed on new data."""
     from attention.cuda import topk as tk
+
+    fn = {"split": tk.topk_slots_split, "sampled": tk.topk_slots_sampled}[kind]
 
     gen = torch.Generator().manual_seed(SEED)
     R, L, k = 128, 49_152, 2048
@@ -622,11 +714,11 @@ def test_topk_split_cuda_graph_gpu():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and warm up outside the capture
-        tk.topk_slots_split(logits, lengths, k, bt, return_positions=True)
+        fn(logits, lengths, k, bt, return_positions=True)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        pos, slots = tk.topk_slots_split(logits, lengths, k, bt, return_positions=True)
+        pos, slots = fn(logits, lengths, k, bt, return_positions=True)
     for trial in range(3):
         logits.copy_(torch.randn(R, L, generator=gen).to(torch.bfloat16).float())  # ties too
         lengths.copy_(torch.randint(0, L + 1, (R,), generator=gen, dtype=torch.int32))
@@ -711,6 +803,26 @@ def _compile_worker() -> None:
                      out_stride=i64, info_ptr="*i32", state_ptr="*i32", NSEG=i32, info_plane=i32, pad_chunk=i32),
                 dict(WRITE_SLOTS=write_slots, WRITE_POS=True, PAGE=64, SEG=seg, BLOCK=block, NSEG_P2=16), warps,
             )
+    # The sampled top-k's four kernels, at the defaults and at the interpreter tests' small config.
+    for sample, cap, seg, block, warps in ((2048, 4096, 4096, 2048, 8), (64, 64, 32, 16, 4)):
+        compile_one(topk._sample_threshold_kernel,
+                    dict(logits_ptr="*fp32", logits_stride=i64, L=i32, lengths_ptr="*i32", K=i32, thr_ptr="*i32"),
+                    dict(SAMPLE=sample, CAP=cap), warps)
+        compile_one(topk._sample_count_kernel,
+                    dict(logits_ptr="*fp32", logits_stride=i64, L=i32, lengths_ptr="*i32", thr_ptr="*i32",
+                         cnt_ptr="*i32", NSEG=i32),
+                    dict(SEG=seg, BLOCK=block), warps)
+        compile_one(topk._sample_compact_kernel,
+                    dict(logits_ptr="*fp32", logits_stride=i64, L=i32, lengths_ptr="*i32", thr_ptr="*i32",
+                         cnt_ptr="*i32", NSEG=i32, cand_ptr="*i32", cand_plane=i32),
+                    dict(SEG=seg, BLOCK=block, CAP=cap, NSEG_P2=16), warps)
+        for write_slots in (True, False):
+            compile_one(topk._sample_select_kernel,
+                        dict(logits_ptr="*fp32", logits_stride=i64, L=i32, lengths_ptr="*i32", K=i32, thr_ptr="*i32",
+                             cnt_ptr="*i32", NSEG=i32, cand_ptr="*i32", cand_plane=i32, bt_ptr="*i32",
+                             bt_stride=i64, bt_cols=i32, rows_per_table=i32, slots_ptr="*i32", pos_ptr="*i32",
+                             out_stride=i64),
+                        dict(WRITE_SLOTS=write_slots, WRITE_POS=True, PAGE=64, CAP=cap, NSEG_P2=16, BLOCK=block), warps)
     print("COMPILED")
 
 

@@ -10,10 +10,12 @@ Every figure is a ratio against something measured in the same run:
    ``--next-n``: the key bytes it must read (sum of contexts x 132 B, once per
    request) plus the logits it writes, over its time, as a fraction of the
    copy bandwidth; then the Triton top-k (k = 2048) on those logits — the
-   fused one-program-per-row kernel and the split kernel (rows cut into
-   segments across programs), checked equal bit for bit — vs ``torch.topk`` on
-   the same logits, and the whole indexer step (logits + the backend's top-k,
-   which takes the split kernel for long rows) over the logits alone;
+   fused one-program-per-row kernel and the sampled kernels (a threshold from
+   a sample, one compaction, the exact select of the candidates), checked
+   equal bit for bit — vs ``torch.topk`` on the same logits, and the whole
+   indexer step (logits + the backend's top-k, which takes the sampled
+   kernels for long rows) over the logits alone; ``--sections topk`` compares
+   the kernels alone and graph-replayed, for decode and prefill rows;
 3. sparse prefill (``flash_mla_sparse_fwd``, h = 128 and 64, top-k 2048):
    ``2 * s * h * topk * (576 + 512)`` FLOP over its time, as a fraction of the
    bf16 matmul;
@@ -130,15 +132,15 @@ def indexer_decode(args, roof, gen) -> list[dict]:
         bt_rows = bt.repeat_interleave(next_n, 0)
         cfg = cb.topk_launch_config(logits.shape[1])
         fused = tk.topk_slots(logits, lengths, TOPK, bt_rows, return_positions=True, method="fused", **cfg)
-        split = tk.topk_slots_split(logits, lengths, TOPK, bt_rows, return_positions=True)
-        split_ok = all(torch.equal(a, b) for a, b in zip(fused, split))
+        sampled = tk.topk_slots_sampled(logits, lengths, TOPK, bt_rows, return_positions=True)
+        sampled_ok = all(torch.equal(a, b) for a, b in zip(fused, sampled))
         t_topk = bench(lambda: tk.topk_slots(logits, lengths, TOPK, bt_rows, return_positions=True,
                                              method="fused", **cfg))
-        t_split = bench(lambda: tk.topk_slots_split(logits, lengths, TOPK, bt_rows, return_positions=True))
-        # The split kernel is six launches: alone and eager it may be bound by
+        t_sampled = bench(lambda: tk.topk_slots_sampled(logits, lengths, TOPK, bt_rows, return_positions=True))
+        # The sampled top-k is four launches: alone and eager it may be bound by
         # host launch overhead; replayed from a CUDA graph (as decode runs it) it is not.
-        graph = _graph_of(lambda: tk.topk_slots_split(logits, lengths, TOPK, bt_rows, return_positions=True))
-        t_split_graph = bench(graph.replay)
+        graph = _graph_of(lambda: tk.topk_slots_sampled(logits, lengths, TOPK, bt_rows, return_positions=True))
+        t_sampled_graph = bench(graph.replay)
         del graph
         t_backend_topk = bench(lambda: cb.topk_slots(logits, lengths, TOPK, bt_rows))
         t_torch_topk = bench(lambda: torch.topk(logits, TOPK, dim=1))
@@ -153,9 +155,9 @@ def indexer_decode(args, roof, gen) -> list[dict]:
             "next_n": next_n, "layout": plan.name, "batch": B, "avg_context": total / B, "max_len": max_len,
             "logits_ms": t_logits, "logits_GBps": gbs, "logits_frac_of_copy": gbs / roof["copy_GBps"],
             "keys_read_x": plan.groups,
-            "fused_topk_ms": t_topk, "split_topk_ms": t_split, "split_topk_graph_ms": t_split_graph,
-            "split_equals_fused": split_ok,
-            "split_speedup_vs_fused": t_topk / t_split, "backend_topk_ms": t_backend_topk,
+            "fused_topk_ms": t_topk, "sampled_topk_ms": t_sampled, "sampled_topk_graph_ms": t_sampled_graph,
+            "sampled_equals_fused": sampled_ok,
+            "sampled_speedup_vs_fused": t_topk / t_sampled_graph, "backend_topk_ms": t_backend_topk,
             "torch_topk_ms": t_torch_topk, "topk_speedup": t_torch_topk / t_topk,
             "indexer_step_ms": t_step, "step_over_logits": t_step / t_logits,
             "step_frac_of_copy": (key_bytes + logit_bytes) / t_step / 1e6 / roof["copy_GBps"],
@@ -165,6 +167,25 @@ def indexer_decode(args, roof, gen) -> list[dict]:
     if 1 in args.next_n:
         rows.append({"topk_tuning": res_topk})
     return rows
+
+
+def _kernel_times(fn, reps=20) -> dict:
+    """Mean GPU microseconds per call of each kernel ``fn`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" or getattr(e, "device_time_total", 0) > 0:
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if t > 0:
+                out[e.key[:60]] = t / reps
+    return out
 
 
 def _graph_of(fn):
@@ -181,9 +202,9 @@ def _graph_of(fn):
 
 
 def topk_tuning(logits, lengths, bt_rows, t_torch) -> list[dict]:
-    """The fused top-k at several (block, num_warps) and the split top-k at several
+    """The fused top-k at several (block, num_warps) and the sampled top-k at several
     (seg, block, num_warps), vs torch.topk on the same logits."""
-    from attention.cuda.topk import topk_slots, topk_slots_split
+    from attention.cuda.topk import topk_slots, topk_slots_sampled
 
     out = []
     for block, warps in ((1024, 8), (2048, 8), (4096, 16)):
@@ -193,14 +214,14 @@ def topk_tuning(logits, lengths, bt_rows, t_torch) -> list[dict]:
             out.append({"kernel": "fused", "block": block, "num_warps": warps, "ms": t, "vs_torch_topk": t / t_torch})
         except Exception as exc:  # a config that does not compile
             out.append({"kernel": "fused", "block": block, "num_warps": warps, "error": str(exc)[:200]})
-    for seg, block, warps in ((2048, 2048, 4), (4096, 4096, 8), (4096, 2048, 8), (4096, 4096, 16), (8192, 4096, 8)):
+    for seg, block, warps in ((2048, 2048, 8), (4096, 2048, 8), (8192, 4096, 8)):
         try:
-            t = bench(lambda: topk_slots_split(logits, lengths, TOPK, bt_rows, return_positions=True,
-                                               seg=seg, block=block, num_warps=warps))
-            out.append({"kernel": "split", "seg": seg, "block": block, "num_warps": warps, "ms": t,
+            t = bench(lambda: topk_slots_sampled(logits, lengths, TOPK, bt_rows, return_positions=True,
+                                                 seg=seg, block=block, num_warps=warps))
+            out.append({"kernel": "sampled", "seg": seg, "block": block, "num_warps": warps, "ms": t,
                         "vs_torch_topk": t / t_torch})
         except Exception as exc:
-            out.append({"kernel": "split", "seg": seg, "block": block, "num_warps": warps, "error": str(exc)[:200]})
+            out.append({"kernel": "sampled", "seg": seg, "block": block, "num_warps": warps, "error": str(exc)[:200]})
     return out
 
 
@@ -226,10 +247,8 @@ def topk_compare(args, roof, gen) -> dict:
     t_logits_graph = bench(g_logits.replay)
     del g_logits
     kernels = [("fused 4096/16", lambda lg: tk.topk_slots(lg, lengths, TOPK, bt, return_positions=True,
-                                                          method="fused", block=4096, num_warps=16)),
-               ("split (default)", lambda lg: tk.topk_slots_split(lg, lengths, TOPK, bt, return_positions=True))]
-    for cfg in ({}, {"sample": 4096}, {"sample": 1024}, {"seg": 8192, "block": 4096}, {"seg": 2048, "block": 2048},
-                {"num_warps": 4}, {"num_warps": 16}):
+                                                          method="fused", block=4096, num_warps=16))]
+    for cfg in ({}, {"sample": 1024}, {"seg": 2048, "block": 2048}, {"seg": 8192, "block": 4096}):
         kernels.append((f"sampled {cfg or 'default'}",
                         lambda lg, cfg=cfg: tk.topk_slots_sampled(lg, lengths, TOPK, bt, return_positions=True, **cfg)))
     for name, fn in kernels:
@@ -248,6 +267,9 @@ def topk_compare(args, roof, gen) -> dict:
         except Exception as exc:  # a config that does not compile must not cost the rest
             row["error"] = str(exc)[:300]
         out["decode"].append(row)
+    for cfg in ({},):
+        out.setdefault("decode_kernel_us", {})[str(cfg or "default")] = _kernel_times(
+            lambda: tk.topk_slots_sampled(logits, lengths, TOPK, bt, return_positions=True, **cfg))
     pos = torch.empty(logits.shape[0], TOPK, dtype=torch.int32, device="cuda")
     thr, cnt = tk._launch_sampled(logits, lengths, TOPK, None, 1, None, pos)
     out["decode_fallback_rows"] = int(tk.sampled_fallback_rows(thr, cnt, TOPK, tk.SAMPLED_DEFAULTS["cap"]).sum())
@@ -268,7 +290,6 @@ def topk_compare(args, roof, gen) -> dict:
     want = tk.topk_positions(lg, ke, TOPK, method="fused", block=2048, num_warps=8)
     for name, fn in (("fused 2048/8", lambda: tk.topk_positions(lg, ke, TOPK, method="fused", block=2048,
                                                                  num_warps=8)),
-                     ("split (default)", lambda: tk.topk_positions_split(lg, ke, TOPK)),
                      ("sampled (default)", lambda: tk.topk_positions_sampled(lg, ke, TOPK)),
                      ("sampled sample 1024", lambda: tk.topk_positions_sampled(lg, ke, TOPK, sample=1024)),
                      ("sampled seg 8192", lambda: tk.topk_positions_sampled(lg, ke, TOPK, seg=8192, block=4096)),
@@ -488,25 +509,26 @@ def main() -> None:
             json.dump(res, f, indent=1)
 
     print("\nindexer decode (DeepGEMM paged logits + tail mask; top-k k=2048: fused = one program per row, "
-          "split = rows across programs; step = logits + the backend's top-k)")
-    print("| next_n | layout | B | avg ctx | logits ms | GB/s | of copy | fused top-k ms | split top-k ms | "
-          "split graph ms | split = fused | fused / split | torch.topk ms | step ms | step / logits | step of copy |")
+          "sampled = threshold from a sample + compaction; step = logits + the backend's top-k, eager)")
+    print("| next_n | layout | B | avg ctx | logits ms | GB/s | of copy | fused top-k ms | sampled top-k ms | "
+          "sampled graph ms | sampled = fused | fused / sampled graph | torch.topk ms | step ms | step / logits | "
+          "step of copy |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in res.get("indexer_decode") or []:
         if "topk_tuning" in r:
             continue
         print(f"| {r['next_n']} | {r['layout']} | {r['batch']} | {r['avg_context']:.0f} | {r['logits_ms']:.3f} | "
               f"{r['logits_GBps']:.0f} | {r['logits_frac_of_copy']:.2f} | {r['fused_topk_ms']:.3f} | "
-              f"{r['split_topk_ms']:.3f} | {r['split_topk_graph_ms']:.3f} | "
-              f"{'yes' if r['split_equals_fused'] else '**NO**'} | "
-              f"{r['split_speedup_vs_fused']:.2f} | {r['torch_topk_ms']:.3f} | {r['indexer_step_ms']:.3f} | "
+              f"{r['sampled_topk_ms']:.3f} | {r['sampled_topk_graph_ms']:.3f} | "
+              f"{'yes' if r['sampled_equals_fused'] else '**NO**'} | "
+              f"{r['sampled_speedup_vs_fused']:.2f} | {r['torch_topk_ms']:.3f} | {r['indexer_step_ms']:.3f} | "
               f"{r['step_over_logits']:.2f} | {r['step_frac_of_copy']:.2f} |")
     for r in res.get("indexer_decode") or []:
         if "topk_tuning" in r:
             print("\ntop-k configs (B x 1 rows of next_n=1 logits) -> ms (x torch.topk)")
             for t in r["topk_tuning"]:
                 name = (f"fused {t['block']}/{t['num_warps']}" if t["kernel"] == "fused"
-                        else f"split seg {t['seg']} block {t['block']}/{t['num_warps']}")
+                        else f"sampled seg {t['seg']} block {t['block']}/{t['num_warps']}")
                 print(f"  {name}: " + (f"{t['ms']:.3f} ({t['vs_torch_topk']:.2f})" if "ms" in t
                                         else "error " + t["error"]))
     tc = res.get("topk")
@@ -522,6 +544,8 @@ def main() -> None:
                 continue
             print(f"| {r['kernel']} | {'yes' if r['equal_to_fused'] else '**NO**'} | {r['eager_ms']:.3f} | "
                   f"{r['graph_ms']:.3f} | {r['step_graph_ms']:.3f} | **{r['step_over_logits']:.2f}** |")
+        for name, ks in (tc.get("decode_kernel_us") or {}).items():
+            print(f"sampled {name}, kernels (us per call): " + ", ".join(f"{k} {v:.1f}" for k, v in ks.items()))
         print("\ntop-k kernels, prefill (%d rows, ragged causal logits; sampled: %d fallback rows)"
               % (tc["prefill_rows"], tc["prefill_fallback_rows"]))
         print("| kernel | = fused | ms |")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call (~4-5 min on an H100): the transfer experiments that decide
 # issue 4's next step. Usage (device run, repo root, .devicewheels/nixl carried):
-#   [CASES=layouts|ucx] bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
+#   [CASES=layouts|ucx|threads] bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
 # The host has torch but no nixl: its wheels come from .devicewheels/nixl
 # (../shared/offline-wheels, pack_wheels.py --groups nixl). Results land in $OUT.
 #
@@ -27,9 +27,24 @@ COMMON=(--warmup --ucx-sgl on --tokens 8192,32768 --reps 5 --stream-reps 3)
 run_case() {  # name, timeout seconds, bench args...
   local name=$1 limit=$2; shift 2
   echo "=== $name: bench/transfer.py $*" | tee "$OUT/$name.txt"
-  timeout "$limit" python3 bench/transfer.py "$@" --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/$name.txt" | tail -14
+  timeout "$limit" python3 bench/transfer.py "$@" --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/$name.txt" | grep -v "^reference\|^# \|^verified" | tail -14
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
 }
+if [ "${CASES:-layouts}" = threads ]; then
+  # The WRITE split over 4 posting threads on 4 UCX workers (4 CUDA streams),
+  # scatter-gather off (the best of the `ucx` set), on every layout.
+  T=(--warmup --reps 3 --stream-reps 2 --paths prep --ucx-sgl off --ucx-threads 4
+     --ucx-param num_workers=4 --ucx-param split_batch_size=8)
+  run_case threads_layer_major_contiguous 90 "${T[@]}" --tokens 8192,32768 --layout contiguous --inflight 4 "$@"
+  run_case threads_page_major_runs 90 "${T[@]}" --tokens 8192,32768 --cache-layout page-major --layout runs \
+      --inflight 8 "$@"
+  run_case threads_layer_major_runs 90 "${T[@]}" --tokens 32768 --layout runs --inflight 4 "$@"
+  run_case threads8_page_major_runs 75 --warmup --reps 3 --stream-reps 2 --paths prep --ucx-sgl off \
+      --ucx-threads 8 --ucx-param num_workers=8 --ucx-param split_batch_size=8 --tokens 32768 \
+      --cache-layout page-major --layout runs --inflight 8 "$@"
+  echo "results: $OUT/*.txt, $OUT/*.json"
+  exit 0
+fi
 if [ "${CASES:-layouts}" = ucx ]; then
   # UCX / NIXL settings, A/B on the best layout of the first set (page-major,
   # runs of 1-16, 8 in flight, 32k). cuda_ipc puts every copy to one peer GPU

@@ -13,8 +13,8 @@ interpreter and compiled on a GPU):
 ``gather_indexer_fp8``                 copy indexer keys out of their pages: ``(k_fp8 [n, D], scale [n])``
 ``positions_to_slots``                 top-k positions -> FlashMLA indices ``page * 64 + offset`` / ``-1``
 ``topk_slots`` / ``topk_positions``    radix top-k over each row's valid length -> slots / positions
-                                       (rows of >= ``SPLIT_MIN_LEN`` logits take the split kernel)
-``topk_slots_split`` (``_positions``)  the same with each row split across programs
+                                       (rows of >= ``SAMPLED_MIN_LEN`` logits take the sampled kernels)
+``topk_slots_sampled`` (``_positions``)  the same from a sampled threshold and one compaction pass
 =====================================  ==============================================
 
 Kernels run on CUDA tensors compiled, or on CPU tensors when ``triton`` was
@@ -25,7 +25,7 @@ pools with int64 byte offsets.
 from .cache_write import write_indexer_fp8, write_mla_fp8
 from .dequant import dequantize_mla_fp8, dequantize_mla_fp8_pages, gather_indexer_fp8, page_slots
 from .index_transform import positions_to_slots
-from .topk import topk_positions, topk_positions_split, topk_slots, topk_slots_split
+from .topk import topk_positions, topk_positions_sampled, topk_slots, topk_slots_sampled
 
 __all__ = [
     "dequantize_mla_fp8",
@@ -34,9 +34,9 @@ __all__ = [
     "page_slots",
     "positions_to_slots",
     "topk_positions",
-    "topk_positions_split",
+    "topk_positions_sampled",
     "topk_slots",
-    "topk_slots_split",
+    "topk_slots_sampled",
     "write_indexer_fp8",
     "write_mla_fp8",
 ]

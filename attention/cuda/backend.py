@@ -3,7 +3,7 @@
 =====================  =========================================================
 ``paged_mqa_logits``   DeepGEMM ``fp8_paged_mqa_logits`` (+ Triton tail mask)
 ``ragged_mqa_logits``  DeepGEMM ``fp8_mqa_logits`` in row chunks
-``topk_slots``         the Triton radix top-k (``attention.cuda.topk``; long rows split across programs)
+``topk_slots``         the Triton radix top-k (``attention.cuda.topk``; long rows: sampled threshold + compaction)
 ``sparse_mla_decode``  FlashMLA ``flash_mla_with_kvcache`` on the fp8 pool
 ``sparse_mla_prefill`` FlashMLA ``flash_mla_sparse_fwd``
 ``write_mla``          Triton fp8 MLA cache write (byte-identical to ``PagedKVCache.write_mla``)
@@ -58,9 +58,10 @@ def topk_slots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention.indexer.topk_slots`` on the Triton radix top-k.
 
-    Rows of ``>= topk.SPLIT_MIN_LEN`` logits take the split kernel (each row cut
-    into segments across programs), shorter ones the fused one-program-per-row
-    kernel configured by :func:`topk_launch_config`; both select the same.
+    Rows of ``>= topk.SAMPLED_MIN_LEN`` logits take the sampled kernels (a
+    threshold from a sample of the row, one compaction pass, the exact select
+    over the candidates), shorter ones the fused one-program-per-row kernel
+    configured by :func:`topk_launch_config`; both select the same, bit for bit.
 
     Returns ``(positions int32 [R, topk], slots int32 [R, topk])``: the same
     selection as the reference (lowest positions win exact ties), listed in
@@ -81,8 +82,8 @@ def topk_slots(
 def topk_launch_config(row_len: int) -> dict:
     """Block and warps of the fused (one program per row) top-k for rows of ``row_len`` logits.
 
-    Rows of ``>= topk.SPLIT_MIN_LEN`` logits take the split kernel instead
-    (``topk_slots(method="auto")``), which ignores these.
+    Rows of ``>= topk.SAMPLED_MIN_LEN`` logits take the sampled kernels instead
+    (``topk_slots(method="auto")``), which ignore these.
 
     H100, 128 rows x ~34k, k = 2048 (bench/attention.py, 2026-11-22): block/warps
     1024/8 0.293 ms, 2048/8 0.255, 4096/16 0.223 (torch.topk 0.195). Long rows take

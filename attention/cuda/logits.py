@@ -471,8 +471,10 @@ def ragged_mqa_logits(
     return out
 
 
-# The prefill top-k: chunks have many rows, so the fused kernel at 2048/8 (see topk.SPLIT_MAX_ROWS).
-PREFILL_TOPK = {"method": "fused", "block": 2048, "num_warps": 8}
+# The prefill top-k: the sampled kernels for long rows (4096 rows x ~32k on the
+# H100: 1.36 ms vs 2.94 for the fused kernel, docs/perf.md); short rows the
+# fused kernel at 2048/8 (many rows fill the GPU).
+PREFILL_TOPK = {"method": "auto", "block": 2048, "num_warps": 8}
 
 
 def ragged_topk(

@@ -31,35 +31,34 @@ the reference raises.
 Cost: each pass re-reads the row (from L2 for the rows of one decode step), so
 the kernel moves about five row reads; there is no sort.
 
-Split version (``topk_slots_split`` / ``topk_positions_split``; what
-``topk_slots`` / ``topk_positions`` run for rows of ``>= SPLIT_MIN_LEN``
-logits): one program per row is latency bound (about one row per SM), so each
-row is cut into segments of ``seg`` logits and every step runs one program per
-(row, segment), grid ``(R, cdiv(L, seg))``:
+Sampled version (``topk_slots_sampled`` / ``topk_positions_sampled``; what
+``topk_slots`` / ``topk_positions`` run for rows of ``>= SAMPLED_MIN_LEN``
+logits): one program per row is latency bound (about one row per SM, five
+passes over the row), so the row is read twice by many programs and the radix
+select runs over a few thousand candidates held in registers. Four launches:
 
-* pass ``p`` (four launches, ``p = 0..3``): each segment histograms digit ``p``
-  of its candidates that match the prefix chosen so far and stores its 256
-  counts to ``seg_hist[row, seg]``; then takes a ticket (an atomic per-row
-  counter). The segment that takes the last ticket of its row sums the
-  segments' histograms, picks the bin exactly as the fused kernel does
-  (updating the row's prefix, remaining k, take-all and done flags), and per
-  segment records how many of its candidates are now known to be above the
-  threshold (``gt``: the counts of the bins above the chosen one, summed over
-  the passes) and how many are in the tie bin (``eq``). Rows that are done
-  skip the remaining passes. Pass 1 compacts each segment's candidates
-  matching the first digit into a scratch buffer (keys only), passes 2 and 3
-  re-filter that buffer in place, so only pass 0 histograms the whole row.
-* output (one launch): each segment gets its output offset and its tie rank
-  from exclusive sums of ``gt`` / ``eq`` over the row's earlier segments (no
-  extra counting pass), then streams its logits like the fused kernel's output
-  pass; the ``-1`` padding is split over the row's programs.
+1. threshold (one program per row): ``sample`` evenly spaced logits of the
+   row; their ``r``-th largest key, ``r = sample * (k + cap) / 2 / n``, is a
+   threshold ``t`` that about ``(k + cap) / 2`` of the row's logits reach.
+   Rows of ``<= cap`` logits take ``t = 0`` (every logit is a candidate).
+2. count (one program per (row, segment of ``seg`` logits)): the candidates
+   (``key >= t``, not ``-inf``) of each segment.
+3. compact (same grid): each segment writes its candidates' keys and
+   positions at its exclusive-sum offset, so the row's candidate list is in
+   position order.
+4. select (one program per row): when there are ``k <= c <= cap``
+   candidates (or ``t = 0`` let every logit through), they contain the row's
+   exact top-k with every tie of the k-th value, so the fused kernel's radix
+   select and output step run over them in registers; the result is the
+   fused kernel's, bit for bit. Otherwise (the sample missed: too few or too
+   many candidates, e.g. a huge tie group) that row runs the fused kernel's
+   streaming select instead. Centring the expected count between k and cap
+   makes a miss a ~4.6-sigma event for continuous logits at sample 2048, k
+   2048, cap 4096 and 32k logits; every miss is still exact, only slower.
 
-Same selection, order, padding, tie rule and slot rule as the fused kernel (bit
-for bit). No host syncs and scratch sized from shapes only, so it can be
-captured in a CUDA graph. Memory ordering of the ticket: the segment's
-histogram stores, a CTA barrier, then the ``acq_rel`` atomic (CUTLASS's
-semaphore pattern); the last program reads the histograms with ``.cg`` loads
-(not through L1).
+No host syncs and scratch sized from shapes only, so it can be captured in a
+CUDA graph. (A split kernel, four radix passes with rows cut across programs,
+came before it: 0.161 ms graph-replayed at 128 x 34k; removed.)
 """
 
 from __future__ import annotations
@@ -246,216 +245,6 @@ def _topk_kernel(
 
 
 # ---------------------------------------------------------------------------
-# split version: every row cut into segments, one program per (row, segment)
-# ---------------------------------------------------------------------------
-
-# Scratch of the split version (sized from R, L and seg only):
-# state   int32 [R, 8]: prefix (uint32 bits), k_rem, take_all, done, shift; written
-#         by the last program of each pass run, read by the next launches;
-# info    int32 [3, R, NSEG]: per segment gt (candidates known to be above the
-#         threshold), eq (candidates in the tie group), cnt (keys compacted
-#         into the segment's scratch by the last pass);
-# seg_hist int32 [R, NSEG, 256]: each segment's histogram of the current pass;
-# ticket  int32 [R], zeroed: per-row arrival counter, re-zeroed by the last program;
-# buf     int32 [R, NSEG * seg]: the keys compacted by passes 1-3, segment s at [s * seg, ...).
-SPLIT_STATE = 8
-
-
-@triton.jit
-def _select_bin(hist_ptr, info_ptr, state_ptr, row, NSEG, info_plane, nseg_r, K,
-                P: tl.constexpr, SCH: tl.constexpr):
-    """Run by the last program of a row: the row's histogram -> the next digit of the threshold."""
-    bins = tl.arange(0, 256)
-    srow = row.to(tl.int64) * NSEG
-    hist = tl.zeros([256], dtype=tl.int32)
-    c = 0
-    while c < nseg_r:
-        sidx = c + tl.arange(0, SCH)
-        tile = tl.load(hist_ptr + (srow + sidx)[:, None] * 256 + bins[None, :],
-                       mask=(sidx < nseg_r)[:, None], other=0, cache_modifier=".cg")
-        hist += tl.sum(tile, axis=0)
-        c += SCH
-    total = tl.sum(hist, axis=0)
-    st = state_ptr + row.to(tl.int64) * 8
-    if P == 0:
-        prefix = tl.zeros([], dtype=tl.uint32)
-        k_rem = K + tl.zeros([], dtype=tl.int32)
-        take_all = total <= K
-    else:
-        prefix = tl.load(st + 0).to(tl.uint32, bitcast=True)
-        k_rem = tl.load(st + 1)
-        take_all = total < 0  # decided in pass 0: rows that take all stop there
-    b, above, in_bin = _pick_bin(hist, k_rem)
-    k_rem = k_rem - above
-    prefix = (prefix << 8) | b.to(tl.uint32)
-    done = (in_bin == k_rem) | take_all
-    tl.store(st + 0, prefix.to(tl.int32, bitcast=True))
-    tl.store(st + 1, k_rem)
-    tl.store(st + 2, take_all.to(tl.int32))
-    tl.store(st + 3, done.to(tl.int32))
-    tl.store(st + 4, tl.full([], 24 - 8 * P, tl.int32))
-    # Per segment: the candidates above the chosen bin join `gt`; the chosen
-    # bin's are the tie group so far (`eq`).
-    c = 0
-    while c < nseg_r:
-        sidx = c + tl.arange(0, SCH)
-        sm = sidx < nseg_r
-        tile = tl.load(hist_ptr + (srow + sidx)[:, None] * 256 + bins[None, :],
-                       mask=sm[:, None], other=0, cache_modifier=".cg")
-        above_s = tl.sum(tl.where(bins[None, :] > b, tile, 0), axis=1)
-        eq_s = tl.sum(tl.where(bins[None, :] == b, tile, 0), axis=1)
-        if P == 0:
-            gt_s = tl.where(take_all, tl.sum(tile, axis=1), above_s)
-            eq_s = tl.where(take_all, 0, eq_s)
-        else:
-            gt_s = tl.load(info_ptr + srow + sidx, mask=sm, other=0) + above_s
-        tl.store(info_ptr + srow + sidx, gt_s, mask=sm)
-        tl.store(info_ptr + info_plane + srow + sidx, eq_s, mask=sm)
-        c += SCH
-
-
-@triton.jit
-def _split_pass_kernel(
-    logits_ptr, logits_stride, L,
-    lengths_ptr, K,
-    buf_ptr, buf_stride, hist_ptr, info_ptr, state_ptr, ticket_ptr, NSEG, info_plane,
-    P: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr, SCH: tl.constexpr,
-):
-    row = tl.program_id(0)
-    s = tl.program_id(1)
-    n = tl.maximum(tl.minimum(tl.load(lengths_ptr + row), L), 0)
-    nseg_r = (n + SEG - 1) // SEG
-    if P == 0:
-        prefix = tl.zeros([], dtype=tl.uint32)
-        active = s < nseg_r
-    else:
-        st = state_ptr + row.to(tl.int64) * 8
-        prefix = tl.load(st + 0).to(tl.uint32, bitcast=True)
-        active = (s < nseg_r) & (tl.load(st + 3) == 0)
-    if active:
-        seg_start = s * SEG
-        seg_end = tl.minimum(seg_start + SEG, n)
-        row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
-        cnt_ptr = info_ptr + 2 * info_plane + row.to(tl.int64) * NSEG + s
-        hist = tl.zeros([256], dtype=tl.int32)
-        if P == 0:
-            # Every candidate of the segment: the top digit.
-            start = seg_start
-            while start < seg_end:
-                offs = start + tl.arange(0, BLOCK)
-                inb = offs < seg_end
-                key = float_order_key(tl.load(row_ptr + offs, mask=inb, other=0.0))
-                m = inb & (key != NEG_INF_KEY)
-                hist += tl.histogram(((key >> 24) & 0xFF).to(tl.int32), 256, mask=m)
-                start += BLOCK
-        else:
-            # Compact the keys matching the prefix into the segment's scratch
-            # (from the logits in pass 1, in place from the scratch in passes
-            # 2 and 3), then histogram only those.
-            seg_buf = buf_ptr + row.to(tl.int64) * buf_stride + seg_start
-            cnt = tl.zeros([], dtype=tl.int32)
-            if P == 1:
-                start = seg_start
-                while start < seg_end:
-                    offs = start + tl.arange(0, BLOCK)
-                    inb = offs < seg_end
-                    key = float_order_key(tl.load(row_ptr + offs, mask=inb, other=0.0))
-                    m = inb & (key != NEG_INF_KEY) & ((key >> 24) == prefix)
-                    m_i = m.to(tl.int32)
-                    dst = cnt + tl.cumsum(m_i, axis=0) - m_i
-                    tl.store(seg_buf + dst, key.to(tl.int32, bitcast=True), mask=m)
-                    cnt += tl.sum(m_i, axis=0)
-                    start += BLOCK
-            else:
-                n_prev = tl.load(cnt_ptr)
-                start = 0
-                while start < n_prev:
-                    offs = start + tl.arange(0, BLOCK)
-                    inb = offs < n_prev
-                    key = tl.load(seg_buf + offs, mask=inb, other=0).to(tl.uint32, bitcast=True)
-                    m = inb & ((key >> (32 - 8 * P)) == prefix)
-                    m_i = m.to(tl.int32)
-                    dst = cnt + tl.cumsum(m_i, axis=0) - m_i
-                    # In place: every thread has loaded this block before any
-                    # writes into it (dst <= offs, and later blocks are untouched).
-                    tl.debug_barrier()
-                    tl.store(seg_buf + dst, key.to(tl.int32, bitcast=True), mask=m)
-                    cnt += tl.sum(m_i, axis=0)
-                    start += BLOCK
-            tl.store(cnt_ptr, cnt)
-            tl.debug_barrier()  # the compacted keys are visible to the whole program
-            start = 0
-            while start < cnt:
-                offs = start + tl.arange(0, BLOCK)
-                inb = offs < cnt
-                key = tl.load(seg_buf + offs, mask=inb, other=0).to(tl.uint32, bitcast=True)
-                hist += tl.histogram(((key >> (24 - 8 * P)) & 0xFF).to(tl.int32), 256, mask=inb)
-                start += BLOCK
-        bins = tl.arange(0, 256)
-        tl.store(hist_ptr + (row.to(tl.int64) * NSEG + s) * 256 + bins, hist)
-        # All of this program's histogram stores happen before its ticket
-        # (barrier, then the acq_rel atomic); the last ticket of the row picks
-        # the bin for everyone.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + row, 1, sem="acq_rel", scope="gpu")
-        if ticket == nseg_r - 1:
-            tl.store(ticket_ptr + row, 0)  # zero again for the next pass (a later launch)
-            _select_bin(hist_ptr, info_ptr, state_ptr, row, NSEG, info_plane, nseg_r, K, P, SCH)
-
-
-@triton.jit
-def _split_output_kernel(
-    logits_ptr, logits_stride, L,
-    lengths_ptr, K,
-    bt_ptr, bt_stride, bt_cols, rows_per_table,
-    slots_ptr, pos_ptr, out_stride,
-    info_ptr, state_ptr, NSEG, info_plane, pad_chunk,
-    WRITE_SLOTS: tl.constexpr, WRITE_POS: tl.constexpr,
-    PAGE: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr, NSEG_P2: tl.constexpr,
-):
-    row = tl.program_id(0)
-    s = tl.program_id(1)
-    n = tl.maximum(tl.minimum(tl.load(lengths_ptr + row), L), 0)
-    nseg_r = (n + SEG - 1) // SEG
-    # (A row of length 0 ran no pass: its state is never read, every mask below is off.)
-    st = state_ptr + row.to(tl.int64) * 8
-    prefix = tl.load(st + 0, mask=nseg_r > 0, other=0).to(tl.uint32, bitcast=True)
-    k_rem = tl.load(st + 1, mask=nseg_r > 0, other=0)
-    take_all = tl.load(st + 2, mask=nseg_r > 0, other=1) != 0
-    shift = tl.load(st + 4, mask=nseg_r > 0, other=0)
-    # Output offset and tie rank of this segment: exclusive sums over the
-    # row's segments of the selected count (gt + the ties that fit) and of eq.
-    sidx = tl.arange(0, NSEG_P2)
-    sm = sidx < nseg_r
-    srow = row.to(tl.int64) * NSEG
-    gt = tl.load(info_ptr + srow + sidx, mask=sm, other=0)
-    eq = tl.load(info_ptr + info_plane + srow + sidx, mask=sm, other=0)
-    eq_before = tl.cumsum(eq, axis=0) - eq
-    sel = gt + tl.minimum(tl.maximum(k_rem - eq_before, 0), eq)
-    sel_before = tl.cumsum(sel, axis=0) - sel
-    n_total = tl.sum(sel, axis=0)
-    n_sel = tl.sum(tl.where(sidx == s, sel_before, 0), axis=0)
-    n_eq = tl.sum(tl.where(sidx == s, eq_before, 0), axis=0)
-
-    table_row = (row // rows_per_table).to(tl.int64)
-    out_row = row.to(tl.int64) * out_stride
-    row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
-    seg_end = tl.minimum(s * SEG + SEG, n)
-    start = s * SEG
-    while start < seg_end:
-        offs = start + tl.arange(0, BLOCK)
-        key = float_order_key(tl.load(row_ptr + offs, mask=offs < seg_end, other=0.0))
-        m = (offs < seg_end) & (key != NEG_INF_KEY)
-        n_eq, n_sel = _emit_selected(offs, key, m, take_all, prefix, shift, k_rem, n_eq, n_sel, K,
-                                     bt_ptr, table_row, bt_stride, bt_cols, slots_ptr, pos_ptr, out_row,
-                                     WRITE_SLOTS, WRITE_POS, PAGE)
-        start += BLOCK
-    # Pad [n_total, K) with -1; program s pads its share [s * pad_chunk, (s + 1) * pad_chunk).
-    _pad_row(slots_ptr, pos_ptr, out_row, s * pad_chunk, tl.minimum(s * pad_chunk + pad_chunk, K), n_total,
-             WRITE_SLOTS, WRITE_POS, BLOCK)
-
-
-# ---------------------------------------------------------------------------
 # sampled version: a threshold from a sample of each row, one compaction pass,
 # the exact select over the few candidates left
 # ---------------------------------------------------------------------------
@@ -467,19 +256,14 @@ def _split_output_kernel(
 
 
 @triton.jit
-def _sample_threshold_kernel(
-    logits_ptr, logits_stride, L, lengths_ptr, K, thr_ptr,
-    SAMPLE: tl.constexpr, CAP: tl.constexpr,
-):
-    """Per row: the key ``t`` such that about ``(K + CAP) / 2`` logits are ``>= t``,
-    estimated from ``SAMPLE`` evenly spaced logits of the row."""
-    row = tl.program_id(0)
-    n = tl.maximum(tl.minimum(tl.load(lengths_ptr + row), L), 0)
+def _sample_threshold(row_ptr, n, K, SAMPLE: tl.constexpr, CAP: tl.constexpr):
+    """The row's candidate threshold key (uint32): about ``(K + CAP) / 2`` of its
+    ``n`` logits are ``>= t``, estimated from ``SAMPLE`` evenly spaced logits."""
     thr = tl.zeros([], dtype=tl.uint32)  # rows of <= CAP logits: every one is a candidate
     if n > CAP:
         i = tl.arange(0, SAMPLE)
         pos = (i.to(tl.int64) * n) // SAMPLE  # distinct when n >= SAMPLE
-        key = float_order_key(tl.load(logits_ptr + row.to(tl.int64) * logits_stride + pos))
+        key = float_order_key(tl.load(row_ptr + pos))
         # The sample's r-th largest key, r = SAMPLE * mid / n: about `mid`
         # logits of the row are >= it. Centring the expected count between K
         # and CAP makes both misses (fewer than K, more than CAP: the row falls
@@ -490,6 +274,18 @@ def _sample_threshold_kernel(
         # Whole bin taken or four digits chosen: the bin's lowest key is the
         # r-th largest sample (or below it when the search stopped early).
         thr = tl.where(take_all, 0, prefix << shift.to(tl.uint32))
+    return thr
+
+
+@triton.jit
+def _sample_threshold_kernel(
+    logits_ptr, logits_stride, L, lengths_ptr, K, thr_ptr,
+    SAMPLE: tl.constexpr, CAP: tl.constexpr,
+):
+    """Per row: :func:`_sample_threshold` -> ``thr[row]``."""
+    row = tl.program_id(0)
+    n = tl.maximum(tl.minimum(tl.load(lengths_ptr + row), L), 0)
+    thr = _sample_threshold(logits_ptr + row.to(tl.int64) * logits_stride, n, K, SAMPLE, CAP)
     tl.store(thr_ptr + row, thr.to(tl.int32, bitcast=True))
 
 
@@ -498,12 +294,15 @@ def _sample_count_kernel(
     logits_ptr, logits_stride, L, lengths_ptr, thr_ptr, cnt_ptr, NSEG,
     SEG: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Per (row, segment): how many of the segment's logits are candidates (key >= thr, not -inf)."""
+    """Per (row, segment): how many of the segment's logits are candidates (key >= thr, not -inf).
+
+    (Every program computing the row's threshold itself, one launch fewer, was
+    slower on the H100: 0.129 vs 0.073 ms at 128 x 34k.)"""
     row = tl.program_id(0)
     s = tl.program_id(1)
     n = tl.maximum(tl.minimum(tl.load(lengths_ptr + row), L), 0)
-    thr = tl.load(thr_ptr + row).to(tl.uint32, bitcast=True)
     row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
+    thr = tl.load(thr_ptr + row).to(tl.uint32, bitcast=True)
     seg_end = tl.minimum(s * SEG + SEG, n)
     cnt = tl.zeros([], dtype=tl.int32)
     start = s * SEG
@@ -615,66 +414,12 @@ def _launch(logits, lengths, topk, block_table, rows_per_table, slots, positions
     )
 
 
-# Rows of at least this many logits (the row length L of the logits tensor) take
-# the split kernel in topk_slots / topk_positions (method="auto"). Two segments
-# of the default size; to be re-measured (bench/attention.py).
-SPLIT_MIN_LEN = 8192
-# ... and fewer rows than this: with many rows one program per row already
-# fills the GPU. H100, random f32 rows of 32k, k 2048 (ms, fused 2048/8 vs
-# split): 1024 rows 0.65 vs 0.71, 2048 rows 1.21 vs 1.39, 4096 rows 2.34 vs 2.74.
-SPLIT_MAX_ROWS = 512
-# H100, 128 rows x ~34k, k 2048 (bench/attention.py, docs/perf.md): seg/block/warps 4096/2048/8
-# 0.185 ms, 4096/4096/8 0.215, 2048/2048/4 0.390, 8192/4096/8 0.283, 4096/4096/16 0.334.
-SPLIT_DEFAULTS = {"seg": 4096, "block": 2048, "num_warps": 8}
-
-
-def split_scratch_shapes(R: int, L: int, seg: int) -> dict:
-    """Shapes of the split kernel's scratch for ``R`` rows of ``L`` logits (from the shapes only)."""
-    nseg = max(1, -(-L // seg))
-    return {"ticket": (R,), "state": (R, SPLIT_STATE), "info": (3, R, nseg), "seg_hist": (R, nseg, 256),
-            "buf": (R, nseg * seg)}
-
-
-def _launch_split(logits, lengths, topk, block_table, rows_per_table, slots, positions,
-                  seg=SPLIT_DEFAULTS["seg"], block=SPLIT_DEFAULTS["block"], num_warps=SPLIT_DEFAULTS["num_warps"]):
-    R, L = logits.shape
-    if R == 0:
-        return
-    if seg < 1 or block < 1 or seg & (seg - 1) or block & (block - 1):
-        raise ValueError(f"seg and block must be powers of two, got seg={seg} block={block}")
-    nseg = max(1, -(-L // seg))
-    dev = logits.device
-    # One allocation for the scratch that needs no initial value (a view per
-    # part, each 16-byte aligned), and the zeroed per-row tickets.
-    shapes = split_scratch_shapes(R, L, seg)
-    sizes = [math.prod(shapes[name]) for name in ("state", "info", "seg_hist", "buf")]
-    scratch = torch.empty(sum(-(-n // 4) * 4 for n in sizes), dtype=torch.int32, device=dev)
-    parts, o = [], 0
-    for name, n in zip(("state", "info", "seg_hist", "buf"), sizes):
-        parts.append(scratch[o:o + n].view(shapes[name]))
-        o += -(-n // 4) * 4
-    state, info, seg_hist, buf = parts
-    ticket = torch.zeros(shapes["ticket"], dtype=torch.int32, device=dev)
-    lengths = lengths.contiguous()
-    info_plane = R * nseg
-    nseg_p2 = max(16, triton.next_power_of_2(nseg))  # few compiled variants across row lengths
-    grid = (R, nseg)
-    for p in range(4):
-        _split_pass_kernel[grid](
-            logits, logits.stride(0), L, lengths, topk,
-            buf, buf.stride(0), seg_hist, info, state, ticket, nseg, info_plane,
-            P=p, SEG=seg, BLOCK=min(block, seg), SCH=16, num_warps=num_warps,
-        )
-    dummy = slots if slots is not None else positions
-    bt = block_table if block_table is not None else dummy
-    _split_output_kernel[grid](
-        logits, logits.stride(0), L, lengths, topk,
-        bt, bt.stride(0), bt.shape[1] if block_table is not None else 0, rows_per_table,
-        slots if slots is not None else dummy, positions if positions is not None else dummy, topk,
-        info, state, nseg, info_plane, -(-topk // nseg),
-        WRITE_SLOTS=slots is not None, WRITE_POS=positions is not None,
-        PAGE=PAGE_SIZE, SEG=seg, BLOCK=min(block, seg), NSEG_P2=nseg_p2, num_warps=num_warps,
-    )
+# Rows of at least this many logits (the row length L of the logits tensor)
+# take the sampled kernels under method="auto"; shorter rows the fused one.
+# H100 (bench/attention.py, docs/perf.md): 128 rows x ~34k, k 2048, replayed
+# from a CUDA graph: sampled 0.073 ms, fused 0.196; 4096 prefill rows x ~32k:
+# sampled 1.36 ms, fused 2.94.
+SAMPLED_MIN_LEN = 8192
 
 
 # The sampled kernels' defaults: a 2048-logit sample per row; up to 4096
@@ -739,12 +484,12 @@ def sampled_fallback_rows(thr: torch.Tensor, seg_cnt: torch.Tensor, topk: int, c
 
 
 def _pick_method(method: str, L: int, R: int) -> str:
-    """``method`` of :func:`topk_slots` -> the kernel that runs: ``"fused"``, ``"split"`` or ``"sampled"``."""
+    """``method`` of :func:`topk_slots` -> the kernel that runs: ``"fused"`` or ``"sampled"``."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
-    return "split" if (L >= SPLIT_MIN_LEN and R < SPLIT_MAX_ROWS) else "fused"
+    return "sampled" if L >= SAMPLED_MIN_LEN else "fused"
 
 
 def _check_table(block_table: torch.Tensor, R: int, rows_per_table: int) -> torch.Tensor:
@@ -791,10 +536,10 @@ def topk_slots(
             ``B * next_n`` rows of an MTP decode step).
         return_positions: also return the selected positions.
         block, num_warps: launch configuration of the one-program-per-row kernel.
-        method: ``"fused"`` (one program per row), ``"split"`` (rows split
-            across programs, :func:`topk_slots_split` with its defaults),
-            ``"sampled"`` (:func:`topk_slots_sampled` with its defaults) or
-            ``"auto"`` (:func:`_pick_method`). Same results, bit for bit.
+        method: ``"fused"`` (one program per row), ``"sampled"``
+            (:func:`topk_slots_sampled` with its defaults) or ``"auto"``:
+            sampled for rows of ``>= SAMPLED_MIN_LEN`` logits. Same results,
+            bit for bit.
 
     Returns:
         int32 ``[R, topk]`` slots ``page * 64 + offset`` of the selected tokens,
@@ -829,25 +574,6 @@ def topk_positions(
     return _select(launch, logits, lengths, topk, None, 1, False, True, **cfg)[0]
 
 
-def topk_slots_split(logits, lengths, topk, block_table, *, rows_per_table=1, return_positions=False, **cfg):
-    """:func:`topk_slots` with each row split into segments of ``seg`` logits (module docstring).
-
-    Same arguments and results as :func:`topk_slots`, bit for bit; ``cfg``:
-    ``seg``, ``block`` (the tile each program streams, ``<= seg``; both powers
-    of two) and ``num_warps``, defaults ``SPLIT_DEFAULTS``. Six launches (a
-    zeroed counter, four radix passes, the output), no host sync: CUDA-graph
-    capturable.
-    """
-    positions, slots = _select(_launch_split, logits, lengths, topk, block_table, rows_per_table, True,
-                               return_positions, **cfg)
-    return (positions, slots) if return_positions else slots
-
-
-def topk_positions_split(logits, lengths, topk, **cfg) -> torch.Tensor:
-    """:func:`topk_positions` on the split kernel (see :func:`topk_slots_split`)."""
-    return _select(_launch_split, logits, lengths, topk, None, 1, False, True, **cfg)[0]
-
-
 def topk_slots_sampled(logits, lengths, topk, block_table, *, rows_per_table=1, return_positions=False, **cfg):
     """:func:`topk_slots` on the sampled kernels (module docstring), bit for bit.
 
@@ -867,5 +593,5 @@ def topk_positions_sampled(logits, lengths, topk, **cfg) -> torch.Tensor:
     return _select(_launch_sampled, logits, lengths, topk, None, 1, False, True, **cfg)[0]
 
 
-METHODS = ("auto", "fused", "split", "sampled")
-_LAUNCHERS = {"fused": _launch, "split": _launch_split, "sampled": _launch_sampled}
+METHODS = ("auto", "fused", "sampled")
+_LAUNCHERS = {"fused": _launch, "sampled": _launch_sampled}

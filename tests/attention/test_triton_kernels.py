@@ -397,14 +397,12 @@ def expected_slots(positions: torch.Tensor, block_table: torch.Tensor, rows_per_
     return torch.where(ok, page * PAGE_SIZE + positions.long() % PAGE_SIZE, -1).int()
 
 
-def _split_case(device, gen, logits, lengths, k, label, *, rows_per_table=1, configs, block_table=None,
-                entry_points=False, kind="split"):
-    """The split (or sampled) top-k == the fused top-k, bit for bit (slots and positions, every entry
-    point), == the oracle."""
+def _sampled_case(device, gen, logits, lengths, k, label, *, rows_per_table=1, configs, block_table=None,
+                  entry_points=False):
+    """The sampled top-k == the fused top-k, bit for bit (slots and positions, every entry point), == the oracle."""
     from attention.cuda import topk as tk
 
-    slots_fn = {"split": tk.topk_slots_split, "sampled": tk.topk_slots_sampled}[kind]
-    positions_fn = {"split": tk.topk_positions_split, "sampled": tk.topk_positions_sampled}[kind]
+    slots_fn, positions_fn = tk.topk_slots_sampled, tk.topk_positions_sampled
 
     R, L = logits.shape
     if block_table is None:
@@ -428,97 +426,13 @@ def _split_case(device, gen, logits, lengths, k, label, *, rows_per_table=1, con
         only_slots = slots_fn(lg, ln, k, bt, rows_per_table=rows_per_table, **cfg).cpu()
         assert torch.equal(only_slots, want_slots), f"{label} {cfg}: slots without positions"
         only_pos = positions_fn(lg, ln, k, **cfg).cpu()
-        assert torch.equal(only_pos, want_pos), f"{label} {cfg}: topk_positions ({kind})"
+        assert torch.equal(only_pos, want_pos), f"{label} {cfg}: topk_positions_sampled"
     want = stable_topk_oracle(logits, lengths.clamp(0, L), k)
     for r in range(R):
         cnt = len(want[r])
         assert want_pos[r, :cnt].tolist() == want[r], f"{label}: row {r} selects a different set"
         assert torch.all(want_pos[r, cnt:] == -1), f"{label}: row {r} padding"
     assert torch.equal(want_slots, expected_slots(want_pos, block_table, rows_per_table)), f"{label}: slots"
-
-
-def check_topk_split(device, gen, big):
-    """The split top-k (rows cut into segments) against the fused kernel and the oracle.
-
-    On the interpreter: tiny rows cut into many small segments, so that tie
-    groups, compacted candidates and the output offsets cross segment
-    boundaries. On the GPU: the serving shape (128 rows x ~34k, k = 2048).
-    """
-    if big:
-        R, L, k = 128, 49_152, 2048
-        configs = [{}, {"seg": 2048, "block": 2048, "num_warps": 4}, {"seg": 8192, "block": 4096}]
-        lengths = torch.randint(16_384, L + 1, (R,), generator=gen, dtype=torch.int32)
-    else:
-        R, L, k = 9, 320, 24
-        configs = [{"seg": 32, "block": 32, "num_warps": 4}, {"seg": 64, "block": 16, "num_warps": 4}]
-        lengths = torch.randint(k + 1, L + 1, (R,), generator=gen, dtype=torch.int32)
-    # Random logits, rows around k and around segment boundaries, lengths past
-    # L and negative (clamped), poison past each length, a NaN candidate,
-    # -inf holes; a block table narrower than the rows with -1 holes (missing
-    # pages -> slot -1).
-    lengths[:8] = torch.tensor([0, k - 7, k, k + 1, 64, 65, L + 5, -3], dtype=torch.int32)
-    logits = torch.randn(R, L, generator=gen)
-    past = torch.arange(L)[None, :] >= lengths.clamp(0, L)[:, None].long()
-    logits = torch.where(past, torch.full_like(logits, float("nan")), logits)
-    logits[4, past[4]] = float("inf")
-    logits[R - 1, 3] = float("nan")
-    logits[torch.rand(R, L, generator=gen) < 0.05] = float("-inf")
-    max_pages = -(-L // PAGE_SIZE)
-    table = torch.randperm(R * max_pages * 2, generator=gen)[: R * (max_pages - 2)].view(R, max_pages - 2).int()
-    table[torch.rand(table.shape, generator=gen) < 0.1] = -1
-    _split_case(device, gen, logits, lengths, k, "random", configs=configs, block_table=table, entry_points=True)
-    configs = configs[:1]
-
-    # Heavy ties (five levels, -0.0 and +0.0, -inf holes): the tie group runs
-    # across many segments and k_rem cuts it inside one; MTP rows share a table row.
-    levels = torch.randint(-2, 3, (R, L), generator=gen).float()
-    levels[levels == 0] = torch.where(torch.rand(int((levels == 0).sum()), generator=gen) < 0.5, -0.0, 0.0)
-    levels[torch.rand(R, L, generator=gen) < 0.2] = float("-inf")
-    lengths = torch.full((R,), L, dtype=torch.int32)
-    lengths[1] = k + 3  # fewer than k candidates left after the holes: all taken
-    lengths[2] = 3 * k
-    _split_case(device, gen, levels, lengths, k, "ties", rows_per_table=3, configs=configs)
-
-    # A tie group that is the whole row but k/2 larger logits: the first k/2
-    # equal ones by position win; rows of one value, of -inf only, of NaN only.
-    tie = torch.full((4, L), 0.25)
-    for r in range(4):
-        tie[r, torch.randperm(L, generator=gen)[: k // 2]] = 1.0 + torch.rand(k // 2, generator=gen)
-    tie[1] = 0.25
-    tie[2] = float("-inf")
-    tie[3] = float("nan")
-    _split_case(device, gen, tie, torch.full((4,), L, dtype=torch.int32), k, "tie group", configs=configs)
-
-    # Exactly k logits far above the rest (pass 0 takes its bin whole: early
-    # exit), and values differing only in the lowest key bits (all four passes).
-    exact = torch.randn(2, L, generator=gen)
-    exact[0, torch.randperm(L, generator=gen)[:k]] = 100.0 + torch.rand(k, generator=gen)
-    base = torch.full((1, L), 1.0).view(torch.int32)
-    exact[1] = (base + torch.randint(0, 300, (1, L), generator=gen, dtype=torch.int32)).view(torch.float32)
-    _split_case(device, gen, exact, torch.full((2,), L, dtype=torch.int32), k, "exact/close", configs=configs)
-
-    # method="auto" dispatches rows of >= SPLIT_MIN_LEN logits to the split
-    # kernel (at its default segment: one segment per row here).
-    from attention.cuda import topk as tk
-
-    saved = tk.SPLIT_MIN_LEN
-    try:
-        tk.SPLIT_MIN_LEN = L
-        lg, ln = exact.to(device), torch.full((2,), L, dtype=torch.int32, device=device)
-        assert tk._pick_method("auto", L, 2) == "split" and tk._pick_method("auto", L - 1, 2) == "fused"
-        assert tk._pick_method("split", 1, 2) == "split" and tk._pick_method("sampled", 1, 2) == "sampled"
-        # many rows fill the GPU with one program per row: the fused kernel
-        assert tk._pick_method("auto", L, tk.SPLIT_MAX_ROWS) == "fused"
-        auto = tk.topk_positions(lg, ln, k)
-        assert torch.equal(auto.cpu(), tk.topk_positions(lg, ln, k, method="fused").cpu()), "auto dispatch"
-    finally:
-        tk.SPLIT_MIN_LEN = saved
-
-    if big:
-        # bf16-rounded logits (many exact ties at the threshold) at the serving shape.
-        q = torch.randn(R, L, generator=gen).to(torch.bfloat16).float()
-        lengths = torch.randint(16_384, L + 1, (R,), generator=gen, dtype=torch.int32)
-        _split_case(device, gen, q, lengths, k, "bf16 ties", configs=configs)
 
 
 def check_topk_sampled(device, gen, big):
@@ -569,8 +483,8 @@ def check_topk_sampled(device, gen, big):
     table[torch.rand(table.shape, generator=gen) < 0.1] = -1
     served, fell_back = paths(logits, lengths)
     assert served >= R // 2 and fell_back >= 1, f"random rows: {served} served by the candidates, {fell_back} fell back"
-    _split_case(device, gen, logits, lengths, k, "sampled random", configs=configs, block_table=table,
-                entry_points=True, kind="sampled")
+    _sampled_case(device, gen, logits, lengths, k, "sampled random", configs=configs, block_table=table,
+                entry_points=True)
     configs = configs[:1]
 
     # Heavy ties: the threshold's tie group overflows cap (fallback) or fits;
@@ -581,7 +495,7 @@ def check_topk_sampled(device, gen, big):
     lengths = torch.full((R,), L, dtype=torch.int32)
     lengths[1] = k + 3
     lengths[2] = 3 * k
-    _split_case(device, gen, levels, lengths, k, "sampled ties", rows_per_table=3, configs=configs, kind="sampled")
+    _sampled_case(device, gen, levels, lengths, k, "sampled ties", rows_per_table=3, configs=configs)
 
     # A whole-row tie group under k/2 larger logits, rows of one value, of
     # -inf only, of NaN only; exactly k logits far above the rest; values
@@ -592,15 +506,28 @@ def check_topk_sampled(device, gen, big):
     tie[1] = 0.25
     tie[2] = float("-inf")
     tie[3] = float("nan")
-    _split_case(device, gen, tie, torch.full((4,), L, dtype=torch.int32), k, "sampled tie group", configs=configs,
-                kind="sampled")
+    _sampled_case(device, gen, tie, torch.full((4,), L, dtype=torch.int32), k, "sampled tie group", configs=configs)
     exact = torch.randn(3, L, generator=gen)
     exact[0, torch.randperm(L, generator=gen)[:k]] = 100.0 + torch.rand(k, generator=gen)
     base = torch.full((1, L), 1.0).view(torch.int32)
     exact[1] = (base + torch.randint(0, 300, (1, L), generator=gen, dtype=torch.int32)).view(torch.float32)
     exact[2] = torch.randn(L, generator=gen).to(torch.bfloat16).float()
-    _split_case(device, gen, exact, torch.full((3,), L, dtype=torch.int32), k, "sampled exact/close/bf16",
-                configs=configs, kind="sampled")
+    _sampled_case(device, gen, exact, torch.full((3,), L, dtype=torch.int32), k, "sampled exact/close/bf16",
+                configs=configs)
+
+    # method="auto" takes the sampled kernels (their defaults) for rows of >= SAMPLED_MIN_LEN logits.
+    saved = tk.SAMPLED_MIN_LEN
+    try:
+        tk.SAMPLED_MIN_LEN = L
+        assert tk._pick_method("auto", L, 2) == "sampled" and tk._pick_method("auto", L - 1, 2) == "fused"
+        assert tk._pick_method("fused", L, 2) == "fused" and tk._pick_method("sampled", 1, 2) == "sampled"
+        lg, ln = exact.to(device), torch.full((3,), L, dtype=torch.int32, device=device)
+        auto = tk.topk_positions(lg, ln, k)
+        assert torch.equal(auto.cpu(), tk.topk_positions(lg, ln, k, method="fused").cpu()), "auto dispatch"
+    finally:
+        tk.SAMPLED_MIN_LEN = saved
+    with pytest.raises(ValueError, match="method must be one of"):
+        tk._pick_method("split", L, 2)
 
 
 CHECKS = {
@@ -611,7 +538,6 @@ CHECKS = {
     "indexer_gather": check_indexer_gather,
     "index_transform": check_index_transform,
     "topk": check_topk,
-    "topk_split": check_topk_split,
     "topk_sampled": check_topk_sampled,
 }
 
@@ -697,13 +623,12 @@ def test_pool_beyond_2_31_bytes_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["split", "sampled"])
-def test_topk_cuda_graph_gpu(kind):
-    """The split / sampled top-k captured in a CUDA graph (scratch allocated in capture, no host sync),
+def test_topk_sampled_cuda_graph_gpu():
+    """The sampled top-k captured in a CUDA graph (scratch allocated in capture, no host sync),
     replayed on new data."""
     from attention.cuda import topk as tk
 
-    fn = {"split": tk.topk_slots_split, "sampled": tk.topk_slots_sampled}[kind]
+    fn = tk.topk_slots_sampled
 
     gen = torch.Generator().manual_seed(SEED)
     R, L, k = 128, 49_152, 2048
@@ -783,26 +708,6 @@ def _compile_worker() -> None:
                  out_stride=i64),
             dict(WRITE_SLOTS=write_slots, WRITE_POS=True, PAGE=64, BLOCK=1024), 8,
         )
-    # The split top-k: the four radix passes and the output, at the default
-    # segment / block / warps and at the small config the interpreter tests use.
-    for seg, block, warps in ((topk.SPLIT_DEFAULTS["seg"], topk.SPLIT_DEFAULTS["block"],
-                               topk.SPLIT_DEFAULTS["num_warps"]), (32, 16, 4)):
-        for p in range(4):
-            compile_one(
-                topk._split_pass_kernel,
-                dict(logits_ptr="*fp32", logits_stride=i64, L=i32, lengths_ptr="*i32", K=i32, buf_ptr="*i32",
-                     buf_stride=i64, hist_ptr="*i32", info_ptr="*i32", state_ptr="*i32", ticket_ptr="*i32",
-                     NSEG=i32, info_plane=i32),
-                dict(P=p, SEG=seg, BLOCK=block, SCH=16), warps,
-            )
-        for write_slots in (True, False):
-            compile_one(
-                topk._split_output_kernel,
-                dict(logits_ptr="*fp32", logits_stride=i64, L=i32, lengths_ptr="*i32", K=i32, bt_ptr="*i32",
-                     bt_stride=i64, bt_cols=i32, rows_per_table=i32, slots_ptr="*i32", pos_ptr="*i32",
-                     out_stride=i64, info_ptr="*i32", state_ptr="*i32", NSEG=i32, info_plane=i32, pad_chunk=i32),
-                dict(WRITE_SLOTS=write_slots, WRITE_POS=True, PAGE=64, SEG=seg, BLOCK=block, NSEG_P2=16), warps,
-            )
     # The sampled top-k's four kernels, at the defaults and at the interpreter tests' small config.
     for sample, cap, seg, block, warps in ((2048, 4096, 4096, 2048, 8), (64, 64, 32, 16, 4)):
         compile_one(topk._sample_threshold_kernel,

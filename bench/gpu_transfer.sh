@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call (~4-5 min on an H100): the transfer experiments that decide
 # issue 4's next step. Usage (device run, repo root, .devicewheels/nixl carried):
-#   [CASES=layouts|ucx|threads] bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
+#   [CASES=layouts|ucx|threads|ab] bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
 # The host has torch but no nixl: its wheels come from .devicewheels/nixl
 # (../shared/offline-wheels, pack_wheels.py --groups nixl). Results land in $OUT.
 #
@@ -30,6 +30,22 @@ run_case() {  # name, timeout seconds, bench args...
   timeout "$limit" python3 bench/transfer.py "$@" --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/$name.txt" | grep -v "^reference\|^# \|^verified" | tail -14
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
 }
+if [ "${CASES:-layouts}" = ab ]; then
+  # Interleaved A/B, twice (run-to-run spread was ~1.6x for one config):
+  # no posting threads + scatter-gather (the old default) vs 8 posting threads
+  # on 8 UCX workers, scatter-gather off; page-major runs and layer-major
+  # contiguous (today's pool); 32k, 8 requests in flight.
+  B=(--warmup --reps 3 --stream-reps 3 --paths prep --tokens 32768 --inflight 8)
+  TH=(--ucx-sgl off --ucx-threads 8 --ucx-param num_workers=8 --ucx-param split_batch_size=8)
+  for rep in 1 2; do
+    run_case ab${rep}_pm_base 60 "${B[@]}" --cache-layout page-major --layout runs --ucx-sgl on "$@"
+    run_case ab${rep}_pm_threads8 60 "${B[@]}" --cache-layout page-major --layout runs "${TH[@]}" "$@"
+    run_case ab${rep}_lm_base 60 "${B[@]}" --layout contiguous --ucx-sgl on "$@"
+    run_case ab${rep}_lm_threads8 60 "${B[@]}" --layout contiguous "${TH[@]}" "$@"
+  done
+  echo "results: $OUT/*.txt, $OUT/*.json"
+  exit 0
+fi
 if [ "${CASES:-layouts}" = threads ]; then
   # The WRITE split over 4 posting threads on 4 UCX workers (4 CUDA streams),
   # scatter-gather off (the best of the `ucx` set), on every layout.

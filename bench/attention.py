@@ -248,7 +248,7 @@ def topk_compare(args, roof, gen) -> dict:
     del g_logits
     kernels = [("fused 4096/16", lambda lg: tk.topk_slots(lg, lengths, TOPK, bt, return_positions=True,
                                                           method="fused", block=4096, num_warps=16))]
-    for cfg in ({}, {"sample": 1024}, {"seg": 2048, "block": 2048}, {"seg": 8192, "block": 4096}):
+    for cfg in ({}, {"seg": 4096}, {"sample": 1024}, {"seg": 8192, "block": 4096}):
         kernels.append((f"sampled {cfg or 'default'}",
                         lambda lg, cfg=cfg: tk.topk_slots_sampled(lg, lengths, TOPK, bt, return_positions=True, **cfg)))
     for name, fn in kernels:

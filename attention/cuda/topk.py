@@ -38,8 +38,9 @@ passes over the row), so the row is read twice by many programs and the radix
 select runs over a few thousand candidates held in registers. Four launches:
 
 1. threshold (one program per row): ``sample`` evenly spaced logits of the
-   row; their ``r``-th largest key, ``r = sample * (k + cap) / 2 / n``, is a
-   threshold ``t`` that about ``(k + cap) / 2`` of the row's logits reach.
+   row; the lowest key of the 16-bit bin holding their ``r``-th largest key,
+   ``r = sample * (k + cap) / 2 / n``, is a threshold ``t`` that about
+   ``(k + cap) / 2`` of the row's logits reach (two radix passes).
    Rows of ``<= cap`` logits take ``t = 0`` (every logit is a candidate).
 2. count (one program per (row, segment of ``seg`` logits)): the candidates
    (``key >= t``, not ``-inf``) of each segment.
@@ -109,21 +110,23 @@ def _pick_bin(hist, k_rem):
 
 
 @triton.jit
-def _radix_in_registers(key, m, K):
+def _radix_in_registers(key, m, K, PASSES: tl.constexpr = 4):
     """Radix select over one in-register block of uint32 keys (candidates: ``m``).
 
     Returns ``(prefix, shift, k_rem, take_all)``: the ``K``-th largest key's
     top digits ``prefix == key >> shift``, how many of the keys equal to it in
     those digits are still to be taken, and whether there are no more than
     ``K`` candidates (then all of them are taken). Same steps and early exit as
-    the fused kernel's streaming version.
+    the fused kernel's streaming version. ``PASSES < 4`` stops after that many
+    8-bit digits: ``prefix << shift`` is then a lower bound of the ``K``-th
+    largest key, not the key itself.
     """
     take_all = tl.sum(m.to(tl.int32), axis=0) <= K
     done = take_all
     prefix = tl.zeros([], dtype=tl.uint32)
     shift = tl.full([], 24, tl.int32)
     k_rem = K + tl.zeros([], dtype=tl.int32)
-    for p in tl.static_range(4):
+    for p in tl.static_range(PASSES):
         if done == 0:
             mp = m
             if p > 0:
@@ -270,9 +273,10 @@ def _sample_threshold(row_ptr, n, K, SAMPLE: tl.constexpr, CAP: tl.constexpr):
         # back to the fused select) ~4.6 sigma events at SAMPLE 2048, n 32k.
         mid = (K + CAP) // 2
         r = tl.minimum(tl.maximum((SAMPLE * mid) // n, 1), SAMPLE)
-        prefix, shift, k_rem, take_all = _radix_in_registers(key, key != NEG_INF_KEY, r)
-        # Whole bin taken or four digits chosen: the bin's lowest key is the
-        # r-th largest sample (or below it when the search stopped early).
+        # Two digits (16 bits: sign, exponent, 7 mantissa bits) are enough for
+        # a threshold: the bin's lowest key is at most ~1% of the value below
+        # the r-th largest sample, a few dozen extra candidates at 32k logits.
+        prefix, shift, k_rem, take_all = _radix_in_registers(key, key != NEG_INF_KEY, r, 2)
         thr = tl.where(take_all, 0, prefix << shift.to(tl.uint32))
     return thr
 
@@ -424,8 +428,9 @@ SAMPLED_MIN_LEN = 8192
 
 # The sampled kernels' defaults: a 2048-logit sample per row; up to 4096
 # candidates (2 x k for DeepSeek-V3.2's k = 2048); streaming passes over
-# segments of 4096 logits in tiles of 2048. To be measured (bench/attention.py).
-SAMPLED_DEFAULTS = {"sample": 2048, "cap": 4096, "seg": 4096, "block": 2048, "num_warps": 8}
+# segments of 2048 logits. H100, 128 rows x ~34k graph-replayed (docs/perf.md):
+# seg 2048 0.072 ms, 4096 0.073, 8192 0.085; 4 or 16 warps 0.097 / 0.092.
+SAMPLED_DEFAULTS = {"sample": 2048, "cap": 4096, "seg": 2048, "block": 2048, "num_warps": 8}
 
 
 def sampled_scratch_shapes(R: int, L: int, seg: int, cap: int) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call (~4-5 min on an H100): the transfer experiments that decide
 # issue 4's next step. Usage (device run, repo root, .devicewheels/nixl carried):
-#   [CASES=layouts|ucx|threads|ab] bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
+#   [CASES=layouts|ucx|threads|ab|receiver] bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
 # The host has torch but no nixl: its wheels come from .devicewheels/nixl
 # (../shared/offline-wheels, pack_wheels.py --groups nixl). Results land in $OUT.
 #
@@ -42,6 +42,18 @@ if [ "${CASES:-layouts}" = ab ]; then
     run_case ab${rep}_pm_threads8 60 "${B[@]}" --cache-layout page-major --layout runs "${TH[@]}" "$@"
     run_case ab${rep}_lm_base 60 "${B[@]}" --layout contiguous --ucx-sgl on "$@"
     run_case ab${rep}_lm_threads8 60 "${B[@]}" --layout contiguous "${TH[@]}" "$@"
+  done
+  echo "results: $OUT/*.txt, $OUT/*.json"
+  exit 0
+fi
+if [ "${CASES:-layouts}" = receiver ]; then
+  # 8 posting threads on both agents (today's KVLink) vs on the pushing agent
+  # only (the receiver never posts), interleaved, twice; layer-major contiguous.
+  B=(--warmup --reps 3 --stream-reps 3 --paths prep --tokens 32768 --inflight 8 --layout contiguous
+     --ucx-sgl off --ucx-threads 8 --ucx-param num_workers=8 --ucx-param split_batch_size=8)
+  for rep in 1 2; do
+    run_case rx${rep}_both 60 "${B[@]}" "$@"
+    run_case rx${rep}_pusher_only 60 "${B[@]}" --receiver-defaults "$@"
   done
   echo "results: $OUT/*.txt, $OUT/*.json"
   exit 0

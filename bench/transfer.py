@@ -86,6 +86,7 @@ class BenchConfig:
     ucx_threads: int = 0
     cache_layout: str = "layer-major"  # or "page-major": every layer's bytes of a page contiguous
     backend_params: tuple = ()  # (key, value) pairs: NIXL UCX backend init parameters
+    receiver_defaults: bool = False  # the decode agent keeps NIXL's defaults (no threads, params, SGL)
 
     @property
     def bytes_per_page(self) -> int:
@@ -150,9 +151,12 @@ class Side:
         if cfg.device == "cuda":
             torch.cuda.synchronize()
         compat = CompatInfo("bench/dsv32-shaped", cfg.layers, PAGE_SIZE, "fp8_656", "fp8_132", False)
+        if role == "decode" and cfg.receiver_defaults:
+            tuning = {}  # the receiver never posts: NIXL's defaults
+        else:
+            tuning = dict(ucx_sgl=cfg.ucx_sgl, num_threads=cfg.ucx_threads, backend_params=dict(cfg.backend_params))
         self.agent = TransferAgent(f"bench-{role}", self.regions, compat, progress_thread=cfg.progress_thread,
-                                   ucx_sgl=cfg.ucx_sgl, num_threads=cfg.ucx_threads,
-                                   backend_params=dict(cfg.backend_params))
+                                   **tuning)
         self.book = PeerBook(self.agent)
         self.pushers = {(path, m): Pusher(self.agent, self.book, merge=m, prepped=path == "prep")
                         for path in ("prep", "init") for m in (True, False)}
@@ -569,6 +573,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--ucx-threads", type=int, default=0, help="NIXL UCX posting threads (num_threads; default 0)")
     ap.add_argument("--ucx-param", action="append", default=[], metavar="KEY=VALUE",
                     help="NIXL UCX backend init parameter (num_workers, split_batch_size, ...); repeatable")
+    ap.add_argument("--receiver-defaults", action="store_true",
+                    help="the UCX settings above apply to the prefill (pushing) agent only")
     ap.add_argument("--no-verify", action="store_true", help="skip the page checksum comparison")
     ap.add_argument("--deadline", type=float, default=120.0, help="per-request deadline, seconds")
     ap.add_argument("--no-progress-thread", action="store_true",
@@ -597,7 +603,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     base = BenchConfig(args.device, pre_dev, dec_dev, args.layers, args.mla_bytes, args.index_bytes, pool,
                        args.layout, args.deadline, not args.no_progress_thread, ucx_threads=args.ucx_threads,
                        cache_layout=cache_layout,
-                       backend_params=tuple(tuple(kv.split("=", 1)) for kv in args.ucx_param))
+                       backend_params=tuple(tuple(kv.split("=", 1)) for kv in args.ucx_param),
+                       receiver_defaults=args.receiver_defaults)
     verify = not args.no_verify
     sgl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.ucx_sgl]
 

@@ -225,6 +225,19 @@ def topk_tuning(logits, lengths, bt_rows, t_torch) -> list[dict]:
     return out
 
 
+def _prefill_index_inputs(args):
+    """One prefill chunk's indexer inputs: ``--prefill-tokens`` causal rows at the
+    end of a ``--prefill-kv``-token context -> (q [s, 64, 128], weights [s, 64],
+    keys [s_kv, 128] f32, ks, ke int32 [s])."""
+    s, s_kv = args.prefill_tokens, args.prefill_kv
+    q_idx = torch.randn(s, H_INDEX, D_INDEX, device="cuda")
+    w = torch.rand(s, H_INDEX, device="cuda")
+    k_idx = torch.randn(s_kv, D_INDEX, device="cuda")
+    ks = torch.zeros(s, dtype=torch.int32, device="cuda")
+    ke = torch.arange(s_kv - s + 1, s_kv + 1, dtype=torch.int32, device="cuda")
+    return q_idx, w, k_idx, ks, ke
+
+
 def topk_compare(args, roof, gen) -> dict:
     """The three top-k kernels on the same logits, checked equal bit for bit:
     decode (next_n = 1 paged logits of ``--batch`` requests) and prefill
@@ -280,12 +293,8 @@ def topk_compare(args, roof, gen) -> dict:
     torch.cuda.empty_cache()
 
     # prefill: the logits of one ragged chunk (causal rows at the end of the context)
-    s, s_kv = args.prefill_tokens, args.prefill_kv
-    q_idx = torch.randn(s, H_INDEX, D_INDEX, device="cuda")
-    wp = torch.rand(s, H_INDEX, device="cuda")
-    k_idx = torch.randn(s_kv, D_INDEX, device="cuda")
-    ks = torch.zeros(s, dtype=torch.int32, device="cuda")
-    ke = torch.arange(s_kv - s + 1, s_kv + 1, dtype=torch.int32, device="cuda")
+    s = args.prefill_tokens
+    q_idx, wp, k_idx, ks, ke = _prefill_index_inputs(args)
     lg = cl.ragged_mqa_logits(q_idx, k_idx, None, wp, ks, ke)
     want = tk.topk_positions(lg, ke, TOPK, method="fused", block=2048, num_warps=8)
     for name, fn in (("fused 2048/8", lambda: tk.topk_positions(lg, ke, TOPK, method="fused", block=2048,
@@ -339,11 +348,7 @@ def layer_prefill(args, roof, gen) -> dict:
     from attention.cuda import mla
 
     s, s_kv = args.prefill_tokens, args.prefill_kv
-    q_idx = torch.randn(s, H_INDEX, D_INDEX, device="cuda")
-    w = torch.rand(s, H_INDEX, device="cuda")
-    k_idx = torch.randn(s_kv, D_INDEX, device="cuda")
-    ks = torch.zeros(s, dtype=torch.int32, device="cuda")
-    ke = torch.arange(s_kv - s + 1, s_kv + 1, dtype=torch.int32, device="cuda")
+    q_idx, w, k_idx, ks, ke = _prefill_index_inputs(args)
     q = torch.randn(s, 128, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(s_kv, 1, 576, device="cuda", dtype=torch.bfloat16)
     scale = 576 ** -0.5

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any, AsyncIterator
 
@@ -30,7 +29,7 @@ from ray import serve
 from deployments.app_config import AppConfig
 from deployments.decode_engine import DecodeEngine, Reserved, error_output
 from deployments.metrics import DecodeMetrics
-from deployments.peer_sync import PeerSync
+from deployments.pool_server import PoolServer
 from deployments.replica_build import build_decode_worker
 from workers.engine import RequestOutput
 from workers.prefill_worker import PrefillResult, PrefillTask
@@ -43,47 +42,22 @@ PEER_WAIT_S = 300.0
 """How long a new decode replica waits for a prefill peer before it reports ready anyway."""
 
 
-class DecodeServer:
+class DecodeServer(PoolServer):
     async def __init__(self, app_args: dict[str, Any], model_dir: str, directory, prefill):
         cfg = AppConfig.model_validate(app_args)
         self.prefill = prefill
         self.worker_id = f"decode-{serve.get_replica_context().replica_id.unique_id}"
         worker = await asyncio.to_thread(build_decode_worker, cfg, model_dir, self.worker_id)
-        self.engine = DecodeEngine(worker)
-        self.agent = self.engine.agent_name
-        self.offer = worker.link.peers.offer().to_bytes()  # before the thread starts: nothing else uses the agent yet
-        self.engine.start()
-        self.metrics = DecodeMetrics()
-        self.sync = PeerSync(directory, "decode", self.worker_id, self.agent, self.offer, self._stats,
-                             learn=self._learn, forget=self._forget,
-                             extra={"warmup_page": self.engine.warmup_page, "pid": os.getpid()})
-        await self.sync.start()
+        engine = DecodeEngine(worker)
+        self.offer = await self._start(engine, worker, "decode", DecodeMetrics(), directory,
+                                       {"warmup_page": engine.warmup_page})
         # Ready = able to serve: at least one prefill replica handshaked (and
         # warmed up by it), unless prefill takes unusually long to come up.
         if not await self.sync.wait_for_peer(PEER_WAIT_S):
             log.warning("decode %s: no prefill replica after %.0fs; serving anyway", self.agent, PEER_WAIT_S)
 
-    def _stats(self) -> dict[str, Any]:
-        stats = self.engine.stats
-        self.metrics.safe_update(stats)
-        return stats
-
     async def _learn(self, entry: dict[str, Any]) -> None:
         await self.engine.call(self.engine.learn_peer, entry["offer"])
-
-    async def _forget(self, agent: str) -> None:
-        await self.engine.call(self.engine.forget_peer, agent)
-
-    # ----------------------------------------------------------- Serve hooks
-    def record_routing_stats(self) -> dict[str, Any]:
-        return dict(self.engine.stats)
-
-    def check_health(self) -> None:
-        self.engine.check()
-
-    async def __del__(self):
-        await self.sync.stop()
-        self.engine.stop()
 
     # -------------------------------------------------------------- requests
     async def _await_prefill(self, task: PrefillTask, response) -> None:

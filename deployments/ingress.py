@@ -269,9 +269,37 @@ class OpenAIIngress:
     def _include_usage(self, job: _Job) -> bool:
         return job.body.stream_options is not None and job.body.stream_options.include_usage
 
-    async def _completion_events(self, job: _Job, first: RequestOutput) -> AsyncIterator[str]:
-        offset = 0
+    def _completion_events(self, job: _Job, first: RequestOutput) -> AsyncIterator[str]:
+        offset = 0  # characters of text streamed so far: the logprobs' text offsets
+
+        def chunk(out: RequestOutput, delta: str) -> CompletionChunk:
+            nonlocal offset
+            lp = None
+            if job.want_logprobs:
+                lp = job.completion_logprobs(out.token_ids, out.logprobs, offset)
+                offset += sum(len(t) for t in lp.tokens)
+            return CompletionChunk(id=job.id, model=self.model_name, choices=[
+                CompletionChoice(text=delta, logprobs=lp, finish_reason=job.finish_reason)])
+
+        return self._events(job, first, CompletionChunk, chunk)
+
+    def _chat_events(self, job: _Job, first: RequestOutput) -> AsyncIterator[str]:
+        def chunk(out: RequestOutput, delta: str) -> ChatCompletionChunk:
+            lp = job.chat_logprobs(out.token_ids, out.logprobs) if job.want_logprobs else None
+            return ChatCompletionChunk(id=job.id, model=self.model_name, choices=[
+                ChatChunkChoice(delta=ChatDelta(content=delta), logprobs=lp, finish_reason=job.finish_reason)])
+
+        role = ChatCompletionChunk(id=job.id, model=self.model_name, choices=[
+            ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
+        return self._events(job, first, ChatCompletionChunk, chunk, opening=role)
+
+    async def _events(self, job: _Job, first: RequestOutput, chunk_type, chunk, opening=None) -> AsyncIterator[str]:
+        """The SSE stream of one request: ``opening`` (if any), ``chunk(out, delta)``
+        per output with new text (or logprobs, or the finish), an error event if
+        the engine failed it, the usage chunk when asked for, ``[DONE]``."""
         try:
+            if opening is not None:
+                yield sse_event(opening)
             async for out in self._outputs(job, first):
                 if out.finish_reason == "error":
                     yield sse_event(output_error(out).to_response())
@@ -279,34 +307,9 @@ class OpenAIIngress:
                 delta = job.take(out)
                 if not delta and not out.finished and not job.want_logprobs:
                     continue  # text held back (partial character or stop-string prefix)
-                lp = None
-                if job.want_logprobs:
-                    lp = job.completion_logprobs(out.token_ids, out.logprobs, offset)
-                    offset += sum(len(t) for t in lp.tokens)
-                yield sse_event(CompletionChunk(id=job.id, model=self.model_name, choices=[
-                    CompletionChoice(text=delta, logprobs=lp, finish_reason=job.finish_reason)]))
+                yield sse_event(chunk(out, delta))
             if self._include_usage(job):
-                yield sse_event(CompletionChunk(id=job.id, model=self.model_name, choices=[], usage=job.usage()))
+                yield sse_event(chunk_type(id=job.id, model=self.model_name, choices=[], usage=job.usage()))
             yield SSE_DONE
         finally:
             job.responses.cancel()  # a no-op once finished; frees the pages when the client left
-
-    async def _chat_events(self, job: _Job, first: RequestOutput) -> AsyncIterator[str]:
-        try:
-            yield sse_event(ChatCompletionChunk(id=job.id, model=self.model_name, choices=[
-                ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]))
-            async for out in self._outputs(job, first):
-                if out.finish_reason == "error":
-                    yield sse_event(output_error(out).to_response())
-                    break
-                delta = job.take(out)
-                if not delta and not out.finished and not job.want_logprobs:
-                    continue  # text held back (partial character or stop-string prefix)
-                lp = job.chat_logprobs(out.token_ids, out.logprobs) if job.want_logprobs else None
-                yield sse_event(ChatCompletionChunk(id=job.id, model=self.model_name, choices=[
-                    ChatChunkChoice(delta=ChatDelta(content=delta), logprobs=lp, finish_reason=job.finish_reason)]))
-            if self._include_usage(job):
-                yield sse_event(ChatCompletionChunk(id=job.id, model=self.model_name, choices=[], usage=job.usage()))
-            yield SSE_DONE
-        finally:
-            job.responses.cancel()

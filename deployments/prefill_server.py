@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 from ray import serve
 
 from deployments.app_config import AppConfig
 from deployments.metrics import PoolMetrics
-from deployments.peer_sync import PeerSync
+from deployments.pool_server import PoolServer
 from deployments.prefill_engine import PrefillEngine
 from deployments.replica_build import build_prefill_worker
 from workers.prefill_worker import PrefillResult, PrefillTask
@@ -28,45 +27,21 @@ from workers.prefill_worker import PrefillResult, PrefillTask
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
 
 
-class PrefillServer:
+class PrefillServer(PoolServer):
     async def __init__(self, app_args: dict[str, Any], model_dir: str, directory):
         cfg = AppConfig.model_validate(app_args)
         self.worker_id = f"prefill-{serve.get_replica_context().replica_id.unique_id}"
         worker = await asyncio.to_thread(build_prefill_worker, cfg, model_dir, self.worker_id)
-        self.engine = PrefillEngine(worker, warm_up=cfg.transfer.warmup_at_start)
-        self.agent = self.engine.agent_name
-        offer = worker.link.peers.offer().to_bytes()  # before the thread starts: nothing else uses the agent yet
-        self.engine.start()
-        self.metrics = PoolMetrics("prefill")
-        self.sync = PeerSync(directory, "prefill", self.worker_id, self.agent, offer, self._stats,
-                             learn=self._learn, forget=self._forget, extra={"pid": os.getpid()})
-        await self.sync.start()
-
-    def _stats(self) -> dict[str, Any]:
-        stats = self.engine.stats
-        self.metrics.safe_update(stats)
-        return stats
+        await self._start(PrefillEngine(worker, warm_up=cfg.transfer.warmup_at_start), worker, "prefill",
+                          PoolMetrics("prefill"), directory, {})
 
     async def _learn(self, entry: dict[str, Any]) -> None:
         await self.engine.call(self.engine.learn_peer, entry["offer"], entry.get("extra", {}).get("warmup_page"))
-
-    async def _forget(self, agent: str) -> None:
-        await self.engine.call(self.engine.forget_peer, agent)
 
     # ----------------------------------------------------------- Serve hooks
     def record_replica_metadata(self) -> dict[str, Any]:
         """Static: the agent name, so the prefill router can match it against the caller's peer book."""
         return {"agent": self.agent, "worker_id": self.worker_id}
-
-    def record_routing_stats(self) -> dict[str, Any]:
-        return dict(self.engine.stats)
-
-    def check_health(self) -> None:
-        self.engine.check()
-
-    async def __del__(self):
-        await self.sync.stop()
-        self.engine.stop()
 
     # -------------------------------------------------------------- requests
     async def prefill(self, task: PrefillTask, decode_offer: bytes | None = None,

@@ -31,18 +31,28 @@ def compat_info(model_dir: str | Path, cache: PagedKVCache, has_mtp: bool) -> Co
 
 # NIXL / UCX settings of an agent whose cache is in GPU memory. UCX's
 # cuda_ipc issues every copy to one peer GPU from one UCX worker on one CUDA
-# stream; splitting each WRITE over 8 posting threads on 8 UCX workers gives it
-# 8 streams. H100, two processes, streams of 32k-token DeepSeek-V3.2 requests
-# 8 in flight (docs/perf.md): 0.58-0.93 of the device copy vs 0.53-0.55 with
-# one thread and scatter-gather offload (the previous setting), 0.43-0.77 vs
-# 0.40-0.48 on the layer-major pool. Scatter-gather is off: with the threads it
-# measured no better (0.86 vs 0.88 at 4 threads), and on DRAM UCX only
-# emulates it. CPU (DRAM) agents keep NIXL's defaults.
-GPU_PUSH_TUNING = {
-    "ucx_sgl": False,
-    "num_threads": 8,
-    "backend_params": {"num_workers": "8", "split_batch_size": "8"},
-}
+# stream; splitting each WRITE over N posting threads on N UCX workers gives it
+# N streams. Streams of 32k-token DeepSeek-V3.2 requests, 8 in flight
+# (docs/perf.md), 8 threads: 2 x H200 0.91-0.93 of a peer copy (one thread with
+# scatter-gather offload, the previous setting: 0.68-0.73); one H100 0.58-0.94
+# of a device copy on the page-major layout, 0.43-0.77 on the layer-major one
+# (previous: 0.53-0.56 / 0.40-0.48). Scatter-gather is off with threads: it
+# measured no better (0.86 vs 0.88 at 4 threads). CPU (DRAM) agents keep
+# NIXL's defaults (UCX only emulates scatter-gather there).
+DEFAULT_PUSH_THREADS = 8
+
+
+def gpu_push_tuning(threads: int | None = None) -> dict:
+    """`TransferAgent` keyword arguments for a GPU cache: ``threads`` posting
+    threads on as many UCX workers (None: `DEFAULT_PUSH_THREADS`); 0: one
+    thread with UCX scatter-gather offload."""
+    threads = DEFAULT_PUSH_THREADS if threads is None else int(threads)
+    if threads < 0:
+        raise ValueError(f"push threads must be >= 0, got {threads}")
+    if threads == 0:
+        return {"ucx_sgl": True}
+    return {"ucx_sgl": False, "num_threads": threads,
+            "backend_params": {"num_workers": str(threads), "split_batch_size": "8"}}
 
 
 @dataclass
@@ -52,10 +62,11 @@ class KVLink:
 
     @classmethod
     def create(cls, worker_id: str, model_dir: str | Path, cache: PagedKVCache, has_mtp: bool,
-               epoch: int | None = None) -> "KVLink":
-        """``epoch``: None for a fresh one; the ranks of a tensor-parallel replica share one."""
+               epoch: int | None = None, push_threads: int | None = None) -> "KVLink":
+        """``epoch``: None for a fresh one; the ranks of a tensor-parallel replica share one.
+        ``push_threads``: see `gpu_push_tuning` (GPU caches only)."""
         on_gpu = cache.regions()[0].tensor.is_cuda
-        tuning = GPU_PUSH_TUNING if on_gpu else {}
+        tuning = gpu_push_tuning(push_threads) if on_gpu else {}
         agent = TransferAgent(worker_id, cache.regions(), compat_info(model_dir, cache, has_mtp), epoch=epoch,
                               **tuning)
         return cls(agent, PeerBook(agent))

@@ -50,6 +50,7 @@ class RankSpec:
     num_pages: int = 512
     hadamard: bool = False
     with_mtp: bool = True
+    push_threads: int | None = None  # the KV link's posting threads (workers.kv_link.gpu_push_tuning)
 
 
 def move_to(obj, device: torch.device):
@@ -151,7 +152,7 @@ class RankWorker:
     def open_link(self, worker_id: str, epoch: int) -> bytes:
         """Register this rank's caches with a NIXL agent ``worker_id@epoch``; returns its handshake offer."""
         self.link = KVLink.create(worker_id, self.spec.model_dir, self.cache, has_mtp=len(self.model.mtp) > 0,
-                                  epoch=epoch)
+                                  epoch=epoch, push_threads=self.spec.push_threads)
         self.pusher = self.link.pusher()
         # Decode pages come back to the driver's pool, not here: record them for the next answer.
         self._released: list[tuple[int, ...]] = []

@@ -352,20 +352,23 @@ def layer_prefill(args, roof, gen) -> dict:
     q = torch.randn(s, 128, 576, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(s_kv, 1, 576, device="cuda", dtype=torch.bfloat16)
     scale = 576 ** -0.5
-    pos, _ = lg.ragged_topk(q_idx, k_idx, None, w, ks, ke, TOPK)
+    # The two top-k kernels named explicitly (ragged_topk's default picks one of them).
+    fused = {"method": "fused", "block": 2048, "num_warps": 8}
+    sampled = {"method": "sampled"}
+    pos, _ = lg.ragged_topk(q_idx, k_idx, None, w, ks, ke, TOPK, topk_config=fused)
     idx = pos[:, None, :].contiguous()
 
-    def layer(method):
-        p, _ = lg.ragged_topk(q_idx, k_idx, None, w, ks, ke, TOPK, topk_method=method)
+    def layer(cfg):
+        p, _ = lg.ragged_topk(q_idx, k_idx, None, w, ks, ke, TOPK, topk_config=cfg)
         mla.sparse_mla_prefill(q, kv, p[:, None, :], scale, 512)
 
     t_logits = bench(lambda: lg.ragged_mqa_logits(q_idx, k_idx, None, w, ks, ke))
-    t_index = bench(lambda: lg.ragged_topk(q_idx, k_idx, None, w, ks, ke, TOPK))
-    t_index_sampled = bench(lambda: lg.ragged_topk(q_idx, k_idx, None, w, ks, ke, TOPK, topk_method="sampled"))
-    same = torch.equal(lg.ragged_topk(q_idx, k_idx, None, w, ks, ke, TOPK, topk_method="sampled")[0], pos)
+    t_index = bench(lambda: lg.ragged_topk(q_idx, k_idx, None, w, ks, ke, TOPK, topk_config=fused))
+    t_index_sampled = bench(lambda: lg.ragged_topk(q_idx, k_idx, None, w, ks, ke, TOPK, topk_config=sampled))
+    same = torch.equal(lg.ragged_topk(q_idx, k_idx, None, w, ks, ke, TOPK, topk_config=sampled)[0], pos)
     t_attn = bench(lambda: mla.sparse_mla_prefill(q, kv, idx, scale, 512))
-    t_layer = bench(lambda: layer(None))
-    t_layer_sampled = bench(lambda: layer("sampled"))
+    t_layer = bench(lambda: layer(fused))
+    t_layer_sampled = bench(lambda: layer(sampled))
     flop = 2 * s * 128 * TOPK * (576 + 512)
     # The indexer's own FLOPs (fp8): each row's causal keys x 64 heads x 128 dims.
     idx_flop = 2 * int((ke - ks).sum()) * H_INDEX * D_INDEX

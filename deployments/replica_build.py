@@ -126,10 +126,7 @@ def build_decode_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: st
                             mtp_draft_tokens=pool_cfg.mtp_draft_tokens)
     engine = Engine(p.runner, p.pool, sched, p.model.cfg.eos_token_ids, app_cfg.features.mtp_topk_reuse,
                     detokenize=detokenizer(model_dir))
-    wanted = pool_cfg.cuda_graphs
-    if wanted is None and pool_cfg.tensor_parallel_size > 1:
-        wanted = False  # not built for rank workers yet (workers/rank_group.py)
-    if graphs_wanted(wanted, pool_cfg.backend, pool_cfg.device):
+    if graphs_wanted(pool_cfg.cuda_graphs, pool_cfg.backend, pool_cfg.device, pool_cfg.tensor_parallel_size):
         engine.enable_cuda_graphs(pool_cfg.cuda_graph_max_context
                                   or default_graph_context(p.model.cfg, pool_cfg.num_pages))
     return DecodeWorker(engine, p.link, deadline_s=app_cfg.transfer.deadline_s)

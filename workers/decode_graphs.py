@@ -51,10 +51,15 @@ def graph_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def graphs_wanted(setting: bool | None, backend: str, device: str | torch.device) -> bool:
+def graphs_wanted(setting: bool | None, backend: str, device: str | torch.device, tp_size: int = 1) -> bool:
     """Whether decode steps are captured: ``setting`` when given (True on a
     non-CUDA device is an error), else on for the cuda backend on a GPU (the
-    reference backend reads values back to the host and cannot be captured)."""
+    reference backend reads values back to the host and cannot be captured).
+    Never with ``tp_size > 1`` (not built for rank workers yet; True is an error)."""
+    if tp_size > 1:
+        if setting:
+            raise ValueError("cuda_graphs with tp_size > 1 are not built yet")
+        return False
     on_gpu = torch.device(device).type == "cuda"
     if setting is None:
         return on_gpu and backend == "cuda"

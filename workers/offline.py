@@ -59,10 +59,8 @@ class LLM:
         # mode it is skipped, as in transformers' reference.
         hadamard = kv_cache_dtype == "fp8" if hadamard is None else hadamard
         self.groups: list[RankGroup] = []
+        want_graphs = graphs_wanted(cuda_graphs, backend, device, tp_size)  # before any rank worker starts
         if tp_size > 1:
-            if cuda_graphs:
-                raise ValueError("cuda_graphs with tp_size > 1 are not built yet")
-            cuda_graphs = False
             rank_spec = RankSpec(str(self.model_dir), backend, device, dtype, kv_cache_dtype, num_pages, hadamard)
             self.groups.append(RankGroup(rank_spec, tp_size))
             self.model, self.runner, self.cache = self.groups[0].model, self.groups[0].runner, None
@@ -75,7 +73,7 @@ class LLM:
         sched = SchedulerConfig(max_batch_size=max_batch_size, chunk_size=chunk_size, mtp_draft_tokens=mtp_draft_tokens)
         self.engine = Engine(self.runner, self.pool, sched, self.cfg.eos_token_ids, mtp_topk_reuse,
                              detokenize=self._detokenizer())
-        if graphs_wanted(cuda_graphs, backend, device):
+        if want_graphs:
             self.engine.enable_cuda_graphs(cuda_graph_max_context or default_graph_context(self.cfg, num_pages))
         self._next_id = 0
         self.pd = None

@@ -488,7 +488,7 @@ def ragged_topk(
     block_table_rows: torch.Tensor | None = None,
     *,
     logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
-    topk_method: str | None = None,
+    topk_config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged logits + top-k, chunk by chunk: ``ragged_mqa_logits`` then ``topk_slots`` without ``[S, N]``.
 
@@ -496,7 +496,7 @@ def ragged_topk(
     reference's ``topk_slots(ragged_mqa_logits(...), ke, topk, block_table_rows)``
     would (positions index the packed keys; ascending, ``-1`` padded; slots
     through ``block_table_rows [S, max_pages]``, or the positions when None).
-    ``topk_method``: the top-k kernel (``topk.METHODS``); None: :data:`PREFILL_TOPK`.
+    ``topk_config``: keyword arguments of ``topk_positions`` (``method``, ...); None: :data:`PREFILL_TOPK`.
     """
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
@@ -508,8 +508,7 @@ def ragged_topk(
             continue
         logits = _chunk_logits(q8, k8, ksc, w, ks_d, ke_d, c)
         lengths = (ke_d[c.r0:c.r1] - c.k0).clamp(0, c.k1 - c.k0).to(torch.int32)
-        pos = topk_positions(logits, lengths, topk, **(PREFILL_TOPK if topk_method is None
-                                                        else {"method": topk_method}))
+        pos = topk_positions(logits, lengths, topk, **(PREFILL_TOPK if topk_config is None else topk_config))
         positions[c.r0:c.r1] = torch.where(pos >= 0, pos + c.k0, -1)
     if block_table_rows is None:
         return positions, positions.clone()

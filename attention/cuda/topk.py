@@ -259,14 +259,20 @@ def _topk_kernel(
 
 
 @triton.jit
-def _sample_threshold(row_ptr, n, K, SAMPLE: tl.constexpr, CAP: tl.constexpr):
-    """The row's candidate threshold key (uint32): about ``(K + CAP) / 2`` of its
-    ``n`` logits are ``>= t``, estimated from ``SAMPLE`` evenly spaced logits."""
+def _sample_threshold_kernel(
+    logits_ptr, logits_stride, L, lengths_ptr, K, thr_ptr,
+    SAMPLE: tl.constexpr, CAP: tl.constexpr,
+):
+    """Per row: the candidate threshold key ``thr[row]`` (uint32 bits): about
+    ``(K + CAP) / 2`` of its logits are ``>= t``, estimated from ``SAMPLE``
+    evenly spaced logits."""
+    row = tl.program_id(0)
+    n = tl.maximum(tl.minimum(tl.load(lengths_ptr + row), L), 0)
     thr = tl.zeros([], dtype=tl.uint32)  # rows of <= CAP logits: every one is a candidate
     if n > CAP:
         i = tl.arange(0, SAMPLE)
         pos = (i.to(tl.int64) * n) // SAMPLE  # distinct when n >= SAMPLE
-        key = float_order_key(tl.load(row_ptr + pos))
+        key = float_order_key(tl.load(logits_ptr + row.to(tl.int64) * logits_stride + pos))
         # The sample's r-th largest key, r = SAMPLE * mid / n: about `mid`
         # logits of the row are >= it. Centring the expected count between K
         # and CAP makes both misses (fewer than K, more than CAP: the row falls
@@ -278,18 +284,6 @@ def _sample_threshold(row_ptr, n, K, SAMPLE: tl.constexpr, CAP: tl.constexpr):
         # the r-th largest sample, a few dozen extra candidates at 32k logits.
         prefix, shift, k_rem, take_all = _radix_in_registers(key, key != NEG_INF_KEY, r, 2)
         thr = tl.where(take_all, 0, prefix << shift.to(tl.uint32))
-    return thr
-
-
-@triton.jit
-def _sample_threshold_kernel(
-    logits_ptr, logits_stride, L, lengths_ptr, K, thr_ptr,
-    SAMPLE: tl.constexpr, CAP: tl.constexpr,
-):
-    """Per row: :func:`_sample_threshold` -> ``thr[row]``."""
-    row = tl.program_id(0)
-    n = tl.maximum(tl.minimum(tl.load(lengths_ptr + row), L), 0)
-    thr = _sample_threshold(logits_ptr + row.to(tl.int64) * logits_stride, n, K, SAMPLE, CAP)
     tl.store(thr_ptr + row, thr.to(tl.int32, bitcast=True))
 
 

@@ -165,6 +165,26 @@ def offline_greedy_texts(args, cache_dir: Path, prompts: list[list[int]], tokens
         torch.set_num_threads(threads)
 
 
+def served_and_offline_fixtures(tag: str, config_name: str, raw_args: dict, args, prompts: list[list[int]],
+                                tokens: int):
+    """Module-scoped ``server`` (``config_name`` under ``serve run``, stopped at
+    the end) and ``reference`` (offline single-process greedy texts of
+    ``prompts``, made while the server starts) fixtures; bind them at module level."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory):
+        proc = serve_args(tmp_path_factory.mktemp(tag), config_name, raw_args)
+        yield proc
+        proc.stop()
+
+    @pytest.fixture(scope="module")
+    def reference(server, tmp_path_factory) -> list[str]:
+        return offline_greedy_texts(args, tmp_path_factory.mktemp("ref"), prompts, tokens)
+
+    return server, reference
+
+
 def stats(server: "ServeProcess") -> dict:
     """The app's ``/stats`` (every prefill and decode replica's snapshot)."""
     return httpx.get(server.url + "/stats", timeout=10).json()

@@ -19,7 +19,7 @@ import pytest
 
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import merged, yaml_args
-from tests.deployments.serve_process import offline_greedy_texts, serve_args, stats, wait_until
+from tests.deployments.serve_process import served_and_offline_fixtures, stats, wait_until
 from tests.deployments.test_serve_app import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -47,17 +47,7 @@ def pools_whole(server):
             and all(e["stats"]["free_pages"] == ARGS.decode.num_pages - 1 for e in s["decode"]) and s)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = serve_args(tmp_path_factory.mktemp("serve-multi"), "tiny_pd_2x2.yaml", RAW)
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(server, tmp_path_factory) -> list[str]:
-    """Offline single-process greedy text (made while the server starts)."""
-    return offline_greedy_texts(ARGS, tmp_path_factory.mktemp("ref"), PROMPTS, TOKENS)
+server, reference = served_and_offline_fixtures("serve-multi", "tiny_pd_2x2.yaml", RAW, ARGS, PROMPTS, TOKENS)
 
 
 @pytest.fixture(scope="module")

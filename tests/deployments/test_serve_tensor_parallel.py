@@ -19,7 +19,7 @@ import pytest
 
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import merged, yaml_args
-from tests.deployments.serve_process import offline_greedy_texts, serve_args, stats
+from tests.deployments.serve_process import served_and_offline_fixtures, stats
 from tests.deployments.test_serve_app import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -34,17 +34,7 @@ PROMPTS = [prompt_ids(n, seed=700 + n) for n in (150, 7, 64, 90)]
 TOKENS = 10
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = serve_args(tmp_path_factory.mktemp("serve-tp"), "tiny_pd_tp2.yaml", RAW)
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(server, tmp_path_factory) -> list[str]:
-    """Offline single-process greedy text (made while the server starts)."""
-    return offline_greedy_texts(ARGS, tmp_path_factory.mktemp("ref"), PROMPTS, TOKENS)
+server, reference = served_and_offline_fixtures("serve-tp", "tiny_pd_tp2.yaml", RAW, ARGS, PROMPTS, TOKENS)
 
 
 def test_tp2_pools_answer_like_the_offline_engine(server, reference):

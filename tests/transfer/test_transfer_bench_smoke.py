@@ -10,16 +10,21 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_bench_transfer_cpu_smoke(tmp_path):
+def run_bench(tmp_path, *args: str) -> tuple[str, dict]:
+    """``bench/transfer.py --device cpu --layers 3 ARGS --json``: its stdout and JSON report (it must succeed)."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "transfer.py"), "--device", "cpu", "--layers", "3",
-           "--tokens", "256,1000", "--reps", "1", "--warmup", "--warmup-repeat", "4", "--ucx-sgl", "both",
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "transfer.py"), "--device", "cpu", "--layers", "3", *args,
            "--json", str(out)]
     env = dict(os.environ, UCX_NET_DEVICES="lo")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "fraction_of_copy" in proc.stdout and "verified" in proc.stdout
-    report = json.loads(out.read_text())
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_bench_transfer_cpu_smoke(tmp_path):
+    stdout, report = run_bench(tmp_path, "--tokens", "256,1000", "--reps", "1", "--warmup", "--warmup-repeat", "4",
+                               "--ucx-sgl", "both")
+    assert "fraction_of_copy" in stdout and "verified" in stdout
     # Per UCX scatter-gather setting (a fresh pair each): prepared path merged / unmerged, unprepared merged.
     assert [m["ucx_sgl"] for m in report["modes"]] == [False, True]
     assert [(r["ucx_sgl"], r["tokens"], r["path"], r["merge"]) for r in report["rows"]] == [
@@ -36,15 +41,10 @@ def test_bench_transfer_cpu_smoke(tmp_path):
 
 
 def test_bench_transfer_cpu_page_major_and_inflight_stream(tmp_path):
-    out = tmp_path / "bench.json"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "transfer.py"), "--device", "cpu", "--layers", "3",
-           "--tokens", "1000", "--reps", "1", "--ucx-sgl", "off", "--layout", "page-major", "--paths", "prep,flat",
-           "--inflight", "2", "--stream", "3", "--stream-reps", "1", "--json", str(out)]
-    env = dict(os.environ, UCX_NET_DEVICES="lo")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "stream: 3 requests back to back, at most 2 outstanding" in proc.stdout and "verified" in proc.stdout
-    report = json.loads(out.read_text())
+    stdout, report = run_bench(tmp_path, "--tokens", "1000", "--reps", "1", "--ucx-sgl", "off", "--layout",
+                               "page-major", "--paths", "prep,flat", "--inflight", "2", "--stream", "3",
+                               "--stream-reps", "1")
+    assert "stream: 3 requests back to back, at most 2 outstanding" in stdout and "verified" in stdout
     # --layout page-major: one region per side holding every layer's bytes of a page, random page ids.
     assert (report["config"]["cache_layout"], report["config"]["layout"]) == ("page-major", "random")
     assert [(r["path"], r["merge"]) for r in report["rows"]] == [("prep", True), ("prep", False)]
@@ -60,16 +60,10 @@ def test_bench_transfer_cpu_posting_threads(tmp_path):
     """The GPU push setting's NIXL parameters (posting threads on several UCX
     workers, each WRITE split over them) on real NIXL between two processes:
     every page lands (the bench verifies each region's checksum)."""
-    out = tmp_path / "bench.json"
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "transfer.py"), "--device", "cpu", "--layers", "3",
-           "--tokens", "1000", "--reps", "2", "--ucx-sgl", "off", "--paths", "prep", "--ucx-threads", "2",
-           "--ucx-param", "num_workers=2", "--ucx-param", "split_batch_size=8", "--inflight", "2", "--stream", "4",
-           "--stream-reps", "1", "--json", str(out)]
-    env = dict(os.environ, UCX_NET_DEVICES="lo")
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "verified" in proc.stdout and "UCX backend params {'num_workers': '2', 'split_batch_size': '8'}" in proc.stdout
-    report = json.loads(out.read_text())
+    stdout, report = run_bench(tmp_path, "--tokens", "1000", "--reps", "2", "--ucx-sgl", "off", "--paths", "prep",
+                               "--ucx-threads", "2", "--ucx-param", "num_workers=2", "--ucx-param",
+                               "split_batch_size=8", "--inflight", "2", "--stream", "4", "--stream-reps", "1")
+    assert "verified" in stdout and "UCX backend params {'num_workers': '2', 'split_batch_size': '8'}" in stdout
     assert report["config"]["ucx_threads"] == 2
     # Enough descriptors for NIXL to split the WRITE (>= split_batch_size).
     assert all(r["descriptors"] >= 8 for r in report["rows"]) and report["streams"][0]["requests"] == 4

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call (~4-5 min on an H100): the transfer experiments that decide
 # issue 4's next step. Usage (device run, repo root, .devicewheels/nixl carried):
-#   [CASES=layouts|ucx|threads|ab|receiver] bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
+#   [CASES=layouts|ucx|threads|ab|receiver|single] bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
 # The host has torch but no nixl: its wheels come from .devicewheels/nixl
 # (../shared/offline-wheels, pack_wheels.py --groups nixl). Results land in $OUT.
 #
@@ -24,12 +24,30 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 } 2>&1 | tee "$OUT/versions.txt"
 
 COMMON=(--warmup --ucx-sgl on --tokens 8192,32768 --reps 5 --stream-reps 3)
+{ nproc; lscpu 2>/dev/null | grep -E "Model name|Thread\(s\)|Core\(s\)|Socket|NUMA node\(s\)"; } | tee -a "$OUT/versions.txt"
 run_case() {  # name, timeout seconds, bench args...
   local name=$1 limit=$2; shift 2
   echo "=== $name: bench/transfer.py $*" | tee "$OUT/$name.txt"
-  timeout "$limit" python3 bench/transfer.py "$@" --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/$name.txt" | grep -v "^reference\|^# \|^verified" | tail -14
+  timeout "$limit" python3 bench/transfer.py "$@" --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/$name.txt" | grep -v "^reference\|^# \|^verified\|NIXL INFO" | grep -E "${SHOW:-.}" | tail -14
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
 }
+if [ "${CASES:-layouts}" = single ]; then
+  # Single requests alone (8k, 32k; layer-major, contiguous page ids as the pool hands out):
+  # the serving path (auto: explicit descriptors for few page runs) vs prepared lists, the
+  # re-posted WRITE (the transport alone), and the first request after start with and
+  # without a notification on the warm-up WRITE; 8, 4, 2 posting threads and none (SGL on).
+  S=(--warmup --reps 5 --tokens 8192,32768 --layout contiguous --raw-reps 5)
+  th() { echo --ucx-sgl off --ucx-threads "$1" --ucx-param num_workers="$1" --ucx-param split_batch_size=8; }
+  run_case single_t8 60 "${S[@]}" $(th 8) --paths auto,prep "$@"
+  run_case single_t8_warmup_nonotif 60 "${S[@]}" $(th 8) --paths auto --warmup-notif off "$@"
+  run_case single_t4 60 "${S[@]}" $(th 4) --paths auto "$@"
+  run_case single_t2 60 "${S[@]}" $(th 2) --paths auto "$@"
+  run_case single_t0_sgl 60 "${S[@]}" --ucx-sgl on --paths auto "$@"
+  run_case single_t8_again 60 "${S[@]}" $(th 8) --paths auto --warmup-notif off "$@"
+  run_case single_t8_notif_again 60 "${S[@]}" $(th 8) --paths auto "$@"
+  echo "results: $OUT/*.txt, $OUT/*.json"
+  exit 0
+fi
 if [ "${CASES:-layouts}" = ab ]; then
   # Interleaved A/B, twice (run-to-run spread was ~1.6x for one config):
   # no posting threads + scatter-gather (the old default) vs 8 posting threads

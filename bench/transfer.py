@@ -158,8 +158,7 @@ class Side:
         self.agent = TransferAgent(f"bench-{role}", self.regions, compat, progress_thread=cfg.progress_thread,
                                    **tuning)
         self.book = PeerBook(self.agent)
-        self.pushers = {(path, m): Pusher(self.agent, self.book, merge=m, prepped=path == "prep")
-                        for path in ("prep", "init") for m in (True, False)}
+        self.pushers = {row: Pusher(self.agent, self.book, merge=row[1], path=row[0]) for row in ROWS.values()}
         # The bench picks page ids itself (no pool): nothing to give back.
         self.receiver = Receiver(self.agent, self.book, release_pages=lambda pages: None)
 
@@ -180,7 +179,8 @@ class Side:
 
         import torch
 
-        out = {"torch": torch.__version__, "nixl": md.version("nixl"), "device": str(self.dev)}
+        out = {"torch": torch.__version__, "nixl": md.version("nixl"), "device": str(self.dev),
+               "host_cpus": len(os.sched_getaffinity(0))}
         if self.cfg.device == "cuda":
             out["gpu"] = torch.cuda.get_device_name(self.dev)
             out["cuda"] = torch.version.cuda
@@ -249,8 +249,40 @@ class Side:
         del src, dst
         return statistics.median(times)
 
-    def warm_up(self, peer: str, repeat: int) -> float:
-        return self.pushers[("prep", True)].warm_up(peer, 0, 0, repeat=repeat)
+    def warm_up(self, peer: str, repeat: int, notify: bool) -> float:
+        return self.pushers[ROWS["auto"]].warm_up(peer, 0, 0, repeat=repeat, notify=notify)
+
+    def repost(self, peer: str, local: list[int], remote: list[int], reps: int) -> dict[str, Any]:
+        """One request's WRITE (explicit descriptors, merged, no notification) posted once,
+        then again ``reps`` times: seconds from posting to completion, each.
+
+        The transport's own time for these bytes and descriptors: no planning,
+        no request creation, no notification, no Pusher bookkeeping.
+        """
+        from transfer import PageRuns, RegionSelection, descriptor_plan
+
+        sel = RegionSelection.of(self.agent.table, self.book.get(peer).regions)
+        plan = descriptor_plan(sel, PageRuns.of(local, remote))
+        xfer = self.agent.write(peer, plan, b"")
+        times, posts = [], []
+        try:
+            for i in range(reps + 1):
+                if i:
+                    t0 = time.perf_counter()
+                    self.agent.repost(xfer)
+                    posts.append(xfer.post_s)
+                else:
+                    t0 = time.perf_counter()
+                while self.agent.state(xfer) == "PROC":
+                    pass
+                if xfer.state != "DONE":
+                    raise RuntimeError("raw WRITE failed")
+                if i:
+                    times.append(time.perf_counter() - t0)
+        finally:
+            self.agent.release(xfer)
+        return {"seconds": statistics.median(times), "post_seconds": statistics.median(posts),
+                "descriptors": plan.num_descriptors, "nbytes": plan.nbytes}
 
     def push(
         self, rid: str, peer: str, tokens: int, local: list[int], remote: list[int], path: str, merge: bool,
@@ -282,11 +314,11 @@ class Side:
                     chunk_tokens: int) -> dict[str, Any]:
         """Push ``(request id, tokens, local pages, remote pages)`` back to back, at most ``inflight`` outstanding.
 
-        The serving path (prepared lists, merged). A request is posted as
+        The serving path (`Pusher` defaults). A request is posted as
         soon as a slot frees (its predecessor's WRITEs completed), so posting
         one request overlaps the copies of the others.
         """
-        pusher = self.pushers[("prep", True)]
+        pusher = self.pushers[ROWS["auto"]]
         before = pusher.stats.copy()
         queue, active, results = list(reqs), set(), []
         t0 = time.perf_counter()
@@ -398,6 +430,13 @@ class Pair:
         res["receive_seconds"] = got["seconds"]
         return res
 
+    def raw(self, tokens: int, reps: int) -> dict[str, Any]:
+        """`Side.repost` of one request's pages (picked per ``--layout``)."""
+        n = pages_for_tokens(tokens)
+        local = page_ids(self.cfg.layout, n, self.cfg.pool_pages, self.rng)
+        remote = page_ids(self.cfg.layout, n, self.cfg.pool_pages, self.rng)
+        return self.pre.call("repost", self.dec_name, local, remote, reps)
+
     def stream(self, tokens: int, inflight: int, count: int, chunk_tokens: int, verify: bool) -> dict[str, Any]:
         """``count`` requests of ``tokens`` pushed with at most ``inflight`` outstanding.
 
@@ -437,8 +476,9 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-ROWS = (("prep", True), ("prep", False), ("init", True))
-"""(path, merge) of the warm rows: the prepared path with and without merging, and the unprepared one."""
+ROWS = {"auto": ("auto", True), "prep": ("prepared", True), "flat": ("prepared", False), "init": ("explicit", True)}
+"""Warm rows by name: `Pusher` (path, merge). auto: the serving default; prep / flat: prepared
+descriptor lists with / without merging; init: explicit descriptors (one per region and page run)."""
 
 
 def ms(seconds: float) -> str:
@@ -457,7 +497,8 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
             if args.device == "cuda":
                 print(f"# gpu: {info['gpu']} (prefill cuda:{cfg.prefill_device}) -> {dec_info['gpu']} (decode "
                       f"cuda:{cfg.decode_device}); {info['gpu_count']} visible")
-                print(f"# versions: torch {info['torch']}, CUDA {info['cuda']}, nixl {info['nixl']}")
+                print(f"# versions: torch {info['torch']}, CUDA {info['cuda']}, nixl {info['nixl']}; "
+                      f"{info['host_cpus']} host CPUs")
             else:
                 print(f"# cpu: {info['cpu']}, torch threads {info['threads']}")
                 print(f"# versions: torch {info['torch']}, nixl {info['nixl']}")
@@ -481,13 +522,14 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
         out: dict[str, Any] = {"ucx_sgl": cfg.ucx_sgl, "info": info}
         warm_s = None
         if args.warmup:
-            warm_s = pair.pre.call("warm_up", pair.dec_name, args.warmup_repeat)
-            print(f"warm-up at start ({args.warmup_repeat} x one page per region): {warm_s * 1e3:.1f} ms")
+            warm_s = pair.pre.call("warm_up", pair.dec_name, args.warmup_repeat, args.warmup_notif == "on")
+            print(f"warm-up at start ({args.warmup_repeat} x one page per region, notification "
+                  f"{args.warmup_notif}): {warm_s * 1e3:.1f} ms")
         out["warmup_seconds"] = warm_s
 
-        first = pair.request(tokens[0], "prep", True, args.chunk_tokens, verify)
+        first = pair.request(tokens[0], *ROWS["auto"], args.chunk_tokens, verify)
         f_bw = gbps(first["nbytes"], first["seconds"])
-        print(f"first request after start ({'warmed' if args.warmup else 'cold'}), {tokens[0]} tok prep merged: "
+        print(f"first request after start ({'warmed' if args.warmup else 'cold'}), {tokens[0]} tok, serving path: "
               f"{first['seconds'] * 1e3:.2f} ms = {f_bw:.1f} GB/s = {f_bw / gbps(first['nbytes'], copy_s[tokens[0]]):.3f}"
               f" of copy (post {ms(first['post_seconds'])} ms: plan {ms(first['plan_seconds'])}, make "
               f"{ms(first['make_seconds'])}, nixl_post {ms(first['nixl_post_seconds'])})")
@@ -497,24 +539,35 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
         print(f"{'tokens':>6} {'path':>4} {'merge':>5} {'descs':>7} {'MB':>9} {'plan_ms':>8} {'make_ms':>8} "
               f"{'nixl_post_ms':>12} {'post_ms':>8} {'push_ms':>9} {'GB/s':>8} {'fraction_of_copy':>16}")
         rows = []
-        paths = [ROWS[i] for i in args.row_indices]
         for t in tokens:
-            for path, merge in paths:
+            for name in args.row_names:
+                path, merge = ROWS[name]
                 runs = [pair.request(t, path, merge, args.chunk_tokens, verify and i == 0) for i in range(args.reps)]
                 med = {k: statistics.median(r[k] for r in runs)
                        for k in ("seconds", "post_seconds", "plan_seconds", "make_seconds", "nixl_post_seconds")}
                 nb = runs[0]["nbytes"]
                 bw = gbps(nb, med["seconds"])
                 frac = bw / gbps(nb, copy_s[t])
-                print(f"{t:>6} {path:>4} {'yes' if merge else 'no':>5} {runs[0]['descriptors']:>7} {nb / 1e6:>9.1f} "
+                print(f"{t:>6} {name:>4} {'yes' if merge else 'no':>5} {runs[0]['descriptors']:>7} {nb / 1e6:>9.1f} "
                       f"{ms(med['plan_seconds']):>8} {ms(med['make_seconds']):>8} {ms(med['nixl_post_seconds']):>12} "
                       f"{ms(med['post_seconds']):>8} {ms(med['seconds']):>9} {bw:>8.1f} {frac:>16.3f}")
-                rows.append({"tokens": t, "path": path, "merge": merge, "ucx_sgl": cfg.ucx_sgl,
+                rows.append({"tokens": t, "path": name, "merge": merge, "ucx_sgl": cfg.ucx_sgl,
                              "descriptors": runs[0]["descriptors"], "nbytes": nb, "push_seconds": med["seconds"],
                              "post_seconds": med["post_seconds"], "plan_seconds": med["plan_seconds"],
                              "make_seconds": med["make_seconds"], "nixl_post_seconds": med["nixl_post_seconds"],
                              "gbps": bw, "copy_seconds": copy_s[t], "fraction_of_copy": frac})
         out["rows"] = rows
+        out["raw"] = []
+        if args.raw_reps:
+            print(f"raw: one request's WRITE posted again {args.raw_reps} times (median; no plan, no request "
+                  f"creation, no notification)")
+            for t in tokens:
+                r = pair.raw(t, args.raw_reps)
+                bw = gbps(r["nbytes"], r["seconds"])
+                frac = bw / gbps(r["nbytes"], copy_s[t])
+                print(f"raw {t:>6} tok: {r['descriptors']} descs, post {ms(r['post_seconds'])} ms, WRITE "
+                      f"{ms(r['seconds'])} ms = {bw:.1f} GB/s = {frac:.3f} of copy")
+                out["raw"].append({"tokens": t, **r, "gbps": bw, "copy_seconds": copy_s[t], "fraction_of_copy": frac})
         out["streams"] = []
         if args.inflight:
             count = args.stream or 4 * args.inflight
@@ -559,12 +612,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="also push a stream of requests with up to N outstanding and report aggregate GB/s")
     ap.add_argument("--stream", type=int, default=0, help="requests per stream (default 4 x --inflight)")
     ap.add_argument("--stream-reps", type=int, default=3, help="streams per configuration (median)")
-    ap.add_argument("--paths", default="prep,flat,init",
-                    help="warm rows to run, comma-separated: prep (prepared, merged), flat (prepared, not "
-                         "merged), init (explicit descriptors, merged); empty: none")
+    ap.add_argument("--paths", default="auto,prep,init",
+                    help="warm rows to run, comma-separated: auto (the serving default), prep (prepared lists, "
+                         "merged), flat (prepared, not merged), init (explicit descriptors, merged); empty: none")
+    ap.add_argument("--raw-reps", type=int, default=0,
+                    help="also post one request's WRITE again this many times (no planning, request creation "
+                         "or notification): the transport's own time, per token count")
     ap.add_argument("--chunk-tokens", type=int, default=0, help="push in chunks of this many tokens (0: one chunk)")
     ap.add_argument("--reps", type=int, default=5, help="warm repetitions per configuration (median)")
     ap.add_argument("--warmup", action="store_true", help="warm the pair up at start (connect + one page per region)")
+    ap.add_argument("--warmup-notif", choices=("on", "off"), default="on",
+                    help="attach a notification to the warm-up WRITE (default on, as served)")
     ap.add_argument("--warmup-repeat", type=int, default=32,
                     help="the warm-up writes its page this many times per region in one WRITE (default 32)")
     ap.add_argument("--ucx-sgl", choices=("off", "on", "both"), default="both",
@@ -590,11 +648,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             ap.error("--layout page-major means --cache-layout page-major")
         args.layout, args.cache_layout = "random", "page-major"
     cache_layout = args.cache_layout or "layer-major"
-    names = {"prep": 0, "flat": 1, "init": 2}
-    try:
-        args.row_indices = [names[p] for p in args.paths.split(",") if p]
-    except KeyError as e:
-        ap.error(f"--paths: unknown path {e}")
+    args.row_names = [p for p in args.paths.split(",") if p]
+    if unknown := [p for p in args.row_names if p not in ROWS]:
+        ap.error(f"--paths: unknown {unknown}; known: {', '.join(ROWS)}")
     if args.inflight < 0 or args.stream < 0:
         ap.error("--inflight and --stream must be >= 0")
     # Every outstanding request of a stream has its own pages.
@@ -608,7 +664,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     verify = not args.no_verify
     sgl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.ucx_sgl]
 
-    report: dict[str, Any] = {"config": asdict(base), "tokens": tokens, "modes": [], "rows": [], "streams": []}
+    report: dict[str, Any] = {"config": asdict(base), "tokens": tokens, "modes": [], "rows": [], "streams": [],
+                              "raw": []}
     copy_s = None
     for k, sgl in enumerate(sgl_modes):
         cfg = dataclasses.replace(base, ucx_sgl=sgl)
@@ -616,6 +673,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["modes"].append(mode)
         report["rows"] += mode["rows"]
         report["streams"] += mode["streams"]
+        report["raw"] += mode["raw"]
     report["info"] = report["modes"][0]["info"]
     report["copy_seconds"] = {str(t): s for t, s in copy_s.items()}
     if verify:

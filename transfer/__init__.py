@@ -22,7 +22,16 @@ from transfer.errors import (
     UnknownPeerError,
 )
 from transfer.handshake import HandshakeOffer, Peer, PeerBook
-from transfer.plan import IndexPlan, RegionSelection, TransferPlan, build_plan, finished_pages, index_plan
+from transfer.plan import (
+    IndexPlan,
+    PageRuns,
+    RegionSelection,
+    TransferPlan,
+    build_plan,
+    descriptor_plan,
+    finished_pages,
+    index_plan,
+)
 from transfer.push import Pusher, PushResult, PushStats, PushStatus
 from transfer.receiver import Receiver, ReceiveResult, ReceiveStatus
 from transfer.regions import CacheRegion, CacheRegionLike, RegionEntry, RegionTable, region_table
@@ -35,6 +44,7 @@ __all__ = [
     "FieldDiff",
     "HandshakeOffer",
     "IndexPlan",
+    "PageRuns",
     "Peer",
     "PeerBook",
     "PlanError",
@@ -56,6 +66,7 @@ __all__ = [
     "TransferPlan",
     "UnknownPeerError",
     "build_plan",
+    "descriptor_plan",
     "finished_pages",
     "index_plan",
     "region_table",

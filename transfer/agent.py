@@ -151,6 +151,8 @@ class TransferAgent:
         self._closed = False
         self.foreign_notifs = 0
         """Notifications that were not ours (ignored)."""
+        self.warm_ups = 0
+        """`messages.WarmUp` notifications received (dropped: nothing consumes them)."""
         try:
             self._local = self._prep(LOCAL, self.table)
         except Exception:
@@ -240,6 +242,18 @@ class TransferAgent:
         xfer.state = state
         return xfer
 
+    def repost(self, xfer: Xfer) -> None:
+        """Post a WRITE that completed once more, unchanged (benchmarks: the transport's time
+        without planning or request creation). Raises if it is still in flight or NIXL refuses."""
+        if self.state(xfer) != "DONE":
+            raise ValueError(f"only a completed WRITE can be posted again (state {xfer.state})")
+        t0 = time.perf_counter()
+        state = self._nixl.transfer(xfer.handle)
+        xfer.post_s = time.perf_counter() - t0
+        if state == "ERR":
+            raise RuntimeError(f"NIXL WRITE to {xfer.peer} failed when posted again")
+        xfer.state = state
+
     def state(self, xfer: Xfer) -> str:
         """Refresh and return ``xfer.state`` ("PROC", "DONE" or "ERR"; an exception reads as "ERR")."""
         if xfer.state == "PROC":
@@ -272,6 +286,8 @@ class TransferAgent:
                 msg = messages.decode(raw)
                 if msg is None:
                     self.foreign_notifs += 1
+                elif isinstance(msg, messages.WarmUp):
+                    self.warm_ups += 1
                 else:
                     self._inbox.append((sender, msg))
 

@@ -20,6 +20,9 @@ and is ignored.
   of that request from this agent is in flight or will be posted (sent after
   its posted WRITEs completed or failed; at once if there were none, or if
   this agent never had the request, which it then refuses to begin).
+- `WarmUp` (prefill -> decode): attached to the warm-up WRITE at start, so the
+  pair's notification path is exercised before the first request; the
+  receiving agent drops it.
 """
 
 from __future__ import annotations
@@ -59,7 +62,12 @@ class PushSettled:
     reason: str
 
 
-Message = Union[ChunkDone, PushAborted, PushCancelled, PushSettled]
+@dataclass(frozen=True)
+class WarmUp:
+    pass
+
+
+Message = Union[ChunkDone, PushAborted, PushCancelled, PushSettled, WarmUp]
 
 
 def encode(msg: Message) -> bytes:
@@ -74,6 +82,8 @@ def encode(msg: Message) -> bytes:
         d = {"t": "x", "r": msg.request_id, "m": msg.reason}
     elif isinstance(msg, PushSettled):
         d = {"t": "s", "r": msg.request_id, "m": msg.reason}
+    elif isinstance(msg, WarmUp):
+        d = {"t": "w", "r": ""}
     else:
         raise TypeError(f"not a transfer message: {msg!r}")
     return PREFIX + json.dumps(d, separators=(",", ":")).encode()
@@ -95,6 +105,8 @@ def decode(raw: bytes) -> Optional[Message]:
             return PushCancelled(rid, str(d["m"]))
         if t == "s":
             return PushSettled(rid, str(d["m"]))
+        if t == "w":
+            return WarmUp()
     except (ValueError, KeyError, TypeError):
         pass
     return None

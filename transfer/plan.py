@@ -22,6 +22,7 @@ is often a single descriptor either way.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -99,6 +100,117 @@ def _check_region_pair(local: RegionTable, remote: RegionTable, key: RegionKey):
     return le, re_
 
 
+@dataclass(frozen=True)
+class PageRuns:
+    """A page pairing as runs of positions consecutive on *both* sides.
+
+    ``local`` / ``remote`` / ``length``: int64 ``[r]``; run ``j`` pairs local
+    pages ``local[j] .. local[j] + length[j] - 1`` with remote pages
+    ``remote[j] ..`` in the same order. With ``merge=False`` every run is one
+    page. The one place that decides what "contiguous on both sides" means:
+    explicit descriptors are these runs, and NIXL's own merge of prepared
+    indices finds the same ones (`IndexPlan.num_descriptors`).
+    """
+
+    local: np.ndarray
+    remote: np.ndarray
+    length: np.ndarray
+
+    @classmethod
+    def of(cls, local_pages: np.ndarray, remote_pages: np.ndarray, merge: bool = True) -> "PageRuns":
+        lp = np.asarray(local_pages, dtype=np.int64).reshape(-1)
+        rp = np.asarray(remote_pages, dtype=np.int64).reshape(-1)
+        if not merge or lp.size < 2:
+            return cls(lp, rp, np.ones(lp.size, dtype=np.int64))
+        cont = (lp[1:] == lp[:-1] + 1) & (rp[1:] == rp[:-1] + 1)
+        starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+        length = np.diff(np.append(starts, lp.size))
+        return cls(lp[starts], rp[starts], length)
+
+    def __len__(self) -> int:
+        return int(self.length.size)
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.length.sum())
+
+
+@dataclass(frozen=True)
+class RegionSelection:
+    """The regions one pusher sends to one peer, paired and vectorised (computed once per peer).
+
+    Per selected region, in local table order, int64 ``[k]``: ``local_first``
+    / ``remote_first`` (flat index of page 0 on each side,
+    `RegionTable.first_index`), ``local_base`` / ``remote_base`` (address of
+    page 0), ``bytes_per_page``. ``local_pages`` / ``remote_pages``: the
+    fewest pages any selected region has on that side (the page-id bound).
+    ``bytes_per_position``: bytes one page position moves over all selected
+    regions. ``remote``: the peer table all of this refers to (a WRITE must
+    use the descriptor list prepared from this very table).
+    """
+
+    keys: tuple[RegionKey, ...]
+    local_first: np.ndarray
+    remote_first: np.ndarray
+    local_base: np.ndarray
+    remote_base: np.ndarray
+    bytes_per_page: np.ndarray
+    local_pages: int
+    remote_pages: int
+    bytes_per_position: int
+    remote: RegionTable
+    local: RegionTable
+
+    @classmethod
+    def of(
+        cls,
+        local: RegionTable,
+        remote: RegionTable,
+        layers: Optional[Iterable[int]] = None,
+        kinds: Optional[Iterable[str]] = None,
+    ) -> "RegionSelection":
+        """Raises `PlanError` for a layer / kind with no region, a region missing on the peer or a
+        differing page size."""
+        keys = select_regions(local, layers, kinds)
+        pairs = [_check_region_pair(local, remote, key) for key in keys]
+        for side, table in (("local", local), ("remote", remote)):
+            if table.total_pages >= _INDEX_LIMIT:
+                raise PlanError(f"{side} regions hold {table.total_pages} pages: NIXL indices are int32")
+
+        def arr(values) -> np.ndarray:
+            return np.array(list(values), dtype=np.int64)
+
+        return cls(
+            keys=tuple(keys),
+            local_first=arr(local.first_index(*k) for k in keys),
+            remote_first=arr(remote.first_index(*k) for k in keys),
+            local_base=arr(le.base_addr for le, _ in pairs),
+            remote_base=arr(re_.base_addr for _, re_ in pairs),
+            bytes_per_page=arr(le.bytes_per_page for le, _ in pairs),
+            local_pages=min((le.num_pages for le, _ in pairs), default=0),
+            remote_pages=min((re_.num_pages for _, re_ in pairs), default=0),
+            bytes_per_position=int(sum(le.bytes_per_page for le, _ in pairs)),
+            remote=remote,
+            local=local,
+        )
+
+    def check(self, local_pages, remote_pages) -> tuple[np.ndarray, np.ndarray]:
+        """Validate one request's page pairing (vectorised); returns it as int64 arrays.
+
+        Raises `PlanError` on unequal counts, negative, duplicate or
+        out-of-range page ids.
+        """
+        lp = _as_pages(local_pages, "local")
+        rp = _as_pages(remote_pages, "remote")
+        if lp.size != rp.size:
+            raise PlanError(f"{lp.size} local pages but {rp.size} remote pages")
+        if lp.size and (lmax := int(lp.max())) >= self.local_pages:
+            raise PlanError(f"local page {lmax} out of range for {self.local_pages} pages")
+        if rp.size and (rmax := int(rp.max())) >= self.remote_pages:
+            raise PlanError(f"remote page {rmax} out of range for {self.remote_pages} pages")
+        return lp, rp
+
+
 def check_pages(
     local: RegionTable,
     remote: RegionTable,
@@ -113,20 +225,40 @@ def check_pages(
     Raises `PlanError` on unequal page counts, out-of-range or duplicate
     pages, regions missing on the peer or differing page sizes.
     """
-    lp = _as_pages(local_pages, "local")
-    rp = _as_pages(remote_pages, "remote")
-    if lp.size != rp.size:
-        raise PlanError(f"{lp.size} local pages but {rp.size} remote pages")
-    keys = select_regions(local, layers, kinds)
-    lmax = int(lp.max()) if lp.size else -1
-    rmax = int(rp.max()) if rp.size else -1
-    for key in keys:
-        le, re_ = _check_region_pair(local, remote, key)
-        if lmax >= le.num_pages:
-            raise PlanError(f"local page {lmax} out of range for {le.num_pages} pages")
-        if rmax >= re_.num_pages:
-            raise PlanError(f"remote page {rmax} out of range for {re_.num_pages} pages")
-    return lp, rp, keys
+    sel = RegionSelection.of(local, remote, layers, kinds)
+    lp, rp = sel.check(local_pages, remote_pages)
+    return lp, rp, list(sel.keys)
+
+
+def descriptor_plan(sel: RegionSelection, runs: PageRuns) -> TransferPlan:
+    """Explicit descriptors: one per (selected region, run), region-major, vectorised.
+
+    ``runs`` must come from validated pages (`RegionSelection.check`). A
+    request whose pages form few runs (what `workers.page_pool` hands out)
+    is ``regions x runs`` descriptors however many pages it has.
+    """
+    bpp = sel.bytes_per_page[:, None]
+    src = (sel.local_base[:, None] + runs.local[None, :] * bpp).reshape(-1)
+    dst = (sel.remote_base[:, None] + runs.remote[None, :] * bpp).reshape(-1)
+    length = (runs.length[None, :] * bpp).reshape(-1)
+
+    def rows(addr: np.ndarray, dev: int) -> np.ndarray:
+        out = np.empty((addr.size, 3), dtype=np.uint64)
+        out[:, 0] = addr
+        out[:, 1] = length
+        out[:, 2] = dev
+        return out
+
+    merged = bool(runs.length.size and runs.length.max() > 1)
+    return TransferPlan(
+        src=rows(src, sel.local.device_id),
+        dst=rows(dst, sel.remote.device_id),
+        src_mem=sel.local.mem_type,
+        dst_mem=sel.remote.mem_type,
+        num_pages=runs.num_pages,
+        nbytes=int(length.sum()),
+        merged=merged,
+    )
 
 
 def build_plan(
@@ -144,82 +276,10 @@ def build_plan(
     ``merge=False`` keeps one descriptor per (region, page) (for benchmarks).
     Raises `PlanError` as `check_pages` does.
     """
-    lp, rp, keys = check_pages(local, remote, local_pages, remote_pages, layers=layers, kinds=kinds)
-
-    # Rows ordered region-major, then by page position: [regions, pages] flattened.
-    bpp = np.array([local.get(*k).bytes_per_page for k in keys], dtype=np.int64)[:, None]
-    lbase = np.array([local.get(*k).base_addr for k in keys], dtype=np.int64)[:, None]
-    rbase = np.array([remote.get(*k).base_addr for k in keys], dtype=np.int64)[:, None]
-    src = (lbase + lp[None, :] * bpp).reshape(-1)
-    dst = (rbase + rp[None, :] * bpp).reshape(-1)
-    length = np.broadcast_to(bpp, (len(keys), lp.size)).reshape(-1)
-
-    if merge and src.size > 1:
-        # Row i continues row i-1 iff it starts where i-1 ends on both sides.
-        cont = np.zeros(src.size, dtype=bool)
-        cont[1:] = (src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1])
-        starts = np.flatnonzero(~cont)
-        length = np.add.reduceat(length, starts)
-        src, dst = src[starts], dst[starts]
-
-    def rows(addr: np.ndarray, dev: int) -> np.ndarray:
-        out = np.empty((addr.size, 3), dtype=np.uint64)
-        out[:, 0] = addr
-        out[:, 1] = length
-        out[:, 2] = dev
-        return out
-
-    return TransferPlan(
-        src=rows(src, local.device_id),
-        dst=rows(dst, remote.device_id),
-        src_mem=local.mem_type,
-        dst_mem=remote.mem_type,
-        num_pages=int(lp.size),
-        nbytes=int(length.sum()),
-        merged=merge,
-    )
-
-
-@dataclass(frozen=True)
-class RegionSelection:
-    """The regions one pusher sends to one peer, as flat-index offsets (computed once per peer).
-
-    ``local_first`` / ``remote_first``: int64 ``[k]``, flat index of page 0 of
-    each selected region on each side (`RegionTable.first_index`), in local
-    table order. ``bytes_per_position``: bytes one page position moves over
-    all selected regions. ``remote``: the peer table the offsets refer to (a
-    WRITE must use the descriptor list prepared from this very table).
-    """
-
-    keys: tuple[RegionKey, ...]
-    local_first: np.ndarray
-    remote_first: np.ndarray
-    bytes_per_position: int
-    remote: RegionTable
-
-    @classmethod
-    def of(
-        cls,
-        local: RegionTable,
-        remote: RegionTable,
-        layers: Optional[Iterable[int]] = None,
-        kinds: Optional[Iterable[str]] = None,
-    ) -> "RegionSelection":
-        """Raises `PlanError` for a layer / kind with no region, a region missing on the peer or a
-        differing page size."""
-        keys = select_regions(local, layers, kinds)
-        for key in keys:
-            _check_region_pair(local, remote, key)
-        for side, table in (("local", local), ("remote", remote)):
-            if table.total_pages >= _INDEX_LIMIT:
-                raise PlanError(f"{side} regions hold {table.total_pages} pages: NIXL indices are int32")
-        return cls(
-            keys=tuple(keys),
-            local_first=np.array([local.first_index(*k) for k in keys], dtype=np.int64),
-            remote_first=np.array([remote.first_index(*k) for k in keys], dtype=np.int64),
-            bytes_per_position=int(sum(local.get(*k).bytes_per_page for k in keys)),
-            remote=remote,
-        )
+    sel = RegionSelection.of(local, remote, layers, kinds)
+    lp, rp = sel.check(local_pages, remote_pages)
+    plan = descriptor_plan(sel, PageRuns.of(lp, rp, merge))
+    return dataclasses.replace(plan, merged=merge)
 
 
 @dataclass(frozen=True)
@@ -230,8 +290,8 @@ class IndexPlan:
     then page position; element ``j`` of ``local_idx`` is copied to element
     ``j`` of ``remote_idx``. ``merged``: let NIXL merge runs consecutive on
     both sides (``skip_desc_merge`` otherwise). ``num_descriptors``: the
-    descriptors NIXL will post (runs contiguous on both sides, per region,
-    when merged). ``remote``: the peer table the remote indices refer to.
+    descriptors NIXL will post (`PageRuns` per region, when merged).
+    ``remote``: the peer table the remote indices refer to.
     """
 
     local_idx: np.ndarray
@@ -252,30 +312,27 @@ def index_plan(
     remote_pages: np.ndarray,
     *,
     merge: bool = True,
+    runs: Optional[PageRuns] = None,
 ) -> IndexPlan:
     """Plan copying ``local_pages[i] -> remote_pages[i]`` in every region of ``sel``, vectorised.
 
-    The pages must already be validated (`check_pages`, once per request):
-    this runs per chunk and only does index arithmetic.
+    The pages must already be validated (`RegionSelection.check`, once per
+    request): this runs per chunk and only does index arithmetic. ``runs``:
+    the pairing's `PageRuns` if the caller has them (for the count).
     """
     lp = np.asarray(local_pages, dtype=np.int64).reshape(-1)
     rp = np.asarray(remote_pages, dtype=np.int64).reshape(-1)
     k, n = len(sel.keys), int(lp.size)
     local_idx = np.ascontiguousarray((sel.local_first[:, None] + lp[None, :]).reshape(-1), dtype=np.int32)
     remote_idx = np.ascontiguousarray((sel.remote_first[:, None] + rp[None, :]).reshape(-1), dtype=np.int32)
-    if merge and n > 1:
-        # A page continues the previous one's descriptor iff it is the next
-        # page on both sides; the same pairs in every region.
-        cont = (lp[1:] == lp[:-1] + 1) & (rp[1:] == rp[:-1] + 1)
-        descs = k * (n - int(np.count_nonzero(cont)))
-    else:
-        descs = k * n
+    if runs is None:
+        runs = PageRuns.of(lp, rp, merge)
     return IndexPlan(
         local_idx=local_idx,
         remote_idx=remote_idx,
         num_pages=n,
         nbytes=n * sel.bytes_per_position,
-        num_descriptors=descs,
+        num_descriptors=k * len(runs),
         merged=merge,
         remote=sel.remote,
     )

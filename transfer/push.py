@@ -52,8 +52,8 @@ from attention.formats import pages_for_tokens
 from transfer.agent import TransferAgent, Xfer
 from transfer.errors import PlanError, RequestCancelledError
 from transfer.handshake import Peer, PeerBook
-from transfer.messages import ChunkDone, Message, PushAborted, PushCancelled, PushSettled, encode
-from transfer.plan import RegionSelection, TransferPlan, build_plan, check_pages, finished_pages, index_plan
+from transfer.messages import ChunkDone, Message, PushAborted, PushCancelled, PushSettled, WarmUp, encode
+from transfer.plan import PageRuns, RegionSelection, descriptor_plan, finished_pages, index_plan
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,12 @@ class _Drain:
     warned: bool = False
 
 
+PATHS = ("auto", "prepared", "explicit")
+"""`Pusher` paths: how a WRITE names its bytes (see `Pusher`)."""
+
+EXPLICIT_MAX_DESCRIPTORS = 4096
+"""`Pusher` path "auto": the most descriptors a chunk is posted with explicitly."""
+
 DRAIN_WARN_S = 10.0
 """A drain this old is logged once: decode holds the request's pages until it ends."""
 
@@ -144,10 +150,12 @@ class Pusher:
     """Pushes requests from this agent to decode peers. Drive from one thread.
 
     ``merge``: merge descriptors contiguous on both sides (False only for
-    benchmarks). ``prepped``: WRITE through the prepared descriptor lists
-    (`IndexPlan`, the default); False builds explicit descriptors per chunk
-    and posts them with ``initialize_xfer`` (the unprepared path, for
-    comparison). ``layers`` / ``kinds``: restrict the regions pushed (None =
+    benchmarks). ``path``: how a WRITE names its bytes: ``"prepared"``
+    (indices into the descriptor lists prepared at start and handshake,
+    `IndexPlan`), ``"explicit"`` (one descriptor per region and page run,
+    `TransferPlan`, through ``initialize_xfer``), or ``"auto"`` (the default:
+    explicit while a chunk needs at most `EXPLICIT_MAX_DESCRIPTORS`, else
+    prepared). ``layers`` / ``kinds``: restrict the regions pushed (None =
     all registered). ``clock``: seconds, monotonic (tests may inject one).
     ``remember_cancelled``: how many cancelled request ids are kept to refuse
     a late `begin`.
@@ -159,7 +167,7 @@ class Pusher:
         peers: PeerBook,
         *,
         merge: bool = True,
-        prepped: bool = True,
+        path: str = "auto",
         layers: Optional[Iterable[int]] = None,
         kinds: Optional[Iterable[str]] = None,
         clock: Callable[[], float] = time.monotonic,
@@ -167,8 +175,10 @@ class Pusher:
     ):
         self.agent = agent
         self.peers = peers
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         self.merge = merge
-        self.prepped = prepped
+        self.path = path
         self.stats = PushStats()
         self._selections: dict[str, RegionSelection] = {}  # per peer agent, dropped with the peer
         self.layers = None if layers is None else tuple(layers)
@@ -229,9 +239,7 @@ class Pusher:
             )
         peer = self.peers.get(peer_agent)
         # Validate the whole request now so a bad page list fails before any byte moves.
-        lp, rp, _ = check_pages(self.agent.table, peer.regions, local_pages, remote_pages,
-                                layers=self.layers, kinds=self.kinds)
-        self._selection(peer)
+        lp, rp = self._selection(peer).check(local_pages, remote_pages)
         now = self.clock()
         self._jobs[request_id] = _Job(request_id, peer, prompt_len, lp, rp, now, now + deadline_s)
 
@@ -327,6 +335,7 @@ class Pusher:
         remote_page: int = 0,
         timeout_s: float = 60.0,
         repeat: int = 32,
+        notify: bool = True,
     ) -> float:
         """Connect to a peer and WRITE one page of every region ``repeat`` times; returns the seconds it took.
 
@@ -338,15 +347,17 @@ class Pusher:
         descriptors) sizes those pools like a real request without touching
         any other page. ``remote_page`` must be a page no request is using
         (e.g. before serving starts, or one reserved for this by the peer).
+        ``notify``: attach a `messages.WarmUp` notification (dropped by the
+        peer), so the notification path is warmed as well.
         """
         if repeat < 1:
             raise ValueError(f"repeat must be >= 1, got {repeat}")
         peer = self.peers.get(peer_agent)
-        check_pages(self.agent.table, peer.regions, [local_page], [remote_page], layers=self.layers, kinds=self.kinds)
+        self._selection(peer).check([local_page], [remote_page])
         t0 = self.clock()
         self.agent.connect(peer.agent_name)
         pages = np.full(repeat, local_page, dtype=np.int64), np.full(repeat, remote_page, dtype=np.int64)
-        xfer = self._write(peer, *pages, b"")  # empty notif: nothing reaches decode's queue
+        xfer = self._write(peer, *pages, encode(WarmUp()) if notify else b"")
         try:
             while self.agent.state(xfer) == "PROC":
                 if self.clock() - t0 > timeout_s:
@@ -371,11 +382,13 @@ class Pusher:
     def _write(self, peer: Peer, local_pages: np.ndarray, remote_pages: np.ndarray, notif: bytes) -> Xfer:
         """Plan (validated pages; duplicates allowed only for the warm-up) and post one WRITE."""
         t0 = time.perf_counter()
-        if self.prepped:
-            plan = index_plan(self._selection(peer), local_pages, remote_pages, merge=self.merge)
+        sel = self._selection(peer)
+        runs = PageRuns.of(local_pages, remote_pages, self.merge)
+        descriptors = len(runs) * len(sel.keys)
+        if self.path == "explicit" or (self.path == "auto" and descriptors <= EXPLICIT_MAX_DESCRIPTORS):
+            plan = descriptor_plan(sel, runs)
         else:
-            plan = _explicit_plan(self.agent.table, peer.regions, local_pages, remote_pages,
-                                  self.layers, self.kinds, self.merge)
+            plan = index_plan(sel, local_pages, remote_pages, merge=self.merge, runs=runs)
         t1 = time.perf_counter()
         xfer = self.agent.write(peer.agent_name, plan, notif)
         st = self.stats
@@ -463,13 +476,3 @@ class Pusher:
             seconds=self.clock() - job.started,
             reason=reason,
         )
-
-
-def _explicit_plan(local, remote, local_pages, remote_pages, layers, kinds, merge) -> TransferPlan:
-    """`build_plan` for the unprepared path; a repeated page pair (the warm-up) is tiled, not refused."""
-    lp, rp = np.asarray(local_pages), np.asarray(remote_pages)
-    if lp.size > 1 and (lp == lp[0]).all() and (rp == rp[0]).all():
-        one = build_plan(local, remote, lp[:1], rp[:1], layers=layers, kinds=kinds, merge=merge)
-        return TransferPlan(np.tile(one.src, (lp.size, 1)), np.tile(one.dst, (lp.size, 1)), one.src_mem,
-                            one.dst_mem, int(lp.size), one.nbytes * int(lp.size), merge)
-    return build_plan(local, remote, lp, rp, layers=layers, kinds=kinds, merge=merge)

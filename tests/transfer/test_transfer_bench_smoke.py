@@ -23,13 +23,18 @@ def run_bench(tmp_path, *args: str) -> tuple[str, dict]:
 
 def test_bench_transfer_cpu_smoke(tmp_path):
     stdout, report = run_bench(tmp_path, "--tokens", "256,1000", "--reps", "1", "--warmup", "--warmup-repeat", "4",
-                               "--ucx-sgl", "both")
+                               "--ucx-sgl", "both", "--paths", "auto,prep,flat,init", "--raw-reps", "2")
     assert "fraction_of_copy" in stdout and "verified" in stdout
-    # Per UCX scatter-gather setting (a fresh pair each): prepared path merged / unmerged, unprepared merged.
+    # Per UCX scatter-gather setting (a fresh pair each): the serving path, prepared merged / unmerged,
+    # explicit merged.
     assert [m["ucx_sgl"] for m in report["modes"]] == [False, True]
     assert [(r["ucx_sgl"], r["tokens"], r["path"], r["merge"]) for r in report["rows"]] == [
         (sgl, t, path, merge) for sgl in (False, True) for t in (256, 1000)
-        for path, merge in (("prep", True), ("prep", False), ("init", True))]
+        for path, merge in (("auto", True), ("prep", True), ("flat", False), ("init", True))]
+    # The re-posted WRITE, per token count and mode: 3 layers x 2 kinds x the page runs of its pages.
+    assert [r["tokens"] for r in report["raw"]] == [256, 1000] * 2
+    assert all(r["descriptors"] % 6 == 0 and r["nbytes"] == (4 if r["tokens"] == 256 else 16) * 3 * (41_984 + 8_448)
+               and r["fraction_of_copy"] > 0 for r in report["raw"])
     assert all(r["gbps"] > 0 and r["fraction_of_copy"] > 0 for r in report["rows"])
     for mode in report["modes"]:
         assert mode["warmup_seconds"] is not None and mode["first"]["status"] == "done"
@@ -47,7 +52,7 @@ def test_bench_transfer_cpu_page_major_and_inflight_stream(tmp_path):
     assert "stream: 3 requests back to back, at most 2 outstanding" in stdout and "verified" in stdout
     # --layout page-major: one region per side holding every layer's bytes of a page, random page ids.
     assert (report["config"]["cache_layout"], report["config"]["layout"]) == ("page-major", "random")
-    assert [(r["path"], r["merge"]) for r in report["rows"]] == [("prep", True), ("prep", False)]
+    assert [(r["path"], r["merge"]) for r in report["rows"]] == [("prep", True), ("flat", False)]
     flat = report["rows"][1]
     assert flat["descriptors"] == 16 and flat["nbytes"] == 16 * 3 * (41_984 + 8_448)  # one descriptor per page
     (stream,) = report["streams"]

@@ -145,8 +145,8 @@ def test_push_between_paged_kv_caches_through_regions():
     # Every request must end DONE: none of its pages may come back as released.
     receiver = Receiver(da, release_pages=lambda pages: pytest.fail(f"pages {pages} released"))
     requests = {  # request id: (pusher, prompt length, prefill pages, decode pages)
-        "prep": (Pusher(pa, pb), 150, [0, 1, 5], [7, 2, 3]),
-        "init": (Pusher(pa, pb, prepped=False), 128, [2, 3], [0, 1]),
+        "prep": (Pusher(pa, pb, path="prepared"), 150, [0, 1, 5], [7, 2, 3]),
+        "init": (Pusher(pa, pb, path="explicit"), 128, [2, 3], [0, 1]),
         "flat": (Pusher(pa, pb, merge=False), 150, [6, 7, 8], [4, 5, 6]),
     }
     for rid, (pusher, n, lp, rp) in requests.items():

@@ -20,7 +20,7 @@ from transfer import (
 )
 from transfer.agent import Xfer
 from transfer.handshake import Peer
-from transfer.messages import ChunkDone, PushAborted, PushCancelled, PushSettled, decode
+from transfer.messages import ChunkDone, PushAborted, PushCancelled, PushSettled, WarmUp, decode
 from transfer.regions import RegionEntry, RegionTable
 
 COMPAT = CompatInfo("m", 2, 64, "fp8_656", "fp8_132", True)
@@ -108,9 +108,9 @@ PRE = Peer("pre", 1, "pre@1", table(1 << 20), COMPAT)
 PRE2 = Peer("pre", 2, "pre@2", table(1 << 20), COMPAT)
 
 
-def make_pusher(**kw):
+def make_pusher(path="auto", **kw):
     agent, clock = FakeAgent("pre@1", **kw), Clock()
-    return Pusher(agent, FakeBook(DEC, DEC2), clock=clock), agent, clock
+    return Pusher(agent, FakeBook(DEC, DEC2), clock=clock, path=path), agent, clock
 
 
 # -- pusher ----------------------------------------------------------------------
@@ -288,7 +288,7 @@ def written_pages(plan, local, remote):
 
 
 def test_prepared_path_posts_index_plans_of_the_chunk_pages_and_counts_stats():
-    pusher, agent, _ = make_pusher()
+    pusher, agent, _ = make_pusher(path="prepared")
     pusher.begin("r", "dec@1", 300, [0, 1, 2, 3, 4], [9, 10, 11, 20, 21], 10.0)
     pusher.push("r", 130)
     pusher.push("r", 300)
@@ -301,24 +301,56 @@ def test_prepared_path_posts_index_plans_of_the_chunk_pages_and_counts_stats():
     assert st.plan_s >= 0 and st.make_s == 0 and st.post_s == 0  # the fake agent reports no NIXL time
 
 
-def test_unprepared_path_posts_explicit_descriptors():
+def explicit_pairs(plan):
+    """(src address, dst address, length) of every descriptor of a `TransferPlan`."""
+    return sorted(zip(plan.src[:, 0].tolist(), plan.dst[:, 0].tolist(), plan.src[:, 1].tolist()))
+
+
+@pytest.mark.parametrize("path", ["explicit", "auto"])
+def test_explicit_path_posts_one_descriptor_per_region_and_page_run(path):
     agent, clock = FakeAgent("pre@1"), Clock()
-    pusher = Pusher(agent, FakeBook(DEC), prepped=False, clock=clock)
+    pusher = Pusher(agent, FakeBook(DEC), path=path, clock=clock)
     pusher.begin("r", "dec@1", 300, [0, 1, 2, 3, 4], [9, 10, 11, 20, 21], 10.0)
     pusher.push("r", 300)
     (plan,) = [w[1] for w in agent.writes]
     # Per region [0-2 -> 9-11] and [3-4 -> 20-21].
     assert isinstance(plan, TransferPlan) and plan.num_descriptors == 4 * 2 and plan.num_pages == 5
+    assert plan.nbytes == 5 * 280 and (plan.src[:, 1] == plan.dst[:, 1]).all()
+    loc, rem = agent.table, DEC.regions
+    assert explicit_pairs(plan) == sorted(
+        (loc.get(*k).page_addr(a), rem.get(*k).page_addr(b), n * loc.get(*k).bytes_per_page)
+        for k in loc.keys() for a, b, n in ((0, 9, 3), (3, 20, 2)))
 
 
-@pytest.mark.parametrize("prepped", [True, False])
-def test_warm_up_writes_one_page_per_region_repeatedly(prepped):
+def test_auto_path_switches_to_prepared_lists_above_the_descriptor_limit(monkeypatch):
+    import transfer.push as push_mod
+
+    monkeypatch.setattr(push_mod, "EXPLICIT_MAX_DESCRIPTORS", 4 * 2)
+    pusher, agent, _ = make_pusher()
+    pusher.begin("r", "dec@1", 6 * 64, [0, 1, 2, 3, 4, 5], [9, 10, 11, 20, 21, 30], 10.0)
+    pusher.push("r", 5 * 64)  # pages 0-4: two runs per region, 8 descriptors
+    pusher.push("r", 6 * 64)  # page 5 alone: 4 descriptors
+    pusher.begin("q", "dec@1", 3 * 64, [6, 8, 10], [1, 3, 5], 10.0)
+    pusher.push("q", 3 * 64)  # three runs per region: 12 > 8
+    kinds = [type(w[1]) for w in agent.writes]
+    assert kinds == [TransferPlan, TransferPlan, IndexPlan]
+    assert agent.writes[2][1].num_descriptors == 4 * 3
+    with pytest.raises(ValueError, match="path"):
+        Pusher(agent, FakeBook(DEC), path="fast")
+
+
+@pytest.mark.parametrize("path", ["prepared", "explicit"])
+def test_warm_up_writes_one_page_per_region_repeatedly(path):
     agent, clock = FakeAgent("pre@1", done_on_write=True), Clock()
-    pusher = Pusher(agent, FakeBook(DEC), prepped=prepped, clock=clock)
+    pusher = Pusher(agent, FakeBook(DEC), path=path, clock=clock)
     pusher.warm_up("dec@1", local_page=3, remote_page=47, repeat=5)
     ((x, plan, notif),) = agent.writes
-    assert notif is None and plan.num_descriptors == 4 * 5 and plan.num_pages == 5 and plan.nbytes == 5 * 280
-    if prepped:
+    # The notification is a WarmUp (the receiving agent drops it); notify=False sends none.
+    assert isinstance(notif, WarmUp)
+    assert plan.num_descriptors == 4 * 5 and plan.num_pages == 5 and plan.nbytes == 5 * 280
+    pusher.warm_up("dec@1", local_page=3, remote_page=47, repeat=2, notify=False)
+    assert agent.writes[1][2] is None
+    if path == "prepared":
         assert written_pages(plan, agent.table, DEC.regions) == sorted((k, 3, 47) for k in agent.table.keys())
     else:
         assert {(int(s), int(d)) for s, d in zip(plan.src[:, 0], plan.dst[:, 0])} == {

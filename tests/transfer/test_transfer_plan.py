@@ -118,12 +118,14 @@ def test_plan_without_merging_is_one_descriptor_per_region_page():
     assert merged.nbytes == flat.nbytes
 
 
-def test_plan_merges_across_regions_adjacent_on_both_sides():
-    # Regions packed back to back (gap 0, num_pages*bpp == 1000*num_pages only if bpp == 1000).
+def test_plan_merges_page_runs_within_each_region_only():
+    # Regions packed back to back (gap 0): a run never spans two regions, even where their
+    # bytes happen to be adjacent on both sides (one descriptor per region and page run).
     local = table(1 << 20, 8, kinds=(("mla", 1000),), gap=0)
     remote = table(1 << 30, 8, kinds=(("mla", 1000),), gap=0)
     plan = build_plan(local, remote, list(range(8)), list(range(8)))
-    assert plan.num_descriptors == 1 and plan.nbytes == 2 * 8 * 1000
+    assert plan.num_descriptors == 2 and plan.nbytes == 2 * 8 * 1000
+    assert plan.src[:, 1].tolist() == [8 * 1000] * 2
 
 
 def test_plan_random_scattered_pages_match_reference():
@@ -289,3 +291,22 @@ def test_messages_roundtrip_and_foreign():
     assert messages.decode(b"hello") is None
     assert messages.decode(messages.PREFIX + b"{not json") is None
     assert messages.decode(messages.PREFIX + b'{"t":"?","r":"x"}') is None
+
+
+def test_page_runs_are_maximal_and_expand_to_the_pairing():
+    from transfer import PageRuns
+
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        n = int(rng.integers(0, 30))
+        lp = np.concatenate([np.arange(s, s + k) for s, k in zip(rng.choice(1000, 5, replace=False) * 10,
+                                                                 rng.integers(1, 8, 5))])[:n]
+        rp = rng.permutation(200)[:lp.size] if rng.random() < 0.3 else np.arange(lp.size) + 7
+        runs = PageRuns.of(lp, rp)
+        got_l = np.concatenate([np.arange(a, a + k) for a, k in zip(runs.local, runs.length)] or [np.zeros(0)])
+        got_r = np.concatenate([np.arange(a, a + k) for a, k in zip(runs.remote, runs.length)] or [np.zeros(0)])
+        assert got_l.tolist() == lp.tolist() and got_r.tolist() == rp.tolist() and runs.num_pages == lp.size
+        # Maximal: a run never continues the previous one on both sides.
+        ends_l, ends_r = runs.local[:-1] + runs.length[:-1], runs.remote[:-1] + runs.length[:-1]
+        assert not ((ends_l == runs.local[1:]) & (ends_r == runs.remote[1:])).any()
+        assert len(PageRuns.of(lp, rp, merge=False)) == lp.size

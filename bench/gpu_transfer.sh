@@ -35,16 +35,15 @@ if [ "${CASES:-layouts}" = single ]; then
   # Single requests alone (8k, 32k; layer-major, contiguous page ids as the pool hands out):
   # the serving path (auto: explicit descriptors for few page runs) vs prepared lists, the
   # re-posted WRITE (the transport alone), and the first request after start with and
-  # without a notification on the warm-up WRITE; 8, 4, 2 posting threads and none (SGL on).
+  # without a notification on the warm-up WRITE; streams of 8 in flight; 8 and 16 posting
+  # threads, and none with SGL on (the old default).
   S=(--warmup --reps 5 --tokens 8192,32768 --layout contiguous --raw-reps 5)
   th() { echo --ucx-sgl off --ucx-threads "$1" --ucx-param num_workers="$1" --ucx-param split_batch_size=8; }
-  run_case single_t8 60 "${S[@]}" $(th 8) --paths auto,prep "$@"
+  run_case single_t8 90 "${S[@]}" $(th 8) --paths auto,prep --inflight 8 "$@"
   run_case single_t8_warmup_nonotif 60 "${S[@]}" $(th 8) --paths auto --warmup-notif off "$@"
-  run_case single_t4 60 "${S[@]}" $(th 4) --paths auto "$@"
-  run_case single_t2 60 "${S[@]}" $(th 2) --paths auto "$@"
-  run_case single_t0_sgl 60 "${S[@]}" --ucx-sgl on --paths auto "$@"
-  run_case single_t8_again 60 "${S[@]}" $(th 8) --paths auto --warmup-notif off "$@"
-  run_case single_t8_notif_again 60 "${S[@]}" $(th 8) --paths auto "$@"
+  run_case single_t0_sgl 90 "${S[@]}" --ucx-sgl on --paths auto --inflight 8 "$@"
+  run_case single_t8_again 90 "${S[@]}" $(th 8) --paths auto,prep --inflight 8 "$@"
+  run_case single_t16 90 "${S[@]}" $(th 16) --paths auto --inflight 8 "$@"
   echo "results: $OUT/*.txt, $OUT/*.json"
   exit 0
 fi

@@ -13,15 +13,22 @@ Reported, all from one run:
 - per UCX scatter-gather setting (``--ucx-sgl``: off, on or both, each with
   a fresh pair of processes): the first (cold) request after the pair
   starts, and with ``--warmup`` the warm-up cost paid at start instead;
-- warm requests (median of ``--reps``) per path: ``prep`` (the serving path:
-  indices into descriptor lists prepared at start / handshake, then
-  ``make_prepped_xfer``) with and without merging, and ``init`` (explicit
-  descriptors per request through ``initialize_xfer``, the path before
-  prepared lists);
+- warm requests (median of ``--reps``) per path (``--paths``): ``auto`` (the
+  serving default: explicit descriptors, one per region and page run, while
+  a chunk needs few, else prepared lists), ``prep`` / ``flat`` (indices into
+  descriptor lists prepared at start / handshake, ``make_prepped_xfer``,
+  with / without merging), ``init`` (explicit descriptors through
+  ``initialize_xfer``);
 - each as GB/s and as a fraction of the reference copy, with the posting
   time split: ``plan_ms`` (indices / descriptors in Python), ``make_ms``
   (NIXL request creation), ``nixl_post_ms`` (inside NIXL ``transfer``: the
-  backend issuing every descriptor); ``post_ms`` is all of begin + push;
+  backend issuing every descriptor); ``post_ms`` is all of begin + push.
+  ``push_ms`` runs from ``Pusher.begin`` to completion; ``from_push_ms``
+  from the ``push`` call (serving calls ``begin`` when decode has reserved
+  the pages, before prefill computes, so this is the part on the critical
+  path once the prompt's cache is final);
+- with ``--raw-reps N``: one request's WRITE posted again N times (no plan,
+  no request creation, no notification): the transport's own time;
 - with ``--inflight N``: a stream of ``--stream`` requests (default 4N) pushed
   back to back on the serving path, at most N outstanding, as aggregate GB/s
   (all bytes / first begin to last completion) and as a fraction of the copy.
@@ -293,6 +300,7 @@ class Side:
         chunk = chunk_tokens or tokens
         t0 = time.perf_counter()
         pusher.begin(rid, peer, tokens, local, remote, self.cfg.deadline_s)
+        t_begun = time.perf_counter()
         done = 0
         while done < tokens:
             done = min(done + chunk, tokens)
@@ -306,6 +314,7 @@ class Side:
         (r,) = results
         st = pusher.stats.since(before)
         return {"status": r.status.value, "reason": r.reason, "seconds": t1 - t0, "post_seconds": t_posted - t0,
+                "from_push_seconds": t1 - t_begun,
                 "plan_seconds": st.plan_s, "make_seconds": st.make_s, "nixl_post_seconds": st.post_s,
                 "nbytes": r.nbytes, "descriptors": st.descriptors, "chunks": r.chunks}
 
@@ -532,30 +541,37 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
         print(f"first request after start ({'warmed' if args.warmup else 'cold'}), {tokens[0]} tok, serving path: "
               f"{first['seconds'] * 1e3:.2f} ms = {f_bw:.1f} GB/s = {f_bw / gbps(first['nbytes'], copy_s[tokens[0]]):.3f}"
               f" of copy (post {ms(first['post_seconds'])} ms: plan {ms(first['plan_seconds'])}, make "
-              f"{ms(first['make_seconds'])}, nixl_post {ms(first['nixl_post_seconds'])})")
+              f"{ms(first['make_seconds'])}, nixl_post {ms(first['nixl_post_seconds'])}); from the push call "
+              f"{ms(first['from_push_seconds'])} ms = {copy_s[tokens[0]] / first['from_push_seconds']:.3f} of copy")
         first["fraction_of_copy"] = f_bw / gbps(first["nbytes"], copy_s[tokens[0]])
+        first["fraction_from_push"] = copy_s[tokens[0]] / first["from_push_seconds"]
         out["first"] = first
 
         print(f"{'tokens':>6} {'path':>4} {'merge':>5} {'descs':>7} {'MB':>9} {'plan_ms':>8} {'make_ms':>8} "
-              f"{'nixl_post_ms':>12} {'post_ms':>8} {'push_ms':>9} {'GB/s':>8} {'fraction_of_copy':>16}")
+              f"{'nixl_post_ms':>12} {'post_ms':>8} {'push_ms':>9} {'GB/s':>8} {'fraction_of_copy':>16} "
+              f"{'from_push_ms':>12} {'fraction':>8}")
         rows = []
         for t in tokens:
             for name in args.row_names:
                 path, merge = ROWS[name]
                 runs = [pair.request(t, path, merge, args.chunk_tokens, verify and i == 0) for i in range(args.reps)]
                 med = {k: statistics.median(r[k] for r in runs)
-                       for k in ("seconds", "post_seconds", "plan_seconds", "make_seconds", "nixl_post_seconds")}
+                       for k in ("seconds", "post_seconds", "plan_seconds", "make_seconds", "nixl_post_seconds",
+                                 "from_push_seconds")}
                 nb = runs[0]["nbytes"]
                 bw = gbps(nb, med["seconds"])
                 frac = bw / gbps(nb, copy_s[t])
                 print(f"{t:>6} {name:>4} {'yes' if merge else 'no':>5} {runs[0]['descriptors']:>7} {nb / 1e6:>9.1f} "
                       f"{ms(med['plan_seconds']):>8} {ms(med['make_seconds']):>8} {ms(med['nixl_post_seconds']):>12} "
-                      f"{ms(med['post_seconds']):>8} {ms(med['seconds']):>9} {bw:>8.1f} {frac:>16.3f}")
+                      f"{ms(med['post_seconds']):>8} {ms(med['seconds']):>9} {bw:>8.1f} {frac:>16.3f} "
+                      f"{ms(med['from_push_seconds']):>12} {copy_s[t] / med['from_push_seconds']:>8.3f}")
                 rows.append({"tokens": t, "path": name, "merge": merge, "ucx_sgl": cfg.ucx_sgl,
                              "descriptors": runs[0]["descriptors"], "nbytes": nb, "push_seconds": med["seconds"],
                              "post_seconds": med["post_seconds"], "plan_seconds": med["plan_seconds"],
                              "make_seconds": med["make_seconds"], "nixl_post_seconds": med["nixl_post_seconds"],
-                             "gbps": bw, "copy_seconds": copy_s[t], "fraction_of_copy": frac})
+                             "gbps": bw, "copy_seconds": copy_s[t], "fraction_of_copy": frac,
+                             "from_push_seconds": med["from_push_seconds"],
+                             "fraction_from_push": copy_s[t] / med["from_push_seconds"]})
         out["rows"] = rows
         out["raw"] = []
         if args.raw_reps:

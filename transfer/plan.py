@@ -63,9 +63,16 @@ class TransferPlan:
 
 def _as_pages(pages: Sequence[int] | np.ndarray, side: str) -> np.ndarray:
     arr = np.asarray(pages, dtype=np.int64).reshape(-1)
-    if arr.size and arr.min() < 0:
+    if arr.size < 2:
+        if arr.size and arr[0] < 0:
+            raise PlanError(f"{side} pages contain a negative id")
+        return arr
+    step = np.diff(arr)
+    # Ascending ids (what the page pool hands out) need no sort to rule out duplicates.
+    ordered = arr if (step > 0).all() else np.sort(arr)
+    if ordered[0] < 0:
         raise PlanError(f"{side} pages contain a negative id")
-    if np.unique(arr).size != arr.size:
+    if ordered is not arr and (ordered[1:] == ordered[:-1]).any():
         # A page listed twice would be written twice from different sources.
         raise PlanError(f"{side} pages contain duplicates")
     return arr

@@ -43,7 +43,6 @@ if [ "${CASES:-layouts}" = single ]; then
   run_case single_t8_warmup_nonotif 60 "${S[@]}" $(th 8) --paths auto --warmup-notif off "$@"
   run_case single_t0_sgl 90 "${S[@]}" --ucx-sgl on --paths auto --inflight 8 "$@"
   run_case single_t8_again 90 "${S[@]}" $(th 8) --paths auto,prep --inflight 8 "$@"
-  run_case single_t16 90 "${S[@]}" $(th 16) --paths auto --inflight 8 "$@"
   echo "results: $OUT/*.txt, $OUT/*.json"
   exit 0
 fi

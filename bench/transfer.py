@@ -276,7 +276,7 @@ class Side:
             for i in range(reps + 1):
                 if i:
                     t0 = time.perf_counter()
-                    self.agent.repost(xfer)
+                    self.agent.post(xfer)
                     posts.append(xfer.post_s)
                 else:
                     t0 = time.perf_counter()
@@ -587,7 +587,7 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
         out["streams"] = []
         if args.inflight:
             count = args.stream or 4 * args.inflight
-            print(f"stream: {count} requests back to back, at most {args.inflight} outstanding, prep merged "
+            print(f"stream: {count} requests back to back, at most {args.inflight} outstanding, serving path "
                   f"(median of {args.stream_reps})")
             print(f"{'tokens':>6} {'inflight':>8} {'requests':>8} {'descs/req':>9} {'MB/req':>8} {'nixl_post_ms':>12} "
                   f"{'stream_ms':>9} {'GB/s':>8} {'fraction_of_copy':>16}")

@@ -63,7 +63,8 @@ LOCAL = "NIXL_INIT_AGENT"
 
 @dataclass
 class Xfer:
-    """A posted WRITE. ``state``: "PROC" until NIXL reports "DONE" or "ERR".
+    """A WRITE. ``state``: "NEW" (`TransferAgent.prepare`d, not posted), then "PROC" until NIXL
+    reports "DONE" or "ERR".
 
     ``descriptors``: descriptors handed to NIXL (after merging); ``make_s`` /
     ``post_s``: seconds spent creating the request and inside ``transfer``.
@@ -209,11 +210,26 @@ class TransferAgent:
     def write(self, peer: str, plan: Plan, notif: bytes) -> Xfer:
         """Post a WRITE of ``plan`` to ``peer``; ``notif`` is delivered to the peer after the data.
 
+        `prepare` then `post`. Raises as they do; callers turn that into a
+        failed request.
+        """
+        xfer = self.prepare(peer, plan)
+        try:
+            self.post(xfer, notif)
+        except Exception:
+            self.release(xfer)
+            raise
+        return xfer
+
+    def prepare(self, peer: str, plan: Plan) -> Xfer:
+        """Create the NIXL request of a WRITE of ``plan`` to ``peer`` without posting it (state "NEW").
+
         An `IndexPlan` goes through the prepared lists (the peer must have
         been prepared with the table the plan was computed from); a
-        `TransferPlan` through ``initialize_xfer``. Raises on a NIXL error
-        (e.g. peer disconnected) or an unprepared peer; callers turn that
-        into a failed request.
+        `TransferPlan` through ``initialize_xfer``. Creating a request moves
+        no byte: a caller that knows its pages early prepares then and
+        `post`s when the bytes are final. Release it (`release`) if never
+        posted. Raises on a NIXL error or an unprepared peer.
         """
         if plan.num_descriptors == 0:
             raise ValueError("empty plan: send a notification instead")
@@ -225,33 +241,30 @@ class TransferAgent:
             if remote.table is not plan.remote and remote.table != plan.remote:
                 raise ValueError(f"plan was computed for another region table of {peer!r} than the prepared one")
             handle = self._nixl.make_prepped_xfer(
-                "WRITE", self._local.handle, plan.local_idx, remote.handle, plan.remote_idx, notif,
+                "WRITE", self._local.handle, plan.local_idx, remote.handle, plan.remote_idx, b"",
                 skip_desc_merge=not plan.merged,
             )
         else:
             src = self._nixl.get_xfer_descs(plan.src, plan.src_mem)
             dst = self._nixl.get_xfer_descs(plan.dst, plan.dst_mem)
-            handle = self._nixl.initialize_xfer("WRITE", src, dst, peer, notif)
-        t1 = time.perf_counter()
-        xfer = Xfer(handle=handle, peer=peer, nbytes=plan.nbytes, descriptors=plan.num_descriptors, make_s=t1 - t0)
-        state = self._nixl.transfer(handle)
-        xfer.post_s = time.perf_counter() - t1
-        if state == "ERR":
-            self.release(xfer)
-            raise RuntimeError(f"NIXL WRITE to {peer} failed when posted")
-        xfer.state = state
-        return xfer
+            handle = self._nixl.initialize_xfer("WRITE", src, dst, peer, b"")
+        return Xfer(handle=handle, peer=peer, nbytes=plan.nbytes, state="NEW", descriptors=plan.num_descriptors,
+                    make_s=time.perf_counter() - t0)
 
-    def repost(self, xfer: Xfer) -> None:
-        """Post a WRITE that completed once more, unchanged (benchmarks: the transport's time
-        without planning or request creation). Raises if it is still in flight or NIXL refuses."""
-        if self.state(xfer) != "DONE":
-            raise ValueError(f"only a completed WRITE can be posted again (state {xfer.state})")
+    def post(self, xfer: Xfer, notif: bytes = b"") -> None:
+        """Post a `prepare`d WRITE, or post a completed one again unchanged (benchmarks: the
+        transport's time without planning or request creation); ``notif`` as in `write`.
+
+        Raises if it is in flight or failed, or if NIXL refuses it.
+        """
+        if xfer.state != "NEW" and self.state(xfer) != "DONE":
+            raise ValueError(f"only a new or completed WRITE can be posted (state {xfer.state})")
         t0 = time.perf_counter()
-        state = self._nixl.transfer(xfer.handle)
+        state = self._nixl.transfer(xfer.handle, notif)
         xfer.post_s = time.perf_counter() - t0
         if state == "ERR":
-            raise RuntimeError(f"NIXL WRITE to {xfer.peer} failed when posted again")
+            xfer.state = "ERR"
+            raise RuntimeError(f"NIXL WRITE to {xfer.peer} failed when posted")
         xfer.state = state
 
     def state(self, xfer: Xfer) -> str:

@@ -122,6 +122,9 @@ class _Job:
     last_posted: bool = False
     nbytes: int = 0
     inflight: list[Xfer] = field(default_factory=list)
+    ready: Optional[Xfer] = None
+    """The whole request's WRITE, created at `begin` and posted if one chunk turns out to carry
+    every page (a prompt within one prefill chunk); released unposted otherwise."""
 
 
 @dataclass
@@ -241,7 +244,16 @@ class Pusher:
         # Validate the whole request now so a bad page list fails before any byte moves.
         lp, rp = self._selection(peer).check(local_pages, remote_pages)
         now = self.clock()
-        self._jobs[request_id] = _Job(request_id, peer, prompt_len, lp, rp, now, now + deadline_s)
+        job = _Job(request_id, peer, prompt_len, lp, rp, now, now + deadline_s)
+        if n:
+            try:
+                # Off the critical path: begin runs when decode has reserved the pages, before
+                # prefill computes them; the push then only posts.
+                job.ready = self.agent.prepare(peer.agent_name, self._plan(peer, lp, rp))
+                self.stats.make_s += job.ready.make_s
+            except Exception as e:  # noqa: BLE001 - push builds its WRITE then (and fails there if it must)
+                log.debug("preparing the WRITE of %s: %s", request_id, e)
+        self._jobs[request_id] = job
 
     def push(self, request_id: str, tokens_done: int) -> bool:
         """Push the pages that became final now that ``tokens_done`` prompt tokens are in the cache.
@@ -265,7 +277,13 @@ class Pusher:
             request_id, index, count=index + 1 if last else None, pages=len(job.local_pages) if last else None
         )
         try:
-            if upto > job.sent_pages:
+            if upto > job.sent_pages and job.ready is not None and job.sent_pages == 0 and upto == len(job.local_pages):
+                xfer, job.ready = job.ready, None
+                self._post(xfer, encode(msg))
+                job.inflight.append(xfer)
+                job.nbytes += xfer.nbytes
+            elif upto > job.sent_pages:
+                self._drop_ready(job)
                 xfer = self._write(job.peer, job.local_pages[job.sent_pages : upto],
                                    job.remote_pages[job.sent_pages : upto], encode(msg))
                 job.inflight.append(xfer)
@@ -379,26 +397,45 @@ class Pusher:
             self._selections[peer.agent_name] = sel
         return sel
 
-    def _write(self, peer: Peer, local_pages: np.ndarray, remote_pages: np.ndarray, notif: bytes) -> Xfer:
-        """Plan (validated pages; duplicates allowed only for the warm-up) and post one WRITE."""
+    def _plan(self, peer: Peer, local_pages: np.ndarray, remote_pages: np.ndarray):
+        """The WRITE of these (validated) pages per ``path``; its time counts as ``stats.plan_s``."""
         t0 = time.perf_counter()
         sel = self._selection(peer)
         runs = PageRuns.of(local_pages, remote_pages, self.merge)
-        descriptors = len(runs) * len(sel.keys)
-        if self.path == "explicit" or (self.path == "auto" and descriptors <= EXPLICIT_MAX_DESCRIPTORS):
+        if self.path == "explicit" or (self.path == "auto" and len(runs) * len(sel.keys) <= EXPLICIT_MAX_DESCRIPTORS):
             plan = descriptor_plan(sel, runs)
         else:
             plan = index_plan(sel, local_pages, remote_pages, merge=self.merge, runs=runs)
-        t1 = time.perf_counter()
-        xfer = self.agent.write(peer.agent_name, plan, notif)
+        self.stats.plan_s += time.perf_counter() - t0
+        return plan
+
+    def _write(self, peer: Peer, local_pages: np.ndarray, remote_pages: np.ndarray, notif: bytes) -> Xfer:
+        """Plan (validated pages; duplicates allowed only for the warm-up) and post one WRITE."""
+        xfer = self.agent.write(peer.agent_name, self._plan(peer, local_pages, remote_pages), notif)
+        self.stats.make_s += xfer.make_s
+        self._count(xfer)
+        return xfer
+
+    def _post(self, xfer: Xfer, notif: bytes) -> None:
+        """Post a WRITE prepared at `begin` (released if NIXL refuses it)."""
+        try:
+            self.agent.post(xfer, notif)
+        except Exception:
+            self._release_all([xfer])
+            raise
+        self._count(xfer)
+
+    def _count(self, xfer: Xfer) -> None:
         st = self.stats
         st.writes += 1
-        st.descriptors += plan.num_descriptors
-        st.nbytes += plan.nbytes
-        st.plan_s += t1 - t0
-        st.make_s += xfer.make_s
+        st.descriptors += xfer.descriptors
+        st.nbytes += xfer.nbytes
         st.post_s += xfer.post_s
-        return xfer
+
+    def _drop_ready(self, job: _Job) -> None:
+        if job.ready is not None:
+            self._release_all([job.ready])
+            job.ready = None
 
     def _try_release(self, x: Xfer) -> bool:
         return self.agent.state(x) != "PROC" and self.agent.release(x)
@@ -454,6 +491,7 @@ class Pusher:
     def _finish(self, job: _Job, status: PushStatus, reason: str, *, tell_peer: bool) -> PushResult:
         """End ``job``; ``tell_peer``: decode is told (PushSettled for a cancel, else PushAborted) once drained."""
         del self._jobs[job.request_id]
+        self._drop_ready(job)
         xfers, job.inflight = job.inflight, []
         if tell_peer:
             msg: Message = (PushSettled(job.request_id, reason) if status is PushStatus.CANCELLED

@@ -48,6 +48,8 @@ class FakeAgent:
     name: str
     table: RegionTable = field(default_factory=lambda: table(1 << 20))
     writes: list = field(default_factory=list)
+    prepared: list = field(default_factory=list)
+    unposted: list = field(default_factory=list)
     sent: list = field(default_factory=list)
     inbox: list = field(default_factory=list)
     fail_write: bool = False
@@ -55,18 +57,34 @@ class FakeAgent:
     done_on_write: bool = False
     released: int = 0
 
-    def write(self, peer, plan, notif):
+    def prepare(self, peer, plan):
         if self.fail_write:
             raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
-        x = Xfer(handle=None, peer=peer, nbytes=plan.nbytes, state="DONE" if self.done_on_write else "PROC")
-        self.writes.append((x, plan, decode(notif)))
+        x = Xfer(handle=plan, peer=peer, nbytes=plan.nbytes, state="NEW", descriptors=plan.num_descriptors)
+        self.prepared.append(x)
+        return x
+
+    def post(self, x, notif=b""):
+        if self.fail_write:
+            raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+        assert x.state == "NEW"
+        x.state = "DONE" if self.done_on_write else "PROC"
+        self.writes.append((x, x.handle, decode(notif)))
+
+    def write(self, peer, plan, notif):
+        x = self.prepare(peer, plan)
+        self.post(x, notif)
         return x
 
     def state(self, x):
         return x.state
 
     def release(self, x):
-        self.released += 1
+        # Handles prepared at begin and never posted are counted apart (`unposted`).
+        if x.state == "NEW":
+            self.unposted.append(x)
+        else:
+            self.released += 1
         return True
 
     def notify(self, peer, msg):
@@ -490,3 +508,41 @@ def test_receiver_failures():
     assert released == [(4,), (6,), (0, 1, 2), (3,), (5,)]
     with pytest.raises(PlanError, match="needs 2 pages"):
         recv.expect("n", "pre@1", 65, [0], 1.0)
+
+
+def test_whole_request_write_is_prepared_at_begin_and_posted_or_released_never_leaked():
+    pusher, agent, clock = make_pusher()
+    # One chunk carries every page: the WRITE prepared at begin is the one posted.
+    pusher.begin("one", "dec@1", 200, [0, 1, 2, 3], [5, 6, 7, 8], 10.0)
+    (ready,) = agent.prepared
+    assert ready.state == "NEW" and ready.descriptors == 4 and not agent.writes
+    pusher.push("one", 200)
+    ((x, plan, notif),) = agent.writes
+    assert x is ready and len(agent.prepared) == 1 and plan.num_pages == 4
+    assert notif == ChunkDone("one", 0, count=1, pages=4)
+    # Chunked: the first partial chunk drops the prepared WRITE (released unposted) and plans its own.
+    pusher.begin("two", "dec@1", 200, [10, 11, 12, 13], [15, 16, 17, 18], 10.0)
+    ready2 = agent.prepared[-1]
+    pusher.push("two", 128)
+    assert [id(u) for u in agent.unposted] == [id(ready2)] and agent.writes[-1][0] is not ready2 and agent.writes[-1][1].num_pages == 2
+    pusher.push("two", 200)
+    assert agent.writes[-1][1].num_pages == 2
+    # Ended before any push (abort, cancel, deadline, lost peer): released unposted.
+    for rid in ("ab", "cx", "dl"):
+        pusher.begin(rid, "dec@1", 64, [20 + len(agent.prepared)], [30 + len(agent.prepared)], 1.0)
+    pusher.begin("lost", "dec2@1", 64, [25], [40], 10.0)
+    pusher.abort("ab", "shutdown")
+    agent.inbox.append(("dec@1", PushCancelled("cx", "client gone")))
+    clock.t = 2.0
+    pusher.poll()
+    pusher.peer_lost("dec2@1")
+    assert pusher.active == ["one", "two"]
+    posted, unposted = {id(w[0]) for w in agent.writes}, {id(u) for u in agent.unposted}
+    assert all((id(x) in posted) != (id(x) in unposted) for x in agent.prepared)  # each exactly one of the two
+    assert len(agent.unposted) == 5
+    # A failing prepare at begin only means the push builds its WRITE then.
+    agent.fail_write = True
+    pusher.begin("late", "dec@1", 64, [26], [41], 10.0)
+    agent.fail_write = False
+    pusher.push("late", 64)
+    assert agent.writes[-1][1].num_pages == 1 and all(agent.writes[-1][0] is not u for u in agent.unposted)

@@ -161,7 +161,10 @@ class Side:
         if role == "decode" and cfg.receiver_defaults:
             tuning = {}  # the receiver never posts: NIXL's defaults
         else:
-            tuning = dict(ucx_sgl=cfg.ucx_sgl, num_threads=cfg.ucx_threads, backend_params=dict(cfg.backend_params))
+            params = dict(cfg.backend_params)
+            if cfg.ucx_threads:
+                params.setdefault("num_threads", str(cfg.ucx_threads))
+            tuning = dict(ucx_sgl=cfg.ucx_sgl, backend_params=params)
         self.agent = TransferAgent(f"bench-{role}", self.regions, compat, progress_thread=cfg.progress_thread,
                                    **tuning)
         self.book = PeerBook(self.agent)

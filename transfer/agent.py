@@ -106,11 +106,10 @@ class TransferAgent:
     (``NIXL_UCX_SGL_ENABLE``) for this agent: a WRITE is posted as one UCX
     scatter-gather operation (``cuda_ipc``: one batched CUDA copy) instead
     of one operation per descriptor. None leaves NIXL's setting (environment;
-    off by default). ``num_threads``: NIXL's UCX thread pool (0 = none):
-    large WRITEs are split over that many posting threads.
-    ``backend_params``: extra init parameters of every backend (NIXL's UCX
-    plugin: ``num_workers``, ``split_batch_size``, ``engine_config``, ...);
-    None: NIXL's defaults.
+    off by default). ``backend_params``: init parameters of every backend,
+    strings (NIXL's UCX plugin: ``num_threads``, a pool of posting threads
+    that splits each WRITE of >= ``split_batch_size`` descriptors over
+    them; ``num_workers``; ``engine_config``, ...); None: NIXL's defaults.
     """
 
     def __init__(
@@ -123,7 +122,6 @@ class TransferAgent:
         epoch: Optional[int] = None,
         progress_thread: bool = True,
         ucx_sgl: Optional[bool] = None,
-        num_threads: int = 0,
         backend_params: Optional[dict[str, str]] = None,
     ):
         from nixl._api import nixl_agent, nixl_agent_config  # deferred: importing nixl loads UCX
@@ -137,8 +135,6 @@ class TransferAgent:
         self.epoch = new_epoch() if epoch is None else int(epoch)
         self.name = agent_name(worker_id, self.epoch)
         params = {str(k): str(v) for k, v in (backend_params or {}).items()}
-        if num_threads:
-            params.setdefault("num_threads", str(int(num_threads)))
         # The backends are created here, not by nixl_agent (whose config passes num_threads only).
         config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
         self._nixl = _new_nixl_agent(nixl_agent, self.name, config, ucx_sgl, backends, params)

@@ -32,13 +32,13 @@ def compat_info(model_dir: str | Path, cache: PagedKVCache, has_mtp: bool) -> Co
 # NIXL / UCX settings of an agent whose cache is in GPU memory. UCX's
 # cuda_ipc issues every copy to one peer GPU from one UCX worker on one CUDA
 # stream; splitting each WRITE over N posting threads on N UCX workers gives it
-# N streams. Streams of 32k-token DeepSeek-V3.2 requests, 8 in flight
-# (docs/perf.md), 8 threads: 2 x H200 0.91-0.93 of a peer copy (one thread with
-# scatter-gather offload, the previous setting: 0.68-0.73); one H100 0.58-0.94
-# of a device copy on the page-major layout, 0.43-0.77 on the layer-major one
-# (previous: 0.53-0.56 / 0.40-0.48). Scatter-gather is off with threads: it
-# measured no better (0.86 vs 0.88 at 4 threads). CPU (DRAM) agents keep
-# NIXL's defaults (UCX only emulates scatter-gather there).
+# N streams. Streams of 32k-token DeepSeek-V3.2 requests, 8 in flight, on the
+# served layer-major cache (docs/perf.md, "explicit descriptors"), 8 threads:
+# one H100 0.97-0.98 of a device copy (one thread with scatter-gather offload,
+# the previous setting: 0.55); 2 x H200 0.905-0.918 of a peer copy (previous:
+# 0.62). 16 threads measured worse on the H100 (0.58), 2 and 4 slower for
+# single requests. CPU (DRAM) agents keep NIXL's defaults (UCX only emulates
+# scatter-gather there).
 DEFAULT_PUSH_THREADS = 8
 
 
@@ -51,8 +51,8 @@ def gpu_push_tuning(threads: int | None = None) -> dict:
         raise ValueError(f"push threads must be >= 0, got {threads}")
     if threads == 0:
         return {"ucx_sgl": True}
-    return {"ucx_sgl": False, "num_threads": threads,
-            "backend_params": {"num_workers": str(threads), "split_batch_size": "8"}}
+    return {"ucx_sgl": False,
+            "backend_params": {"num_threads": str(threads), "num_workers": str(threads), "split_batch_size": "8"}}
 
 
 @dataclass

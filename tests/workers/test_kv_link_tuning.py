@@ -13,7 +13,8 @@ def test_push_threads_map_to_nixl_settings():
     assert gpu_push_tuning() == gpu_push_tuning(DEFAULT_PUSH_THREADS)
     four = gpu_push_tuning(4)
     # one UCX worker (one CUDA stream) per posting thread; scatter-gather off
-    assert four["num_threads"] == 4 and four["backend_params"]["num_workers"] == "4" and four["ucx_sgl"] is False
+    assert four["backend_params"] == {"num_threads": "4", "num_workers": "4", "split_batch_size": "8"}
+    assert four["ucx_sgl"] is False
     assert gpu_push_tuning(0) == {"ucx_sgl": True}  # the previous setting: one thread, scatter-gather offload
     with pytest.raises(ValueError, match="push threads must be >= 0"):
         gpu_push_tuning(-1)

@@ -6,12 +6,15 @@ names itself ``"{worker_id}@{epoch}"`` so a restarted worker is a different
 agent to its peers, and exposes the few operations the push and receive
 sides need. Not thread-safe: drive it from the worker's step loop.
 
-Descriptor lists are prepared once, never per request: the local list over
-every page of every region at construction, a peer's list at handshake
-(`prepare_peer`, dropped with the peer). Each is one compressed (strided)
-row per region, so preparing costs the same for 10 or 100,000 pages. A WRITE
-of an `IndexPlan` is then ``make_prepped_xfer`` with two int32 index arrays
-(NIXL merges consecutive runs itself), and ``transfer`` posts it.
+A WRITE is an explicit descriptor list (`TransferPlan`, through
+``initialize_xfer``) or indices into descriptor lists prepared once, never
+per request: the local list over every page of every region at
+construction, a peer's list at handshake (`prepare_peer`, dropped with the
+peer). Each is one compressed (strided) row per region, so preparing costs
+the same for 10 or 100,000 pages; a WRITE of an `IndexPlan` is then
+``make_prepped_xfer`` with two int32 index arrays (NIXL merges consecutive
+runs itself). `prepare` creates a WRITE without posting it (a request's
+pages are known before prefill computes them) and `post` posts it.
 
 Where the time of a WRITE goes is kept per `Xfer`: ``make_s`` (building the
 request: NIXL handle creation, plus descriptor conversion on the unprepared

@@ -2,22 +2,24 @@
 
 A request owns the same *positions* on both sides: position ``i`` is prefill
 page ``local_pages[i]`` and decode page ``remote_pages[i]``, in every region
-(layer x kind). Two ways to hand that pairing to NIXL:
+(layer x kind). `PageRuns` cuts that pairing into runs of positions
+contiguous on *both* sides (the page pool hands out runs, so a request is
+usually one or a few). Two ways to hand a chunk to NIXL:
 
-- `IndexPlan` (the serving path): indices into descriptor lists prepared once
+- `TransferPlan` (`descriptor_plan`): explicit descriptors ``(address,
+  length, device_id)``, one per (region, run), posted with
+  ``initialize_xfer``. Serving uses it while a chunk needs at most
+  `transfer.push.EXPLICIT_MAX_DESCRIPTORS`: a 32k-token DeepSeek-V3.2
+  request in one run is 122 descriptors, built from a few small arrays.
+- `IndexPlan` (`index_plan`): indices into descriptor lists prepared once
   over every page of every region (`RegionTable.first_index`), locally at
   agent start and per peer at handshake; a WRITE is then
-  ``make_prepped_xfer(local_idx, remote_idx)``. NIXL itself merges index
-  runs consecutive on *both* sides within a region into one descriptor
-  (``merge=False`` asks it not to), so nothing per descriptor is built in
-  Python. Computing the indices is a few numpy operations per chunk.
-- `TransferPlan` (the unprepared path, kept for comparison and for callers
-  without prepared lists): explicit descriptors ``(address, length,
-  device_id)``, one per (region, page), with runs contiguous on both sides
-  merged here, posted with ``initialize_xfer``.
+  ``make_prepped_xfer(local_idx, remote_idx)`` and NIXL merges index runs
+  consecutive on both sides itself (``merge=False`` asks it not to). One
+  index per (region, page): cheaper than explicit rows only for fragmented
+  pages (thousands of runs).
 
-A fresh pool hands out ascending page ids, so a whole request in one region
-is often a single descriptor either way.
+Either way a run never spans two regions.
 """
 
 from __future__ import annotations

@@ -14,13 +14,16 @@ whatever the status):
 
 Each chunk is one WRITE over every selected region whose notification
 (`messages.ChunkDone`) reaches decode after the chunk's bytes; the last one
-carries the chunk count and page count. A chunk's WRITE is an `IndexPlan`
-into the descriptor lists the agent prepared at start and at handshake: per
-chunk only index arithmetic in numpy and one ``make_prepped_xfer``, never a
-Python loop per descriptor. A request fails alone: a WRITE error,
-its deadline, a cancel from decode, a lost peer, or its peer leaving the
-`PeerBook` (forgotten, or superseded by a restart) end that request, tell
-decode (best effort) and hand its pages back.
+carries the chunk count and page count. A chunk's WRITE is one descriptor
+per region and page run (`TransferPlan`), or for fragmented pages indices
+into the descriptor lists the agent prepared at start and at handshake
+(`IndexPlan`): numpy arithmetic per chunk, never a Python loop per
+descriptor. `begin` already creates the WRITE of the whole request, so a
+prompt that fits one prefill chunk is only posted once computed.
+
+A request fails alone: a WRITE error, its deadline, a cancel from decode, a
+lost peer, or its peer leaving the `PeerBook` (forgotten, or superseded by a
+restart) end that request, tell decode (best effort) and hand its pages back.
 
 Decode re-uses its pages only once this side says none of the request's
 WRITEs can land any more (`transfer.receiver`): a WRITE already handed to

@@ -220,25 +220,6 @@ class RegionSelection:
         return lp, rp
 
 
-def check_pages(
-    local: RegionTable,
-    remote: RegionTable,
-    local_pages: Sequence[int] | np.ndarray,
-    remote_pages: Sequence[int] | np.ndarray,
-    *,
-    layers: Optional[Iterable[int]] = None,
-    kinds: Optional[Iterable[str]] = None,
-) -> tuple[np.ndarray, np.ndarray, list[tuple[int, str]]]:
-    """Validate a page pairing without building descriptors; returns (local, remote, region keys).
-
-    Raises `PlanError` on unequal page counts, out-of-range or duplicate
-    pages, regions missing on the peer or differing page sizes.
-    """
-    sel = RegionSelection.of(local, remote, layers, kinds)
-    lp, rp = sel.check(local_pages, remote_pages)
-    return lp, rp, list(sel.keys)
-
-
 def descriptor_plan(sel: RegionSelection, runs: PageRuns) -> TransferPlan:
     """Explicit descriptors: one per (selected region, run), region-major, vectorised.
 
@@ -283,7 +264,7 @@ def build_plan(
     """Plan copying ``local_pages[i] -> remote_pages[i]`` in every selected region.
 
     ``merge=False`` keeps one descriptor per (region, page) (for benchmarks).
-    Raises `PlanError` as `check_pages` does.
+    Raises `PlanError` as `RegionSelection.of` and `RegionSelection.check` do.
     """
     sel = RegionSelection.of(local, remote, layers, kinds)
     lp, rp = sel.check(local_pages, remote_pages)

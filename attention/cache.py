@@ -123,7 +123,7 @@ class CacheRegion:
     """
 
     layer: int
-    kind: str  # "mla" | "index"
+    kind: str  # "kv": a layer's whole page (MLA bytes, then indexer bytes if the layer has an indexer)
     tensor: torch.Tensor
     bytes_per_page: int
     num_pages: int
@@ -136,7 +136,13 @@ class CacheRegion:
 class PagedKVCache:
     """The paged MLA and indexer caches of every layer of one rank.
 
-    Storage per layer (allocated zero-filled on ``device``)::
+    Storage: one zero-filled uint8 buffer per layer, ``pages[layer]`` of
+    ``[num_pages, M + I]`` bytes: page ``p`` holds the layer's MLA bytes of
+    its 64 tokens (``M = spec.mla_bytes_per_page()``), then its indexer
+    bytes (``I = spec.index_bytes_per_page()``, 0 for a layer without an
+    indexer). A run of pages is thus one contiguous block per layer, which
+    is what a KV push moves as one descriptor. The per-kind tensors are
+    views into it whose page stride is ``M + I`` bytes::
 
         mla[layer]    fp8:  uint8 [num_pages, 64, B]   B = MlaFp8Format.bytes_per_token (656)
                       auto: dtype [num_pages, 64, r + d]   (latent then rope)
@@ -144,10 +150,13 @@ class PagedKVCache:
                       auto: dtype [num_pages, 64, D]
                       None for layers with ``indexer_layers[layer] == False``
 
-    Slots are ``page_id * 64 + offset``. Writes ignore slot ``-1`` (padding
-    tokens); reads return zeros for it. Any other slot outside
-    ``[0, num_pages * 64)`` raises ``IndexError``. Slots of one write must be
-    distinct.
+    Within a page each kind keeps its byte format (docs in
+    :mod:`attention.formats`); FlashMLA and DeepGEMM take the strided views
+    as they are (bit-identical outputs to contiguous pools on the H100,
+    ``bench/page_stride_probe.py``). Slots are ``page_id * 64 + offset``.
+    Writes ignore slot ``-1`` (padding tokens); reads return zeros for it.
+    Any other slot outside ``[0, num_pages * 64)`` raises ``IndexError``.
+    Slots of one write must be distinct.
     """
 
     def __init__(self, spec: CacheSpec, device: torch.device | str = "cpu") -> None:
@@ -155,17 +164,23 @@ class PagedKVCache:
         self.device = torch.device(device)
         r, d, dim = spec.kv_lora_rank, spec.rope_dim, spec.index_head_dim
         P = spec.num_pages
+        M, I = spec.mla_bytes_per_page(), spec.index_bytes_per_page()
+        self.pages: list[torch.Tensor] = []
         self.mla: list[torch.Tensor] = []
         self.index: list[torch.Tensor | None] = []
         for layer in range(spec.num_layers):
+            has_index = spec.indexer_layers[layer]
+            page = torch.zeros(P, M + (I if has_index else 0), dtype=torch.uint8, device=self.device)
+            mla_bytes, idx_bytes = page[:, :M], page[:, M:]
             if spec.is_fp8:
-                mla = torch.zeros(P, PAGE_SIZE, spec.mla_format.bytes_per_token, dtype=torch.uint8, device=self.device)
-                idx = torch.zeros(P, spec.index_format.bytes_per_page, dtype=torch.uint8, device=self.device)
+                mla = mla_bytes.view(P, PAGE_SIZE, spec.mla_format.bytes_per_token)
+                idx = idx_bytes
             else:
-                mla = torch.zeros(P, PAGE_SIZE, r + d, dtype=spec.dtype, device=self.device)
-                idx = torch.zeros(P, PAGE_SIZE, dim, dtype=spec.dtype, device=self.device)
+                mla = mla_bytes.view(spec.dtype).view(P, PAGE_SIZE, r + d)
+                idx = idx_bytes.view(spec.dtype).view(P, PAGE_SIZE, dim) if has_index else None
+            self.pages.append(page)
             self.mla.append(mla)
-            self.index.append(idx if spec.indexer_layers[layer] else None)
+            self.index.append(idx if has_index else None)
 
     # ------------------------------------------------------------------ helpers
 
@@ -210,18 +225,18 @@ class PagedKVCache:
                 f"got {tuple(latent.shape)} and {tuple(rope.shape)}"
             )
         s, latent, rope = s[valid], latent[valid], rope[valid]
-        flat = self.mla[layer].view(self.spec.num_slots, -1)  # one row per slot
+        page, off = s // PAGE_SIZE, s % PAGE_SIZE  # pages are strided: no flat slot view
         if self.spec.is_fp8:
-            flat[s] = quantize_mla_fp8(latent, rope, self.spec.mla_format).to(self.device)
+            self.mla[layer][page, off] = quantize_mla_fp8(latent, rope, self.spec.mla_format).to(self.device)
         else:
-            flat[s] = torch.cat([latent, rope], dim=-1).to(device=self.device, dtype=self.spec.dtype)
+            self.mla[layer][page, off] = torch.cat([latent, rope], dim=-1).to(device=self.device, dtype=self.spec.dtype)
 
     def read_mla(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """float32 ``[n, r + d]`` (latent then rope) of ``slots [n]``, dequantized; slot -1 -> zeros."""
         self._check_layer(layer)
         s, valid = self._slots(slots)
-        flat = self.mla[layer].view(self.spec.num_slots, -1)
-        rows = flat[s.clamp(min=0)]
+        sc = s.clamp(min=0)
+        rows = self.mla[layer][sc // PAGE_SIZE, sc % PAGE_SIZE]
         if self.spec.is_fp8:
             latent, rope = dequantize_mla_fp8(rows, self.spec.mla_format)
             out = torch.cat([latent, rope], dim=-1)
@@ -261,7 +276,7 @@ class PagedKVCache:
             keys[page, off] = k_fp8.view(torch.uint8).to(self.device)
             scales[page, off] = scale.view(torch.uint8).view(-1, 4).to(self.device)
         else:
-            t.view(self.spec.num_slots, -1)[s] = k.to(device=self.device, dtype=self.spec.dtype)
+            t[s // PAGE_SIZE, s % PAGE_SIZE] = k.to(device=self.device, dtype=self.spec.dtype)
 
     def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """float32 ``[n, D]`` indexer keys of ``slots [n]``, dequantized; slot -1 -> zeros."""
@@ -273,7 +288,7 @@ class PagedKVCache:
             page, off = sc // PAGE_SIZE, sc % PAGE_SIZE
             out = dequantize_indexer_fp8(keys[page, off], scales[page, off].contiguous().view(torch.float32)[:, 0])
         else:
-            out = t.view(self.spec.num_slots, -1)[sc].float()
+            out = t[sc // PAGE_SIZE, sc % PAGE_SIZE].float()
         return out.masked_fill(~valid[:, None], 0.0)
 
     # ------------------------------------------------------------------ kernel views
@@ -302,20 +317,11 @@ class PagedKVCache:
     # ------------------------------------------------------------------ transfer
 
     def regions(self) -> list[CacheRegion]:
-        """Every cache tensor as a :class:`CacheRegion` (layer order; per layer mla then index).
+        """Every layer's page buffer as one ``"kv"`` :class:`CacheRegion`, in layer order.
 
-        Layers without an indexer contribute only their ``"mla"`` region.
+        A page carries the layer's MLA bytes and, if it has an indexer, its
+        indexer bytes: a run of pages pushed is one descriptor per layer.
         """
-        out: list[CacheRegion] = []
         P = self.spec.num_pages
-        for layer in range(self.spec.num_layers):
-            for kind, t, bpp in (
-                ("mla", self.mla[layer], self.spec.mla_bytes_per_page()),
-                ("index", self.index[layer], self.spec.index_bytes_per_page()),
-            ):
-                if t is None:
-                    continue
-                # The last dim is contiguous and pages are dense, so the byte view is exact.
-                raw = t.view(torch.uint8).view(P, bpp)
-                out.append(CacheRegion(layer=layer, kind=kind, tensor=raw, bytes_per_page=bpp, num_pages=P))
-        return out
+        return [CacheRegion(layer=layer, kind="kv", tensor=page, bytes_per_page=page.shape[1], num_pages=P)
+                for layer, page in enumerate(self.pages)]

@@ -7,13 +7,14 @@
 # nixl). Results land in $OUT; SHOW filters what each case prints.
 #
 # Every figure is a ratio to a torch copy of the same bytes measured in the same
-# run (device copy on one GPU, peer copy between two), on the served layer-major
-# cache with contiguous page ids (what workers/page_pool.py hands out), pairs
-# warmed up at start, every push verified page for page.
-#   single (default): requests alone (8k, 32k) on the serving path and through
-#     prepared lists, the re-posted WRITE (the transport alone), the first
-#     request after start with and without the warm-up's notification, streams
-#     of 8 in flight; 8 posting threads vs the old default (1 thread + SGL).
+# run (device copy on one GPU, peer copy between two), with contiguous page ids
+# (what workers/page_pool.py hands out), pairs warmed up at start, every push
+# verified page for page.
+#   single (default): requests alone (8k, 32k) on the serving path, the
+#     re-posted WRITE (the transport alone), the first request after start,
+#     streams of 8 in flight; the served cache (layer-page: one region per
+#     layer) vs the layer-major one before it (a region per layer and kind),
+#     interleaved, twice; 8 posting threads.
 #   ab: streams of 32k requests, 8 in flight, old default vs 8 threads,
 #     interleaved and twice, on the page-major and layer-major caches.
 # Earlier case sets (layouts, ucx, threads, receiver; docs/perf.md sessions 2-3)
@@ -40,11 +41,11 @@ th() { echo --ucx-sgl off --ucx-threads "$1" --ucx-param num_workers="$1" --ucx-
 
 case "${CASES:-single}" in
   single)
-    S=(--warmup --reps 5 --tokens 8192,32768 --layout contiguous --raw-reps 5)
-    run_case single_t8 90 "${S[@]}" $(th 8) --paths auto,prep --inflight 8 "$@"
-    run_case single_t8_warmup_nonotif 60 "${S[@]}" $(th 8) --paths auto --warmup-notif off "$@"
-    run_case single_t0_sgl 90 "${S[@]}" --ucx-sgl on --paths auto --inflight 8 "$@"
-    run_case single_t8_again 90 "${S[@]}" $(th 8) --paths auto,prep --inflight 8 "$@"
+    S=(--warmup --reps 5 --tokens 8192,32768 --layout contiguous --raw-reps 5 --paths auto --inflight 8)
+    for rep in 1 2; do
+      run_case single${rep}_layer_page 90 "${S[@]}" $(th 8) "$@"
+      run_case single${rep}_layer_major 90 "${S[@]}" $(th 8) --cache-layout layer-major "$@"
+    done
     ;;
   ab)
     B=(--warmup --reps 3 --stream-reps 3 --paths auto --tokens 32768 --inflight 8)

@@ -36,10 +36,13 @@ Reported, all from one run:
   notification) that a stream overlaps with other requests' copies; this is
   the throughput a prefill replica can sustain.
 
-Cache layouts (``--cache-layout``): ``layer-major`` (the serving pool: one
-region per (layer, kind), so a page is 2 x layers descriptors before
-merging) or ``page-major`` (one region whose page holds every layer's MLA and
-indexer bytes back to back: a page is one ~3.08 MB descriptor). Page-id
+Cache layouts (``--cache-layout``): ``layer-page`` (the serving pool,
+`attention.cache.PagedKVCache`: one region per layer whose page holds the
+layer's MLA then indexer bytes, so a run of pages is one descriptor per
+layer), ``layer-major`` (the pool before: one region per (layer, kind), two
+descriptors per layer and run) or ``page-major`` (one region whose page
+holds every layer's MLA and indexer bytes back to back: a page is one
+~3.08 MB descriptor). Page-id
 layouts (``--layout``): ``contiguous``, ``runs`` (1-16), ``random`` (no two
 adjacent); ``--layout page-major`` is short for ``--cache-layout page-major
 --layout random``: does a page-major pool reach the copy with scattered pages?
@@ -91,7 +94,7 @@ class BenchConfig:
     progress_thread: bool
     ucx_sgl: bool = False
     ucx_threads: int = 0
-    cache_layout: str = "layer-major"  # or "page-major": every layer's bytes of a page contiguous
+    cache_layout: str = "layer-page"  # or "layer-major" (a region per layer and kind), "page-major" (one region)
     backend_params: tuple = ()  # (key, value) pairs: NIXL UCX backend init parameters
     receiver_defaults: bool = False  # the decode agent keeps NIXL's defaults (no threads, params, SGL)
 
@@ -148,8 +151,12 @@ class Side:
             # One uint8 [pool_pages, layers * (mla + index)] region: page p of
             # every layer and kind is one contiguous block, one descriptor.
             self.regions = [CacheRegion.of(0, "page", buf(cfg.bytes_per_page))]
+        elif cfg.cache_layout == "layer-page":
+            # The serving layout: per layer, uint8 [pool_pages, mla_bytes + index_bytes].
+            self.regions = [CacheRegion.of(layer, "kv", buf(cfg.mla_bytes + cfg.index_bytes))
+                            for layer in range(cfg.layers)]
         else:
-            # The serving layout: per layer, uint8 [pool_pages, mla_bytes] and [pool_pages, index_bytes].
+            # The pool before: per layer, uint8 [pool_pages, mla_bytes] and [pool_pages, index_bytes].
             self.regions = [
                 CacheRegion.of(layer, kind, buf(bpp))
                 for layer in range(cfg.layers)
@@ -516,7 +523,7 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                 print(f"# versions: torch {info['torch']}, nixl {info['nixl']}")
             print(f"# geometry: {cfg.layers} layers x ({cfg.mla_bytes} MLA + {cfg.index_bytes} index) B/page = "
                   f"{cfg.bytes_per_page / 1e6:.3f} MB/page; cache {cfg.cache_layout} "
-                  f"({1 if cfg.cache_layout == 'page-major' else 2 * cfg.layers} region(s)); "
+                  f"({ {'page-major': 1, 'layer-page': cfg.layers}.get(cfg.cache_layout, 2 * cfg.layers)} region(s)); "
                   f"pool {cfg.pool_pages} pages/side; page ids {cfg.layout}; "
                   f"chunk {args.chunk_tokens or 'whole prompt'}; NIXL progress thread "
                   f"{'on' if cfg.progress_thread else 'off'}; UCX threads {cfg.ucx_threads}; UCX backend params "
@@ -624,8 +631,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layout", choices=("contiguous", "runs", "random", "page-major"), default="runs",
                     help="how page ids are scattered in both pools (default runs: 1-16 consecutive pages); "
                          "page-major: --cache-layout page-major with random page ids")
-    ap.add_argument("--cache-layout", choices=("layer-major", "page-major"), default=None,
-                    help="layer-major (default): a region per (layer, kind), as served; page-major: one region "
+    ap.add_argument("--cache-layout", choices=("layer-page", "layer-major", "page-major"), default=None,
+                    help="layer-page (default): a region per layer, MLA then indexer bytes per page, as served; "
+                         "layer-major: a region per (layer, kind), the pool before; page-major: one region "
                          "whose page holds every layer's MLA + indexer bytes (one descriptor per page)")
     ap.add_argument("--inflight", type=int, default=0,
                     help="also push a stream of requests with up to N outstanding and report aggregate GB/s")
@@ -663,10 +671,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     pre_dev, dec_dev = (int(x) for x in args.devices.split(","))
     if args.layout == "page-major":
-        if args.cache_layout == "layer-major":
+        if args.cache_layout not in (None, "page-major"):
             ap.error("--layout page-major means --cache-layout page-major")
         args.layout, args.cache_layout = "random", "page-major"
-    cache_layout = args.cache_layout or "layer-major"
+    cache_layout = args.cache_layout or "layer-page"
     args.row_names = [p for p in args.paths.split(",") if p]
     if unknown := [p for p in args.row_names if p not in ROWS]:
         ap.error(f"--paths: unknown {unknown}; known: {', '.join(ROWS)}")

@@ -126,6 +126,7 @@ def test_fp8_write_mla_touches_only_its_slots(r, d, gen):
     c = PagedKVCache(s)
     fill_random_bytes(c, gen)
     before = [reg.tensor.clone() for reg in c.regions()]
+    mla_before, index_before = c.mla[1].clone(), c.index[1].clone()
     n = 40
     slots = scattered_slots(7, n, gen)
     latent = torch.randn(n, r, generator=gen) * 3
@@ -134,14 +135,13 @@ def test_fp8_write_mla_touches_only_its_slots(r, d, gen):
 
     fmt = MlaFp8Format(r, d)
     expect = quantize_mla_fp8(latent.bfloat16(), rope, fmt)
-    rows = c.mla[1].view(-1, fmt.bytes_per_token)
+    rows = c.mla[1].reshape(-1, fmt.bytes_per_token)  # a copy: the pages are strided
     assert torch.equal(rows[slots], expect)
     touched = torch.zeros(7 * 64, dtype=torch.bool)
     touched[slots] = True
-    assert torch.equal(rows[~touched], before[2].view(-1, fmt.bytes_per_token)[~touched])
-    for i, reg in enumerate(c.regions()):
-        if (reg.layer, reg.kind) != (1, "mla"):
-            assert torch.equal(reg.tensor, before[i]), (reg.layer, reg.kind)
+    assert torch.equal(rows[~touched], mla_before.reshape(-1, fmt.bytes_per_token)[~touched])
+    # The indexer bytes sharing those pages, and every other layer, are untouched.
+    assert torch.equal(c.index[1], index_before) and torch.equal(c.regions()[0].tensor, before[0])
 
     got = c.read_mla(1, slots)
     lat_q, rope_q = dequantize_mla_fp8(expect, fmt)
@@ -177,7 +177,7 @@ def test_invalid_slots(mode, gen):
     c.write_index(0, torch.tensor([-1, 5, -1]), torch.randn(3, 32, generator=gen))
     assert torch.equal(c.read_index(0, torch.tensor([-1]))[0], torch.zeros(32))
     changed = [not torch.equal(reg.tensor, b) for reg, b in zip(c.regions(), raw_before)]
-    assert changed == [True, True] + [False] * (len(changed) - 2)
+    assert changed == [True] + [False] * (len(changed) - 1)  # layer 0's pages only
     for bad in ([128], [-2], [0, 1000]):
         with pytest.raises(IndexError):
             c.read_mla(0, torch.tensor(bad))
@@ -198,6 +198,7 @@ def test_fp8_write_index_layout_and_isolation(D, gen):
     c = PagedKVCache(s)
     fill_random_bytes(c, gen)
     before = [reg.tensor.clone() for reg in c.regions()]
+    index_before, mla_before = c.index[0].clone(), c.mla[0].clone()
     n = 50
     slots = scattered_slots(5, n, gen)
     k = torch.randn(n, D, generator=gen) * torch.exp(torch.randn(n, 1, generator=gen))
@@ -209,14 +210,13 @@ def test_fp8_write_index_layout_and_isolation(D, gen):
     assert torch.equal(pages_fp8[page, off].view(torch.uint8), k_fp8.view(torch.uint8))
     assert torch.equal(pages_scale[page, off], scale)
     # Untouched tokens keep their key bytes and their scale bytes.
-    old_fp8, old_scale = unpack_indexer_page(before[1], IndexerFp8Format(D))
+    old_fp8, old_scale = unpack_indexer_page(index_before, IndexerFp8Format(D))
     touched = torch.zeros(5, 64, dtype=torch.bool)
     touched[page, off] = True
     assert torch.equal(pages_fp8[~touched].view(torch.uint8), old_fp8[~touched].view(torch.uint8))
     assert torch.equal(pages_scale[~touched].view(torch.int32), old_scale[~touched].view(torch.int32))
-    for i, reg in enumerate(c.regions()):
-        if (reg.layer, reg.kind) != (0, "index"):
-            assert torch.equal(reg.tensor, before[i])
+    # The MLA bytes sharing those pages, and every other layer, are untouched.
+    assert torch.equal(c.mla[0], mla_before) and torch.equal(c.regions()[1].tensor, before[1])
     assert torch.equal(c.read_index(0, slots), dequantize_indexer_fp8(k_fp8, scale))
 
 
@@ -237,21 +237,27 @@ def test_regions_describe_every_page(mode, gen):
     s = spec(mode, layers=3, pages=4, indexer_layers=(True, False, True))
     c = PagedKVCache(s)
     regs = c.regions()
-    assert [(r.layer, r.kind) for r in regs] == [(0, "mla"), (0, "index"), (1, "mla"), (2, "mla"), (2, "index")]
+    M, I = s.mla_bytes_per_page(), s.index_bytes_per_page()
+    # One region per layer: a page is the layer's MLA bytes, then its indexer bytes (if it has an indexer).
+    assert [(r.layer, r.kind) for r in regs] == [(0, "kv"), (1, "kv"), (2, "kv")]
     for reg in regs:
         assert isinstance(reg, CacheRegion)
         assert reg.num_pages == 4 and reg.tensor.dtype == torch.uint8 and reg.tensor.is_contiguous()
-        expect = s.mla_bytes_per_page() if reg.kind == "mla" else s.index_bytes_per_page()
+        expect = M + (I if reg.layer != 1 else 0)
         assert reg.bytes_per_page == expect and reg.tensor.shape == (4, expect)
         assert reg.nbytes == reg.tensor.nbytes
-        src = c.mla[reg.layer] if reg.kind == "mla" else c.index[reg.layer]
-        assert reg.tensor.data_ptr() == src.data_ptr()
-    # A token written to slot 2*64+5 changes page 2 of exactly its two regions.
+        mla = c.mla[reg.layer]
+        assert mla.data_ptr() == reg.tensor.data_ptr() and mla.stride(0) * mla.element_size() == expect
+        if reg.layer != 1:
+            assert c.index[reg.layer].data_ptr() == reg.tensor.data_ptr() + M
+    # A token written to slot 2*64+5 changes page 2 of its layer's region only.
     c.write_mla(2, torch.tensor([2 * 64 + 5]), torch.randn(1, 96, generator=gen) + 1, torch.randn(1, 16, generator=gen))
     c.write_index(2, torch.tensor([2 * 64 + 5]), torch.randn(1, 32, generator=gen) + 1)
     for reg in c.regions():
         nonzero_pages = (reg.tensor != 0).any(dim=1).nonzero().flatten().tolist()
         assert nonzero_pages == ([2] if reg.layer == 2 else []), (reg.layer, reg.kind)
+        if reg.layer == 2:  # both kinds landed in the page
+            assert bool(reg.tensor[2, :M].any()) and bool(reg.tensor[2, M:].any())
     # Copying a page's bytes between two caches moves the token (what a transfer does).
     c2 = PagedKVCache(s)
     for dst, src in zip(c2.regions(), c.regions()):

@@ -31,15 +31,16 @@ def test_bench_transfer_cpu_smoke(tmp_path):
     assert [(r["ucx_sgl"], r["tokens"], r["path"], r["merge"]) for r in report["rows"]] == [
         (sgl, t, path, merge) for sgl in (False, True) for t in (256, 1000)
         for path, merge in (("auto", True), ("prep", True), ("flat", False), ("init", True))]
-    # The re-posted WRITE, per token count and mode: 3 layers x 2 kinds x the page runs of its pages.
+    # The re-posted WRITE, per token count and mode: 3 layers (one region each) x the page runs of its pages.
     assert [r["tokens"] for r in report["raw"]] == [256, 1000] * 2
-    assert all(r["descriptors"] % 6 == 0 and r["nbytes"] == (4 if r["tokens"] == 256 else 16) * 3 * (41_984 + 8_448)
+    assert all(r["descriptors"] % 3 == 0 and r["nbytes"] == (4 if r["tokens"] == 256 else 16) * 3 * (41_984 + 8_448)
                and r["fraction_of_copy"] > 0 for r in report["raw"])
     assert all(r["gbps"] > 0 and r["fraction_of_copy"] > 0 for r in report["rows"])
     for mode in report["modes"]:
         assert mode["warmup_seconds"] is not None and mode["first"]["status"] == "done"
-    # Unmerged: one descriptor per (region, page); 3 layers x 2 kinds x 4 / 16 pages.
-    assert [r["descriptors"] for r in report["rows"] if not r["merge"]] == [3 * 2 * 4, 3 * 2 * 16] * 2
+    # Unmerged: one descriptor per (region, page); 3 layers (one region each: MLA then indexer bytes per
+    # page, as served) x 4 / 16 pages.
+    assert [r["descriptors"] for r in report["rows"] if not r["merge"]] == [3 * 4, 3 * 16] * 2
     # The posting time is split into its parts.
     for r in report["rows"]:
         assert r["plan_seconds"] + r["make_seconds"] + r["nixl_post_seconds"] <= r["post_seconds"]
@@ -67,8 +68,10 @@ def test_bench_transfer_cpu_posting_threads(tmp_path):
     every page lands (the bench verifies each region's checksum)."""
     stdout, report = run_bench(tmp_path, "--tokens", "1000", "--reps", "2", "--ucx-sgl", "off", "--paths", "prep",
                                "--ucx-threads", "2", "--ucx-param", "num_workers=2", "--ucx-param",
-                               "split_batch_size=8", "--inflight", "2", "--stream", "4", "--stream-reps", "1")
+                               "split_batch_size=8", "--inflight", "2", "--stream", "4", "--stream-reps", "1",
+                               "--cache-layout", "layer-major")
     assert "verified" in stdout and "UCX backend params {'num_workers': '2', 'split_batch_size': '8'}" in stdout
-    assert report["config"]["ucx_threads"] == 2
+    # The pool before layer pages: a region per (layer, kind), 3 x 2 of them.
+    assert report["config"]["ucx_threads"] == 2 and "cache layer-major (6 region(s))" in stdout
     # Enough descriptors for NIXL to split the WRITE (>= split_batch_size).
     assert all(r["descriptors"] >= 8 for r in report["rows"]) and report["streams"][0]["requests"] == 4

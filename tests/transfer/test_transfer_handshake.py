@@ -139,7 +139,8 @@ def test_push_between_paged_kv_caches_through_regions():
         r.tensor.copy_(torch.randint(0, 256, r.tensor.shape, dtype=torch.uint8))
     compat = dataclasses.replace(COMPAT, num_layers=3)
     pa, da = TransferAgent("pre-kv", src.regions(), compat), TransferAgent("dec-kv", dst.regions(), compat)
-    assert sorted(pa.table.keys()) == [(0, "index"), (0, "mla"), (1, "mla"), (2, "index"), (2, "mla")]
+    # One region per layer (its pages hold the MLA bytes, then the indexer bytes where the layer has one).
+    assert pa.table.keys() == [(0, "kv"), (1, "kv"), (2, "kv")]
     pb, db = PeerBook(pa), PeerBook(da)
     db.accept(pb.respond(db.offer().to_bytes()))
     # Every request must end DONE: none of its pages may come back as released.
@@ -162,7 +163,7 @@ def test_push_between_paged_kv_caches_through_regions():
     assert sorted((r.request_id, r.status.value) for r in pushed) == [("flat", "done"), ("init", "done"), ("prep", "done")]
     assert sorted((r.request_id, r.status.value) for r in got) == [("flat", "done"), ("init", "done"), ("prep", "done")]
     stats = {rid: p.stats for rid, (p, *_) in requests.items()}
-    assert stats["flat"].descriptors == 5 * 3 and stats["prep"].descriptors == 5 * (1 + 2)
+    assert stats["flat"].descriptors == 3 * 3 and stats["prep"].descriptors == 3 * (1 + 2)
     for s, d in zip(src.regions(), dst.regions()):
         for _, _, lp, rp in requests.values():
             assert torch.equal(d.tensor[rp], s.tensor[lp])

@@ -34,13 +34,13 @@ def compat_info(model_dir: str | Path, cache: PagedKVCache, has_mtp: bool) -> Co
 # NIXL / UCX settings of an agent whose cache is in GPU memory. UCX's
 # cuda_ipc issues every copy to one peer GPU from one UCX worker on one CUDA
 # stream; splitting each WRITE over N posting threads on N UCX workers gives it
-# N streams. Streams of 32k-token DeepSeek-V3.2 requests, 8 in flight, on the
-# served layer-major cache (docs/perf.md, "explicit descriptors"), 8 threads:
-# one H100 0.97-0.98 of a device copy (one thread with scatter-gather offload,
-# the previous setting: 0.55); 2 x H200 0.905-0.918 of a peer copy (previous:
-# 0.62). 16 threads measured worse on the H100 (0.58), 2 and 4 slower for
-# single requests. CPU (DRAM) agents keep NIXL's defaults (UCX only emulates
-# scatter-gather there).
+# N streams. Streams of 32k-token DeepSeek-V3.2 requests, 8 in flight
+# (docs/perf.md, session 4), 8 threads: one H100 0.997-0.999 of a device copy
+# on the served layer-page cache (0.97-0.98 on the layer-major one before; one
+# thread with scatter-gather offload, the previous setting: 0.55); 2 x H200
+# 0.94-0.96 of a peer copy (previous setting: 0.62). 16 threads measured worse
+# on the H100 (0.58), 2 and 4 slower for single requests. CPU (DRAM) agents
+# keep NIXL's defaults (UCX only emulates scatter-gather there).
 DEFAULT_PUSH_THREADS = 8
 
 

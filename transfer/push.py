@@ -223,8 +223,13 @@ class Pusher:
         local_pages: Sequence[int],
         remote_pages: Sequence[int],
         deadline_s: float,
+        prepare: bool = True,
     ) -> None:
         """Start tracking a request; nothing is sent until `push`.
+
+        ``prepare``: create the WRITE of the whole request now (off the
+        critical path), to be posted if one chunk carries every page; pass
+        False when the prompt will surely be pushed in several chunks.
 
         Both page lists must hold ``pages_for_tokens(prompt_len)`` ids (the
         shared helper decode used to reserve them). Raises `UnknownPeerError`
@@ -248,7 +253,7 @@ class Pusher:
         lp, rp = self._selection(peer).check(local_pages, remote_pages)
         now = self.clock()
         job = _Job(request_id, peer, prompt_len, lp, rp, now, now + deadline_s)
-        if n:
+        if n and prepare:
             try:
                 # Off the critical path: begin runs when decode has reserved the pages, before
                 # prefill computes them; the push then only posts.
@@ -280,13 +285,14 @@ class Pusher:
             request_id, index, count=index + 1 if last else None, pages=len(job.local_pages) if last else None
         )
         try:
-            if upto > job.sent_pages and job.ready is not None and job.sent_pages == 0 and upto == len(job.local_pages):
+            whole = job.sent_pages == 0 and upto == len(job.local_pages)
+            if upto > job.sent_pages and whole and job.ready is not None:
                 xfer, job.ready = job.ready, None
                 self._post(xfer, encode(msg))
                 job.inflight.append(xfer)
                 job.nbytes += xfer.nbytes
             elif upto > job.sent_pages:
-                self._drop_ready(job)
+                self._drop_ready(job)  # a partial chunk: the whole request's WRITE is not the one
                 xfer = self._write(job.peer, job.local_pages[job.sent_pages : upto],
                                    job.remote_pages[job.sent_pages : upto], encode(msg))
                 job.inflight.append(xfer)

@@ -177,9 +177,9 @@ class GroupPusher:
         return bool(self._jobs) or any(self.group.call("push_has_work"))
 
     def begin(self, request_id: str, peer_agent: str, prompt_len: int, local_pages: Sequence[int],
-              remote_pages: Sequence[int], deadline_s: float) -> None:
+              remote_pages: Sequence[int], deadline_s: float, prepare: bool = True) -> None:
         args = [(request_id, rank_agent_name(peer_agent, r), prompt_len, list(local_pages), list(remote_pages),
-                 deadline_s) for r in range(self.group.size)]
+                 deadline_s, prepare) for r in range(self.group.size)]
         outcomes = self.group.call_each("push_begin", args, return_exceptions=True)
         errors = [e for e in outcomes if isinstance(e, BaseException)]
         if errors:

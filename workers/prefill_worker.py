@@ -67,7 +67,10 @@ class PrefillWorker:
         n = len(task.token_ids)
         pages = self.pool.allocate(pages_for_tokens(n))
         try:
-            self.pusher.begin(task.request_id, task.decode_agent, n, pages, task.decode_pages, self.deadline_s)
+            # A prompt longer than a round's budget is surely pushed in several chunks: no
+            # whole-request WRITE to prepare.
+            self.pusher.begin(task.request_id, task.decode_agent, n, pages, task.decode_pages, self.deadline_s,
+                              prepare=n <= self.chunk_size)
         except Exception:
             self.pool.free(pages)
             raise

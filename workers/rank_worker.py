@@ -171,8 +171,8 @@ class RankWorker:
         self.link.peers.forget(agent_name)
 
     def push_begin(self, request_id: str, peer_agent: str, prompt_len: int, local_pages: list[int],
-                   remote_pages: list[int], deadline_s: float) -> None:
-        self.pusher.begin(request_id, peer_agent, prompt_len, local_pages, remote_pages, deadline_s)
+                   remote_pages: list[int], deadline_s: float, prepare: bool = True) -> None:
+        self.pusher.begin(request_id, peer_agent, prompt_len, local_pages, remote_pages, deadline_s, prepare)
 
     def push(self, request_id: str, tokens_done: int) -> bool:
         return self.pusher.push(request_id, tokens_done)

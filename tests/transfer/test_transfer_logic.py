@@ -546,3 +546,12 @@ def test_whole_request_write_is_prepared_at_begin_and_posted_or_released_never_l
     agent.fail_write = False
     pusher.push("late", 64)
     assert agent.writes[-1][1].num_pages == 1 and all(agent.writes[-1][0] is not u for u in agent.unposted)
+
+
+def test_begin_without_prepare_builds_the_write_at_push():
+    pusher, agent, _ = make_pusher()
+    pusher.begin("r", "dec@1", 128, [0, 1], [2, 3], 10.0, prepare=False)
+    assert agent.prepared == []
+    pusher.push("r", 128)
+    ((x, plan, _),) = agent.writes
+    assert plan.num_pages == 2 and agent.prepared == [x] and agent.unposted == []

@@ -1,9 +1,11 @@
 """Region tables: where each paged cache of one worker lives in memory.
 
-A *region* is one cache of one layer (the MLA latent pages, the indexer-key
-pages, or any state pages a model declares, e.g. V4's SWA / compressed
-caches): a tensor whose dim 0 is the page id and whose pages are each
-``bytes_per_page`` contiguous bytes, ``num_pages`` of them back to back.
+A *region* is paged cache memory of one layer: the served cache registers
+one ``"kv"`` region per layer whose page holds the layer's MLA latent bytes
+then its indexer-key bytes (`attention.cache.PagedKVCache`); a model may
+declare more, e.g. V4's SWA / compressed state pages. A region is a tensor
+whose dim 0 is the page id and whose pages are each ``bytes_per_page``
+contiguous bytes, ``num_pages`` of them back to back.
 Every region of a worker shares the page ids of the worker's page pool, so
 page ``p`` of a request is page ``p`` in every region.
 

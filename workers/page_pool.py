@@ -15,10 +15,11 @@ class PagePool:
     """Allocator over ``num_pages`` page ids that keeps each request's pages contiguous.
 
     Why contiguity: a request's pages move prefill -> decode as one NIXL
-    descriptor per (region, run of pages contiguous on both sides), and a
-    WRITE costs ~4.6 µs per descriptor on the H100 whatever its size
-    (docs/perf.md): a 32k-token request in one run is 122 descriptors (0.41 of
-    the copy bandwidth), scattered in runs of 1-16 it is ~13,000 (0.014).
+    descriptor per (region, run of pages contiguous on both sides), and
+    posting costs per descriptor whatever its size (docs/perf.md): a
+    32k-token DeepSeek-V3.2 request in one run is 61 descriptors (0.87-0.88 of
+    the H100's copy bandwidth alone, 0.997 streamed); in runs of 1-16 it is
+    ~7,000 (0.065).
 
     The free pages are kept as maximal runs ``[start, start + length)``.
     `allocate(n)` takes the smallest run that holds all ``n`` pages (lowest

@@ -45,6 +45,7 @@ import json  # noqa: E402
 import torch  # noqa: E402
 
 from attention.formats import PAGE_SIZE  # noqa: E402
+from bench.cuda_profile import profile_calls  # noqa: E402
 
 TOPK = 2048
 H_INDEX, D_INDEX = 64, 128
@@ -171,14 +172,7 @@ def indexer_decode(args, roof, gen) -> list[dict]:
 
 def _kernel_times(fn, reps=20) -> dict:
     """Mean GPU microseconds per call of each kernel ``fn`` launches (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
+    prof = profile_calls(fn, reps)
     out = {}
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" or getattr(e, "device_time_total", 0) > 0:

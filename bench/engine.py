@@ -43,6 +43,7 @@ from importlib import metadata  # noqa: E402
 import torch  # noqa: E402
 
 from attention.formats import PAGE_SIZE  # noqa: E402
+from bench.cuda_profile import profile_calls  # noqa: E402
 
 DSV32_SHAPES = dict(
     vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
@@ -113,14 +114,8 @@ def fill_cache(cache, backend, gen) -> None:
 def kernel_ms(fn, iters: int = 5) -> float:
     """Summed GPU activity (kernels, memsets, copies) of one ``fn()`` call, in ms."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
+    prof = profile_calls(fn, iters)
     us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
     return us / iters / 1000.0
 

@@ -25,7 +25,6 @@ Either way a run never spans two regions.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -116,8 +115,8 @@ class PageRuns:
 
     ``local`` / ``remote`` / ``length``: int64 ``[r]``; run ``j`` pairs local
     pages ``local[j] .. local[j] + length[j] - 1`` with remote pages
-    ``remote[j] ..`` in the same order. With ``merge=False`` every run is one
-    page. The one place that decides what "contiguous on both sides" means:
+    ``remote[j] ..`` in the same order. ``merged``: built with ``merge=True``;
+    with ``merge=False`` every run is one page. The one place that decides what "contiguous on both sides" means:
     explicit descriptors are these runs, and NIXL's own merge of prepared
     indices finds the same ones (`IndexPlan.num_descriptors`).
     """
@@ -125,13 +124,14 @@ class PageRuns:
     local: np.ndarray
     remote: np.ndarray
     length: np.ndarray
+    merged: bool = True
 
     @classmethod
     def of(cls, local_pages: np.ndarray, remote_pages: np.ndarray, merge: bool = True) -> "PageRuns":
         lp = np.asarray(local_pages, dtype=np.int64).reshape(-1)
         rp = np.asarray(remote_pages, dtype=np.int64).reshape(-1)
         if not merge or lp.size < 2:
-            return cls(lp, rp, np.ones(lp.size, dtype=np.int64))
+            return cls(lp, rp, np.ones(lp.size, dtype=np.int64), merge)
         cont = (lp[1:] == lp[:-1] + 1) & (rp[1:] == rp[:-1] + 1)
         starts = np.flatnonzero(np.concatenate(([True], ~cont)))
         length = np.diff(np.append(starts, lp.size))
@@ -240,7 +240,6 @@ def descriptor_plan(sel: RegionSelection, runs: PageRuns) -> TransferPlan:
         out[:, 2] = dev
         return out
 
-    merged = bool(runs.length.size and runs.length.max() > 1)
     return TransferPlan(
         src=rows(src, sel.local.device_id),
         dst=rows(dst, sel.remote.device_id),
@@ -248,7 +247,7 @@ def descriptor_plan(sel: RegionSelection, runs: PageRuns) -> TransferPlan:
         dst_mem=sel.remote.mem_type,
         num_pages=runs.num_pages,
         nbytes=int(length.sum()),
-        merged=merged,
+        merged=runs.merged,
     )
 
 
@@ -269,8 +268,7 @@ def build_plan(
     """
     sel = RegionSelection.of(local, remote, layers, kinds)
     lp, rp = sel.check(local_pages, remote_pages)
-    plan = descriptor_plan(sel, PageRuns.of(lp, rp, merge))
-    return dataclasses.replace(plan, merged=merge)
+    return descriptor_plan(sel, PageRuns.of(lp, rp, merge))
 
 
 @dataclass(frozen=True)

@@ -257,8 +257,7 @@ class Pusher:
             try:
                 # Off the critical path: begin runs when decode has reserved the pages, before
                 # prefill computes them; the push then only posts.
-                job.ready = self.agent.prepare(peer.agent_name, self._plan(peer, lp, rp))
-                self.stats.make_s += job.ready.make_s
+                job.ready = self._prepare(peer, lp, rp)
             except Exception as e:  # noqa: BLE001 - push builds its WRITE then (and fails there if it must)
                 log.debug("preparing the WRITE of %s: %s", request_id, e)
         self._jobs[request_id] = job
@@ -418,23 +417,25 @@ class Pusher:
         self.stats.plan_s += time.perf_counter() - t0
         return plan
 
-    def _write(self, peer: Peer, local_pages: np.ndarray, remote_pages: np.ndarray, notif: bytes) -> Xfer:
-        """Plan (validated pages; duplicates allowed only for the warm-up) and post one WRITE."""
-        xfer = self.agent.write(peer.agent_name, self._plan(peer, local_pages, remote_pages), notif)
+    def _prepare(self, peer: Peer, local_pages: np.ndarray, remote_pages: np.ndarray) -> Xfer:
+        """Plan (validated pages; duplicates allowed only for the warm-up) and create one WRITE."""
+        xfer = self.agent.prepare(peer.agent_name, self._plan(peer, local_pages, remote_pages))
         self.stats.make_s += xfer.make_s
-        self._count(xfer)
+        return xfer
+
+    def _write(self, peer: Peer, local_pages: np.ndarray, remote_pages: np.ndarray, notif: bytes) -> Xfer:
+        """`_prepare` and `_post` one WRITE."""
+        xfer = self._prepare(peer, local_pages, remote_pages)
+        self._post(xfer, notif)
         return xfer
 
     def _post(self, xfer: Xfer, notif: bytes) -> None:
-        """Post a WRITE prepared at `begin` (released if NIXL refuses it)."""
+        """Post a prepared WRITE (released if NIXL refuses it)."""
         try:
             self.agent.post(xfer, notif)
         except Exception:
             self._release_all([xfer])
             raise
-        self._count(xfer)
-
-    def _count(self, xfer: Xfer) -> None:
         st = self.stats
         st.writes += 1
         st.descriptors += xfer.descriptors

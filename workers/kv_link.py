@@ -19,14 +19,12 @@ def compat_info(model_dir: str | Path, cache: PagedKVCache, has_mtp: bool) -> Co
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     ident = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
     spec = cache.spec
-    # The formats name the page layout too: one region per layer, MLA bytes then indexer bytes.
     if spec.kv_cache_dtype == "fp8":
         kv, index = f"fp8_mla_{spec.mla_format.bytes_per_token}", f"fp8_index_{spec.index_format.bytes_per_token}"
-        kv += "+index/layer_page"
     else:
         dt = str(spec.dtype).replace("torch.", "")
-        kv = f"{dt}_mla_{spec.kv_lora_rank + spec.rope_dim}+index/layer_page"
-        index = f"{dt}_index_{spec.index_head_dim}"
+        kv, index = f"{dt}_mla_{spec.kv_lora_rank + spec.rope_dim}", f"{dt}_index_{spec.index_head_dim}"
+    kv += "+index/layer_page"  # the page layout too: one region per layer, MLA bytes then indexer bytes
     return CompatInfo(model=f"{raw.get('model_type', '?')}:{ident}", num_layers=spec.num_layers,
                       page_size=PAGE_SIZE, kv_format=kv, index_format=index, has_mtp=has_mtp)
 

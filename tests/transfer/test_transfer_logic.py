@@ -71,11 +71,6 @@ class FakeAgent:
         x.state = "DONE" if self.done_on_write else "PROC"
         self.writes.append((x, x.handle, decode(notif)))
 
-    def write(self, peer, plan, notif):
-        x = self.prepare(peer, plan)
-        self.post(x, notif)
-        return x
-
     def state(self, x):
         return x.state
 

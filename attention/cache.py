@@ -31,6 +31,9 @@ from .formats import (
 )
 
 KV_CACHE_DTYPES = ("auto", "fp8")
+PAGE_LAYOUTS = ("per_layer", "cross_layer")
+ALL_LAYERS = -1
+"""`CacheRegion.layer` of the one region of a ``cross_layer`` cache (it holds every layer)."""
 _AUTO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -51,6 +54,14 @@ class CacheSpec:
         indexer_layers: one bool per layer, True where the layer owns an indexer
             cache (GLM-5 shared-top-k layers do not). ``None`` (default) means
             every layer does; a list is normalised to a tuple.
+        page_layout: where a page id's bytes of different layers live.
+            ``"per_layer"``: one buffer per layer, a request's pages are one
+            block per layer (one transfer descriptor per layer and page run).
+            ``"cross_layer"``: one buffer whose page holds every layer's bytes
+            back to back, so a run of pages is one block for the whole model
+            (one descriptor per run; the kernels then read each layer at a
+            page stride of the whole model's page, ~3.08 MB for DeepSeek-V3.2).
+            Prefill and decode must use the same one (the handshake compares it).
     """
 
     num_layers: int
@@ -61,6 +72,7 @@ class CacheSpec:
     kv_cache_dtype: str
     dtype: torch.dtype
     indexer_layers: tuple[bool, ...] | None = None
+    page_layout: str = "cross_layer"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_pages", "kv_lora_rank", "index_head_dim"):
@@ -73,6 +85,8 @@ class CacheSpec:
             raise ValueError(
                 f"CacheSpec.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
             )
+        if self.page_layout not in PAGE_LAYOUTS:
+            raise ValueError(f"CacheSpec.page_layout must be one of {PAGE_LAYOUTS}, got {self.page_layout!r}")
         if self.dtype not in _AUTO_DTYPES:
             raise ValueError(f"CacheSpec.dtype must be one of {_AUTO_DTYPES}, got {self.dtype!r}")
         layers = self.indexer_layers
@@ -112,6 +126,27 @@ class CacheSpec:
             return self.index_format.bytes_per_page
         return PAGE_SIZE * self.index_head_dim * self.dtype.itemsize
 
+    def transfer_formats(self) -> tuple[str, str]:
+        """``(kv_format, index_format)``: the page byte formats prefill and decode must share.
+
+        fp8: ``fp8_mla_656`` / ``fp8_index_132`` (bytes per token); auto:
+        ``<dtype>_mla_<r + d>`` / ``<dtype>_index_<D>``. The kv format names the
+        page layout too (``+index/cross_layer``), since pages are copied as bytes.
+        The transfer handshake compares them, and the controller before placement.
+        """
+        if self.is_fp8:
+            kv = f"fp8_mla_{self.mla_format.bytes_per_token}"
+            index = f"fp8_index_{self.index_format.bytes_per_token}"
+        else:
+            dt = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+            kv, index = f"{dt}_mla_{self.kv_lora_rank + self.rope_dim}", f"{dt}_index_{self.index_head_dim}"
+        return f"{kv}+index/{self.page_layout}", index
+
+    def layer_page_bytes(self) -> tuple[int, ...]:
+        """Bytes of one page of each layer: MLA bytes, plus indexer bytes where the layer has an indexer."""
+        M, I = self.mla_bytes_per_page(), self.index_bytes_per_page()
+        return tuple(M + (I if has else 0) for has in self.indexer_layers)
+
 
 @dataclass(frozen=True)
 class CacheRegion:
@@ -122,8 +157,8 @@ class CacheRegion:
     ``tensor.data_ptr() + p * bytes_per_page``.
     """
 
-    layer: int
-    kind: str  # "kv": a layer's whole page (MLA bytes, then indexer bytes if the layer has an indexer)
+    layer: int  # ALL_LAYERS for a cross_layer cache's one region
+    kind: str  # "kv": a layer's whole page (MLA bytes, then indexer bytes if the layer has an indexer), or all layers' pages
     tensor: torch.Tensor
     bytes_per_page: int
     num_pages: int
@@ -136,13 +171,16 @@ class CacheRegion:
 class PagedKVCache:
     """The paged MLA and indexer caches of every layer of one rank.
 
-    Storage: one zero-filled uint8 buffer per layer, ``pages[layer]`` of
-    ``[num_pages, M + I]`` bytes: page ``p`` holds the layer's MLA bytes of
-    its 64 tokens (``M = spec.mla_bytes_per_page()``), then its indexer
-    bytes (``I = spec.index_bytes_per_page()``, 0 for a layer without an
-    indexer). A run of pages is thus one contiguous block per layer, which
-    is what a KV push moves as one descriptor. The per-kind tensors are
-    views into it whose page stride is ``M + I`` bytes::
+    Storage: zero-filled uint8. ``pages[layer]`` is ``[num_pages, M + I]``:
+    page ``p`` holds the layer's MLA bytes of its 64 tokens
+    (``M = spec.mla_bytes_per_page()``), then its indexer bytes
+    (``I = spec.index_bytes_per_page()``, 0 for a layer without an indexer).
+    With ``spec.page_layout == "per_layer"`` each ``pages[layer]`` is its own
+    buffer, so a run of pages is one contiguous block per layer. With
+    ``"cross_layer"`` they are column slices of one buffer ``storage``
+    ``[num_pages, sum over layers of (M + I)]``, so a run of pages is one
+    block for every layer at once; what a KV push moves as one descriptor.
+    The per-kind tensors are views whose page stride is ``pages[layer]``'s::
 
         mla[layer]    fp8:  uint8 [num_pages, 64, B]   B = MlaFp8Format.bytes_per_token (656)
                       auto: dtype [num_pages, 64, r + d]   (latent then rope)
@@ -164,13 +202,22 @@ class PagedKVCache:
         self.device = torch.device(device)
         r, d, dim = spec.kv_lora_rank, spec.rope_dim, spec.index_head_dim
         P = spec.num_pages
-        M, I = spec.mla_bytes_per_page(), spec.index_bytes_per_page()
+        M = spec.mla_bytes_per_page()
+        widths = spec.layer_page_bytes()
+        self.storage: torch.Tensor | None = None
+        if spec.page_layout == "cross_layer":
+            self.storage = torch.zeros(P, sum(widths), dtype=torch.uint8, device=self.device)
         self.pages: list[torch.Tensor] = []
         self.mla: list[torch.Tensor] = []
         self.index: list[torch.Tensor | None] = []
-        for layer in range(spec.num_layers):
+        start = 0
+        for layer, width in enumerate(widths):
             has_index = spec.indexer_layers[layer]
-            page = torch.zeros(P, M + (I if has_index else 0), dtype=torch.uint8, device=self.device)
+            if self.storage is None:
+                page = torch.zeros(P, width, dtype=torch.uint8, device=self.device)
+            else:
+                page = self.storage[:, start:start + width]
+            start += width
             mla_bytes, idx_bytes = page[:, :M], page[:, M:]
             if spec.is_fp8:
                 mla = mla_bytes.view(P, PAGE_SIZE, spec.mla_format.bytes_per_token)
@@ -317,11 +364,17 @@ class PagedKVCache:
     # ------------------------------------------------------------------ transfer
 
     def regions(self) -> list[CacheRegion]:
-        """Every layer's page buffer as one ``"kv"`` :class:`CacheRegion`, in layer order.
+        """The cache's memory as ``"kv"`` :class:`CacheRegion` s.
 
-        A page carries the layer's MLA bytes and, if it has an indexer, its
-        indexer bytes: a run of pages pushed is one descriptor per layer.
+        ``per_layer``: one per layer, in layer order; a page carries the
+        layer's MLA bytes and, if it has an indexer, its indexer bytes, so a
+        run of pages pushed is one descriptor per layer. ``cross_layer``: one
+        region (``layer=ALL_LAYERS``) whose page carries every layer's bytes,
+        so a run of pages is one descriptor.
         """
         P = self.spec.num_pages
+        if self.storage is not None:
+            return [CacheRegion(layer=ALL_LAYERS, kind="kv", tensor=self.storage,
+                                bytes_per_page=self.storage.shape[1], num_pages=P)]
         return [CacheRegion(layer=layer, kind="kv", tensor=page, bytes_per_page=page.shape[1], num_pages=P)
                 for layer, page in enumerate(self.pages)]

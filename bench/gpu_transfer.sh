@@ -10,13 +10,18 @@
 # run (device copy on one GPU, peer copy between two), with contiguous page ids
 # (what workers/page_pool.py hands out), pairs warmed up at start, every push
 # verified page for page.
-#   single (default): requests alone (8k, 32k) on the serving path, the
+#   layout (default): requests alone (8k, 32k) on the serving path, the
 #     re-posted WRITE (the transport alone), the first request after start,
-#     streams of 8 in flight; the served cache (layer-page: one region per
-#     layer) vs the layer-major one before it (a region per layer and kind),
-#     interleaved, twice; 8 posting threads.
+#     streams of 8 in flight; the served setting (cross-layer cache: one
+#     region, runs cut into 16-page descriptors, split_batch_size 1) vs the
+#     per-layer cache as served before (a region per layer: 61 descriptors
+#     per run, split_batch_size 8) and cross-layer with 8-page descriptors,
+#     interleaved, twice.
+#   sweep: the same measurements for RUNS="name:bench args;..." (a name ending
+#     in _sbsN sets split_batch_size N, else 8), interleaved, twice.
+#   single: the same measurements, per-layer vs the layer-major cache before it.
 #   ab: streams of 32k requests, 8 in flight, old default vs 8 threads,
-#     interleaved and twice, on the page-major and layer-major caches.
+#     interleaved and twice, on the cross-layer and layer-major caches.
 # Earlier case sets (layouts, ucx, threads, receiver; docs/perf.md sessions 2-3)
 # are in git history at 1532f00.
 set -uo pipefail
@@ -37,25 +42,45 @@ run_case() {  # name, timeout seconds, bench args...
       | grep -v "^reference\|^# \|^verified\|NIXL INFO" | grep -E "${SHOW:-.}" | tail -14
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
 }
-th() { echo --ucx-sgl off --ucx-threads "$1" --ucx-param num_workers="$1" --ucx-param split_batch_size=8; }
+th() { echo --ucx-sgl off --ucx-threads "$1" --ucx-param num_workers="$1" --ucx-param split_batch_size=${2:-8}; }
 
-case "${CASES:-single}" in
+case "${CASES:-layout}" in
+  layout)
+    S=(--warmup --reps 5 --tokens 8192,32768 --layout contiguous --raw-reps 5 --paths auto --inflight 8)
+    for rep in 1 2; do
+      run_case layout${rep}_cross_layer_16 90 "${S[@]}" $(th 8 1) --cache-layout cross-layer --run-pages 16 "$@"
+      run_case layout${rep}_per_layer 90 "${S[@]}" $(th 8) "$@"
+      run_case layout${rep}_cross_layer_8 90 "${S[@]}" $(th 8 1) --cache-layout cross-layer --run-pages 8 "$@"
+    done
+    ;;
+  sweep)  # RUNS="name:args;name:args" (each with SBS=split_batch_size, default 8), interleaved, twice
+    S=(--warmup --reps 5 --tokens 8192,32768 --layout contiguous --raw-reps 5 --paths auto --inflight 8)
+    IFS=';' read -ra entries <<< "${RUNS:?sweep needs RUNS}"
+    for rep in 1 2; do
+      for e in "${entries[@]}"; do
+        name=${e%%:*}; extra=${e#*:}
+        sbs=${name##*_sbs}; [ "$sbs" = "$name" ] && sbs=8
+        # shellcheck disable=SC2086
+        run_case sweep${rep}_${name} 90 "${S[@]}" $(th 8 "$sbs") $extra "$@"
+      done
+    done
+    ;;
   single)
     S=(--warmup --reps 5 --tokens 8192,32768 --layout contiguous --raw-reps 5 --paths auto --inflight 8)
     for rep in 1 2; do
-      run_case single${rep}_layer_page 90 "${S[@]}" $(th 8) "$@"
+      run_case single${rep}_per_layer 90 "${S[@]}" $(th 8) "$@"
       run_case single${rep}_layer_major 90 "${S[@]}" $(th 8) --cache-layout layer-major "$@"
     done
     ;;
   ab)
     B=(--warmup --reps 3 --stream-reps 3 --paths auto --tokens 32768 --inflight 8)
     for rep in 1 2; do
-      run_case ab${rep}_pm_base 60 "${B[@]}" --cache-layout page-major --layout runs --ucx-sgl on "$@"
-      run_case ab${rep}_pm_threads8 60 "${B[@]}" --cache-layout page-major --layout runs $(th 8) "$@"
+      run_case ab${rep}_pm_base 60 "${B[@]}" --cache-layout cross-layer --layout runs --ucx-sgl on "$@"
+      run_case ab${rep}_pm_threads8 60 "${B[@]}" --cache-layout cross-layer --layout runs $(th 8) "$@"
       run_case ab${rep}_lm_base 60 "${B[@]}" --layout contiguous --ucx-sgl on "$@"
       run_case ab${rep}_lm_threads8 60 "${B[@]}" --layout contiguous $(th 8) "$@"
     done
     ;;
-  *) echo "unknown CASES=${CASES}: single or ab" >&2; exit 2 ;;
+  *) echo "unknown CASES=${CASES}: layout, sweep, single or ab" >&2; exit 2 ;;
 esac
 echo "results: $OUT/*.txt, $OUT/*.json"

@@ -36,16 +36,15 @@ Reported, all from one run:
   notification) that a stream overlaps with other requests' copies; this is
   the throughput a prefill replica can sustain.
 
-Cache layouts (``--cache-layout``): ``layer-page`` (the serving pool,
-`attention.cache.PagedKVCache`: one region per layer whose page holds the
-layer's MLA then indexer bytes, so a run of pages is one descriptor per
-layer), ``layer-major`` (the pool before: one region per (layer, kind), two
-descriptors per layer and run) or ``page-major`` (one region whose page
-holds every layer's MLA and indexer bytes back to back: a page is one
-~3.08 MB descriptor). Page-id
-layouts (``--layout``): ``contiguous``, ``runs`` (1-16), ``random`` (no two
-adjacent); ``--layout page-major`` is short for ``--cache-layout page-major
---layout random``: does a page-major pool reach the copy with scattered pages?
+Cache layouts (``--cache-layout``), as `attention.cache.PagedKVCache`
+lays its pages out (``CacheSpec.page_layout``): ``per-layer`` (one region per
+layer whose page holds the layer's MLA then indexer bytes, so a run of pages
+is one descriptor per layer), ``cross-layer`` (one region whose page holds
+every layer's MLA and indexer bytes back to back: a run of pages is one
+descriptor; ``--run-pages N`` cuts it into pieces of at most N pages), and
+``layer-major`` (the pool before session 4: one region per (layer, kind),
+two descriptors per layer and run). Page-id layouts (``--layout``):
+``contiguous``, ``runs`` (1-16), ``random`` (no two adjacent).
 
 GPU (the default): ``python bench/transfer.py [--devices 0,1] [--warmup]``;
 ``bench/gpu_transfer.sh`` runs the cases that decide the next step.
@@ -94,9 +93,10 @@ class BenchConfig:
     progress_thread: bool
     ucx_sgl: bool = False
     ucx_threads: int = 0
-    cache_layout: str = "layer-page"  # or "layer-major" (a region per layer and kind), "page-major" (one region)
+    cache_layout: str = "per-layer"  # or "cross-layer" (one region), "layer-major" (a region per layer and kind)
     backend_params: tuple = ()  # (key, value) pairs: NIXL UCX backend init parameters
     receiver_defaults: bool = False  # the decode agent keeps NIXL's defaults (no threads, params, SGL)
+    run_pages: Optional[int] = None  # `Pusher(run_pages=...)`: the most pages per descriptor
 
     @property
     def bytes_per_page(self) -> int:
@@ -147,11 +147,11 @@ class Side:
             # Distinct random bytes per side so a missed page shows in the checksum.
             return torch.randint(0, 256, (cfg.pool_pages, bpp), dtype=torch.uint8, device=self.dev, generator=gen)
 
-        if cfg.cache_layout == "page-major":
+        if cfg.cache_layout == "cross-layer":
             # One uint8 [pool_pages, layers * (mla + index)] region: page p of
             # every layer and kind is one contiguous block, one descriptor.
-            self.regions = [CacheRegion.of(0, "page", buf(cfg.bytes_per_page))]
-        elif cfg.cache_layout == "layer-page":
+            self.regions = [CacheRegion.of(-1, "kv", buf(cfg.bytes_per_page))]
+        elif cfg.cache_layout == "per-layer":
             # The serving layout: per layer, uint8 [pool_pages, mla_bytes + index_bytes].
             self.regions = [CacheRegion.of(layer, "kv", buf(cfg.mla_bytes + cfg.index_bytes))
                             for layer in range(cfg.layers)]
@@ -175,7 +175,8 @@ class Side:
         self.agent = TransferAgent(f"bench-{role}", self.regions, compat, progress_thread=cfg.progress_thread,
                                    **tuning)
         self.book = PeerBook(self.agent)
-        self.pushers = {row: Pusher(self.agent, self.book, merge=row[1], path=row[0]) for row in ROWS.values()}
+        self.pushers = {row: Pusher(self.agent, self.book, merge=row[1], path=row[0], run_pages=cfg.run_pages)
+                        for row in ROWS.values()}
         # The bench picks page ids itself (no pool): nothing to give back.
         self.receiver = Receiver(self.agent, self.book, release_pages=lambda pages: None)
 
@@ -523,7 +524,8 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                 print(f"# versions: torch {info['torch']}, nixl {info['nixl']}")
             print(f"# geometry: {cfg.layers} layers x ({cfg.mla_bytes} MLA + {cfg.index_bytes} index) B/page = "
                   f"{cfg.bytes_per_page / 1e6:.3f} MB/page; cache {cfg.cache_layout} "
-                  f"({ {'page-major': 1, 'layer-page': cfg.layers}.get(cfg.cache_layout, 2 * cfg.layers)} region(s)); "
+                  f"({ {'cross-layer': 1, 'per-layer': cfg.layers}.get(cfg.cache_layout, 2 * cfg.layers)} region(s), "
+                  f"run pages {cfg.run_pages or 'whole runs'}); "
                   f"pool {cfg.pool_pages} pages/side; page ids {cfg.layout}; "
                   f"chunk {args.chunk_tokens or 'whole prompt'}; NIXL progress thread "
                   f"{'on' if cfg.progress_thread else 'off'}; UCX threads {cfg.ucx_threads}; UCX backend params "
@@ -628,13 +630,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--layers", type=int, default=DSV32_LAYERS)
     ap.add_argument("--mla-bytes", type=int, default=DSV32_MLA_BYTES)
     ap.add_argument("--index-bytes", type=int, default=DSV32_INDEX_BYTES)
-    ap.add_argument("--layout", choices=("contiguous", "runs", "random", "page-major"), default="runs",
-                    help="how page ids are scattered in both pools (default runs: 1-16 consecutive pages); "
-                         "page-major: --cache-layout page-major with random page ids")
-    ap.add_argument("--cache-layout", choices=("layer-page", "layer-major", "page-major"), default=None,
-                    help="layer-page (default): a region per layer, MLA then indexer bytes per page, as served; "
-                         "layer-major: a region per (layer, kind), the pool before; page-major: one region "
-                         "whose page holds every layer's MLA + indexer bytes (one descriptor per page)")
+    ap.add_argument("--layout", choices=("contiguous", "runs", "random"), default="runs",
+                    help="how page ids are scattered in both pools (default runs: 1-16 consecutive pages)")
+    ap.add_argument("--cache-layout", choices=("per-layer", "cross-layer", "layer-major"), default="per-layer",
+                    help="per-layer (default): a region per layer, MLA then indexer bytes per page; "
+                         "cross-layer: one region whose page holds every layer's MLA + indexer bytes "
+                         "(one descriptor per page run); layer-major: a region per (layer, kind), the pool "
+                         "before session 4")
+    ap.add_argument("--run-pages", type=int, default=None,
+                    help="cut page runs into descriptors of at most this many pages (default: whole runs)")
     ap.add_argument("--inflight", type=int, default=0,
                     help="also push a stream of requests with up to N outstanding and report aggregate GB/s")
     ap.add_argument("--stream", type=int, default=0, help="requests per stream (default 4 x --inflight)")
@@ -670,11 +674,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     tokens = [int(t) for t in args.tokens.split(",")]
     pre_dev, dec_dev = (int(x) for x in args.devices.split(","))
-    if args.layout == "page-major":
-        if args.cache_layout not in (None, "page-major"):
-            ap.error("--layout page-major means --cache-layout page-major")
-        args.layout, args.cache_layout = "random", "page-major"
-    cache_layout = args.cache_layout or "layer-page"
     args.row_names = [p for p in args.paths.split(",") if p]
     if unknown := [p for p in args.row_names if p not in ROWS]:
         ap.error(f"--paths: unknown {unknown}; known: {', '.join(ROWS)}")
@@ -685,7 +684,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     pool = max_pages if args.layout == "contiguous" else max_pages + max_pages // 4 + 16
     base = BenchConfig(args.device, pre_dev, dec_dev, args.layers, args.mla_bytes, args.index_bytes, pool,
                        args.layout, args.deadline, not args.no_progress_thread, ucx_threads=args.ucx_threads,
-                       cache_layout=cache_layout,
+                       cache_layout=args.cache_layout, run_pages=args.run_pages,
                        backend_params=tuple(tuple(kv.split("=", 1)) for kv in args.ucx_param),
                        receiver_defaults=args.receiver_defaults)
     verify = not args.no_verify

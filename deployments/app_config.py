@@ -214,6 +214,12 @@ class PoolConfig(_Strict):
         "auto", description="'fp8': serving byte formats (656-byte MLA, 132-byte indexer tokens); 'auto': dtype."
     )
     page_size: int = Field(64, ge=1, description="Tokens per cache page; the DSA byte formats fix it at 64.")
+    page_layout: Literal["cross_layer", "per_layer"] = Field(
+        "cross_layer",
+        description="Where a page id's bytes of different layers live: 'cross_layer' (one buffer, a page holds "
+        "every layer's MLA + indexer bytes, so a run of pages is one transfer descriptor) or 'per_layer' (a "
+        "buffer per layer: one descriptor per layer and run). Prefill and decode must agree (docs/perf.md).",
+    )
     chunk_size: int = Field(4096, ge=1, description="Prefill tokens per forward chunk (pages are pushed per chunk).")
     num_pages: int = Field(512, ge=1, description="Page pool size per rank (every layer's caches share page ids).")
     mtp_draft_tokens: int = Field(
@@ -281,6 +287,18 @@ class TransferConfig(_Strict):
         "(workers.kv_link.DEFAULT_PUSH_THREADS); 0 = one thread with UCX scatter-gather offload (the old "
         "setting). 8 streamed 0.91-0.93 of a peer copy on 2 x H200 (docs/perf.md); fewer suit small hosts.",
     )
+    descriptor_pages: int | None = Field(
+        16, ge=1,
+        description="Most pages one transfer descriptor covers: longer page runs are cut so one request's WRITE "
+        "spreads over the posting threads (with a cross_layer cache a whole request is otherwise one copy on "
+        "one stream). None = whole runs.",
+    )
+
+    def push_tuning(self):
+        """The `workers.kv_link.PushTuning` these settings give."""
+        from workers.kv_link import PushTuning
+
+        return PushTuning(threads=self.push_threads, descriptor_pages=self.descriptor_pages)
 
 
 class Features(_Strict):

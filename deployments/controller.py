@@ -30,7 +30,7 @@ from typing import Any, Literal
 import pydantic
 
 from attention.cache import CacheSpec
-from attention.formats import PAGE_SIZE, IndexerFp8Format, MlaFp8Format, pages_for_tokens
+from attention.formats import PAGE_SIZE, pages_for_tokens
 from deployments.app_config import APP_IMPORT_PATH, AppConfig, PoolConfig
 from models.config import ConfigError, ModelConfig, config_from_dict, load_config
 from transfer.compat import CompatInfo, diff_compat
@@ -71,7 +71,6 @@ FLASH_MLA_HEADS = (64, 128)
 """Query-head counts FlashMLA's sparse kernels run; fewer heads per GPU are padded up to one of them."""
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-_SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 # --------------------------------------------------------------------------- violations
@@ -132,16 +131,8 @@ def violations_from_pydantic(err: pydantic.ValidationError, prefix: str = "") ->
 
 
 def cache_formats(pool: PoolConfig, model_cfg: ModelConfig) -> tuple[str, str]:
-    """``(kv_format, index_format)`` names as the transfer handshake compares them.
-
-    fp8: ``fp8_<bytes per token>`` (``fp8_656`` / ``fp8_132`` for the real
-    models); auto: ``<dtype>_<elements per token>`` (``bf16_576`` / ``bf16_128``).
-    """
-    if pool.kv_cache_dtype == "fp8":
-        mla = MlaFp8Format(model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim)
-        return f"fp8_{mla.bytes_per_token}", f"fp8_{IndexerFp8Format(model_cfg.index_head_dim).bytes_per_token}"
-    short = _SHORT_DTYPE[pool.dtype]
-    return f"{short}_{model_cfg.kv_cache_dim}", f"{short}_{model_cfg.index_head_dim}"
+    """``(kv_format, index_format)`` as the transfer handshake compares them (`CacheSpec.transfer_formats`)."""
+    return _cache_spec(pool, model_cfg, num_pages=1).transfer_formats()
 
 
 def _cache_spec(pool: PoolConfig, model_cfg: ModelConfig, num_pages: int | None = None) -> CacheSpec:
@@ -160,6 +151,7 @@ def _cache_spec(pool: PoolConfig, model_cfg: ModelConfig, num_pages: int | None 
         kv_cache_dtype=pool.kv_cache_dtype,
         dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[pool.dtype],
         indexer_layers=tuple(computes),
+        page_layout=pool.page_layout,
     )
 
 
@@ -423,6 +415,12 @@ def _agreement_rules(app_cfg: AppConfig, model_cfg: ModelConfig | None, out: lis
     if p.page_size != d.page_size:
         out.append(Violation(
             "decode.page_size", f"prefill pages hold {p.page_size} tokens, decode pages {d.page_size}: they must agree"
+        ))
+    if p.page_layout != d.page_layout:
+        out.append(Violation(
+            "decode.page_layout",
+            f"prefill page_layout {p.page_layout!r} vs decode {d.page_layout!r}: pages are copied byte for byte, "
+            "so both pools need the same layout of layers within a page",
         ))
     if p.kv_cache_dtype != d.kv_cache_dtype:
         fmt = ""

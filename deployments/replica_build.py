@@ -29,7 +29,7 @@ from workers.decode_graphs import default_graph_context, graphs_wanted
 from workers.decode_worker import DecodeWorker
 from workers.group_link import GroupLink
 from workers.engine import Engine
-from workers.kv_link import KVLink
+from workers.kv_link import KVLink, PushTuning
 from workers.model_runner import ModelRunner, cache_spec_for
 from workers.page_pool import PagePool
 from workers.prefill_worker import PrefillWorker
@@ -82,7 +82,7 @@ def rank_actor_options(place: PoolPlacement) -> list[dict[str, Any]]:
 
 
 def build_parts(pool_cfg: PoolConfig, model_dir: str | Path, worker_id: str, place: PoolPlacement,
-                push_threads: int | None = None) -> ReplicaParts:
+                push: PushTuning = PushTuning()) -> ReplicaParts:
     """Load the model and allocate the caches of one replica of ``pool_cfg``; register them with NIXL.
 
     One rank runs here, in the replica's process. With ``tensor_parallel_size``
@@ -95,7 +95,8 @@ def build_parts(pool_cfg: PoolConfig, model_dir: str | Path, worker_id: str, pla
     hadamard = pool_cfg.kv_cache_dtype == "fp8"
     if pool_cfg.tensor_parallel_size > 1:
         spec = RankSpec(str(model_dir), pool_cfg.backend, pool_cfg.device, pool_cfg.dtype, pool_cfg.kv_cache_dtype,
-                        pool_cfg.num_pages, hadamard, with_mtp=pool_cfg.has_mtp, push_threads=push_threads)
+                        pool_cfg.num_pages, hadamard, with_mtp=pool_cfg.has_mtp, push=push,
+                        page_layout=pool_cfg.page_layout)
         options = rank_actor_options(place)
         group = RankGroup(spec, pool_cfg.tensor_parallel_size, options)
         where = (f"bundles {list(place.rank_bundle_indices)} of the replica's placement group"
@@ -106,22 +107,23 @@ def build_parts(pool_cfg: PoolConfig, model_dir: str | Path, worker_id: str, pla
     # and the handshake's has_mtp both follow mtp_draft_tokens.
     model = load_model(model_dir, _DTYPES[pool_cfg.dtype], pool_cfg.device, hadamard=hadamard,
                        with_mtp=pool_cfg.has_mtp)
-    cache = PagedKVCache(cache_spec_for(model, pool_cfg.num_pages, pool_cfg.kv_cache_dtype), pool_cfg.device)
+    cache = PagedKVCache(cache_spec_for(model, pool_cfg.num_pages, pool_cfg.kv_cache_dtype, pool_cfg.page_layout),
+                         pool_cfg.device)
     runner = ModelRunner(model, cache, get_backend(pool_cfg.backend), pool_cfg.device)
-    link = KVLink.create(worker_id, model_dir, cache, has_mtp=len(model.mtp) > 0, push_threads=push_threads)
+    link = KVLink.create(worker_id, model_dir, cache, has_mtp=len(model.mtp) > 0, push=push)
     return ReplicaParts(model, cache, PagePool(pool_cfg.num_pages), runner, link)
 
 
 def build_prefill_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: str) -> PrefillWorker:
     pool_cfg = app_cfg.prefill
-    p = build_parts(pool_cfg, model_dir, worker_id, plan_placement(app_cfg).prefill, app_cfg.transfer.push_threads)
+    p = build_parts(pool_cfg, model_dir, worker_id, plan_placement(app_cfg).prefill, app_cfg.transfer.push_tuning())
     return PrefillWorker(p.runner, p.pool, p.link, pool_cfg.chunk_size, mtp=pool_cfg.has_mtp,
                          deadline_s=app_cfg.transfer.deadline_s)
 
 
 def build_decode_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: str) -> DecodeWorker:
     pool_cfg = app_cfg.decode
-    p = build_parts(pool_cfg, model_dir, worker_id, plan_placement(app_cfg).decode, app_cfg.transfer.push_threads)
+    p = build_parts(pool_cfg, model_dir, worker_id, plan_placement(app_cfg).decode, app_cfg.transfer.push_tuning())
     sched = SchedulerConfig(max_batch_size=pool_cfg.max_batch_size, chunk_size=pool_cfg.chunk_size,
                             mtp_draft_tokens=pool_cfg.mtp_draft_tokens)
     engine = Engine(p.runner, p.pool, sched, p.model.cfg.eos_token_ids, app_cfg.features.mtp_topk_reuse,

@@ -144,6 +144,25 @@ class PageRuns:
     def num_pages(self) -> int:
         return int(self.length.sum())
 
+    def split(self, max_pages: Optional[int]) -> "PageRuns":
+        """The same pairing with no run longer than ``max_pages`` (None: unchanged).
+
+        NIXL's UCX backend spreads one WRITE's descriptors over its posting
+        threads, each copying on its own stream; a single long run is one
+        copy on one stream.
+        """
+        if max_pages is None or not len(self) or int(self.length.max()) <= max_pages:
+            return self
+        if max_pages < 1:
+            raise ValueError(f"max_pages must be >= 1, got {max_pages}")
+        pieces = -(-self.length // max_pages)
+        run = np.repeat(np.arange(len(self)), pieces)
+        # Position of each piece within its run: 0, 1, ... per run.
+        k = np.arange(run.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        offset = k * max_pages
+        length = np.minimum(self.length[run] - offset, max_pages)
+        return PageRuns(self.local[run] + offset, self.remote[run] + offset, length, self.merged)
+
 
 @dataclass(frozen=True)
 class RegionSelection:

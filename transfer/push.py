@@ -162,7 +162,10 @@ class Pusher:
     `TransferPlan`, through ``initialize_xfer``), or ``"auto"`` (the default:
     explicit while a chunk needs at most `EXPLICIT_MAX_DESCRIPTORS`, else
     prepared). ``layers`` / ``kinds``: restrict the regions pushed (None =
-    all registered). ``clock``: seconds, monotonic (tests may inject one).
+    all registered). ``run_pages``: the most pages one descriptor covers
+    (None: a whole run; longer runs are cut, `PageRuns.split`, so that one
+    WRITE's copies spread over NIXL's posting threads and their streams).
+    ``clock``: seconds, monotonic (tests may inject one).
     ``remember_cancelled``: how many cancelled request ids are kept to refuse
     a late `begin`.
     """
@@ -176,6 +179,7 @@ class Pusher:
         path: str = "auto",
         layers: Optional[Iterable[int]] = None,
         kinds: Optional[Iterable[str]] = None,
+        run_pages: Optional[int] = None,
         clock: Callable[[], float] = time.monotonic,
         remember_cancelled: int = 65536,
     ):
@@ -183,8 +187,11 @@ class Pusher:
         self.peers = peers
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        if run_pages is not None and run_pages < 1:
+            raise ValueError(f"run_pages must be >= 1 or None, got {run_pages!r}")
         self.merge = merge
         self.path = path
+        self.run_pages = run_pages
         self.stats = PushStats()
         self._selections: dict[str, RegionSelection] = {}  # per peer agent, dropped with the peer
         self.layers = None if layers is None else tuple(layers)
@@ -410,8 +417,9 @@ class Pusher:
         t0 = time.perf_counter()
         sel = self._selection(peer)
         runs = PageRuns.of(local_pages, remote_pages, self.merge)
-        if self.path == "explicit" or (self.path == "auto" and len(runs) * len(sel.keys) <= EXPLICIT_MAX_DESCRIPTORS):
-            plan = descriptor_plan(sel, runs)
+        pieces = runs.split(self.run_pages)  # prepared lists are merged by NIXL, never cut
+        if self.path == "explicit" or (self.path == "auto" and len(pieces) * len(sel.keys) <= EXPLICIT_MAX_DESCRIPTORS):
+            plan = descriptor_plan(sel, pieces)
         else:
             plan = index_plan(sel, local_pages, remote_pages, merge=self.merge, runs=runs)
         self.stats.plan_s += time.perf_counter() - t0

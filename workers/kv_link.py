@@ -19,12 +19,7 @@ def compat_info(model_dir: str | Path, cache: PagedKVCache, has_mtp: bool) -> Co
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     ident = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
     spec = cache.spec
-    if spec.kv_cache_dtype == "fp8":
-        kv, index = f"fp8_mla_{spec.mla_format.bytes_per_token}", f"fp8_index_{spec.index_format.bytes_per_token}"
-    else:
-        dt = str(spec.dtype).replace("torch.", "")
-        kv, index = f"{dt}_mla_{spec.kv_lora_rank + spec.rope_dim}", f"{dt}_index_{spec.index_head_dim}"
-    kv += "+index/layer_page"  # the page layout too: one region per layer, MLA bytes then indexer bytes
+    kv, index = spec.transfer_formats()
     return CompatInfo(model=f"{raw.get('model_type', '?')}:{ident}", num_layers=spec.num_layers,
                       page_size=PAGE_SIZE, kv_format=kv, index_format=index, has_mtp=has_mtp)
 
@@ -34,12 +29,19 @@ def compat_info(model_dir: str | Path, cache: PagedKVCache, has_mtp: bool) -> Co
 # stream; splitting each WRITE over N posting threads on N UCX workers gives it
 # N streams. Streams of 32k-token DeepSeek-V3.2 requests, 8 in flight
 # (docs/perf.md, session 4), 8 threads: one H100 0.997-0.999 of a device copy
-# on the served layer-page cache (0.97-0.98 on the layer-major one before; one
-# thread with scatter-gather offload, the previous setting: 0.55); 2 x H200
+# (one thread with scatter-gather offload, the previous setting: 0.55); 2 x H200
 # 0.94-0.96 of a peer copy (previous setting: 0.62). 16 threads measured worse
 # on the H100 (0.58), 2 and 4 slower for single requests. CPU (DRAM) agents
 # keep NIXL's defaults (UCX only emulates scatter-gather there).
 DEFAULT_PUSH_THREADS = 8
+
+# A cross_layer cache pushes a request's run of pages as one descriptor unless
+# it is cut: 16-page descriptors (49 MB of DeepSeek-V3.2 pages) spread an 8k
+# request over 8 posting threads, and NIXL splits a WRITE of as few as one
+# descriptor (split_batch_size 1). With that, 2 x H200: 8k requests 0.89-0.91 of
+# a peer copy alone and 0.98-1.02 streamed (0.80 / 0.86 on the per_layer cache);
+# one H100: 0.69 / 0.77-0.99 (per_layer 0.64-0.69 / 0.71-0.78). docs/perf.md, session 5.
+DEFAULT_DESCRIPTOR_PAGES = 16
 
 
 def gpu_push_tuning(threads: int | None = None) -> dict:
@@ -51,29 +53,49 @@ def gpu_push_tuning(threads: int | None = None) -> dict:
         raise ValueError(f"push threads must be >= 0, got {threads}")
     if threads == 0:
         return {"ucx_sgl": True}
+    # split_batch_size 1: a WRITE of any number of descriptors is spread over the threads
+    # (NIXL's default, 1024, would post a cross_layer request's few descriptors from one).
     return {"ucx_sgl": False,
-            "backend_params": {"num_threads": str(threads), "num_workers": str(threads), "split_batch_size": "8"}}
+            "backend_params": {"num_threads": str(threads), "num_workers": str(threads), "split_batch_size": "1"}}
+
+
+@dataclass(frozen=True)
+class PushTuning:
+    """How a KV link pushes (``transfer`` in a serve config).
+
+    ``threads``: NIXL posting threads of a GPU agent (`gpu_push_tuning`; None:
+    `DEFAULT_PUSH_THREADS`). ``descriptor_pages``: most pages per descriptor
+    (`transfer.Pusher`'s ``run_pages``; None: whole runs).
+    """
+
+    threads: int | None = None
+    descriptor_pages: int | None = DEFAULT_DESCRIPTOR_PAGES
+
+    def __post_init__(self) -> None:
+        if self.descriptor_pages is not None and self.descriptor_pages < 1:
+            raise ValueError(f"descriptor_pages must be >= 1 or None, got {self.descriptor_pages!r}")
 
 
 @dataclass
 class KVLink:
     agent: TransferAgent
     peers: PeerBook
+    push: PushTuning = PushTuning()
 
     @classmethod
     def create(cls, worker_id: str, model_dir: str | Path, cache: PagedKVCache, has_mtp: bool,
-               epoch: int | None = None, push_threads: int | None = None) -> "KVLink":
+               epoch: int | None = None, push: PushTuning = PushTuning()) -> "KVLink":
         """``epoch``: None for a fresh one; the ranks of a tensor-parallel replica share one.
-        ``push_threads``: see `gpu_push_tuning` (GPU caches only)."""
+        ``push``: posting threads (GPU caches only) and descriptor size."""
         on_gpu = cache.regions()[0].tensor.is_cuda
-        tuning = gpu_push_tuning(push_threads) if on_gpu else {}
+        tuning = gpu_push_tuning(push.threads) if on_gpu else {}
         agent = TransferAgent(worker_id, cache.regions(), compat_info(model_dir, cache, has_mtp), epoch=epoch,
                               **tuning)
-        return cls(agent, PeerBook(agent))
+        return cls(agent, PeerBook(agent), push)
 
     def pusher(self) -> Pusher:
         """The prefill side's pusher over this link (a rank group's link makes one over its ranks)."""
-        return Pusher(self.agent, self.peers)
+        return Pusher(self.agent, self.peers, run_pages=self.push.descriptor_pages)
 
     def receiver(self, release_pages) -> Receiver:
         """The decode side's receiver; ``release_pages(page_ids)`` gets back pages of a request that ended

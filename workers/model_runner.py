@@ -30,9 +30,11 @@ class WorkItem:
         return self.start + len(self.token_ids)
 
 
-def cache_spec_for(model: DsaForCausalLM, num_pages: int, kv_cache_dtype: str) -> CacheSpec:
+def cache_spec_for(model: DsaForCausalLM, num_pages: int, kv_cache_dtype: str,
+                   page_layout: str = "cross_layer") -> CacheSpec:
     """The cache geometry a model needs: one MLA cache per attention layer
-    (MTP included) and an indexer cache on the layers that compute top-k."""
+    (MTP included) and an indexer cache on the layers that compute top-k;
+    ``page_layout`` as `CacheSpec.page_layout`."""
     cfg = model.cfg
     computes = list(cfg.topk_plan.computes[: cfg.num_hidden_layers]) + [True] * len(model.mtp)
     return CacheSpec(
@@ -44,6 +46,7 @@ def cache_spec_for(model: DsaForCausalLM, num_pages: int, kv_cache_dtype: str) -
         kv_cache_dtype=kv_cache_dtype,
         dtype=model.dtype,
         indexer_layers=tuple(computes),
+        page_layout=page_layout,
     )
 
 

@@ -28,7 +28,7 @@ from attention.cache import PagedKVCache
 from models.loader import load_model
 from models.parallel import TPContext
 from transfer import PushResult, ReceiveResult
-from workers.kv_link import KVLink
+from workers.kv_link import KVLink, PushTuning
 from workers.model_runner import cache_spec_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -50,7 +50,8 @@ class RankSpec:
     num_pages: int = 512
     hadamard: bool = False
     with_mtp: bool = True
-    push_threads: int | None = None  # the KV link's posting threads (workers.kv_link.gpu_push_tuning)
+    push: PushTuning = PushTuning()  # how the KV link pushes (posting threads, descriptor size)
+    page_layout: str = "cross_layer"  # attention.cache.CacheSpec.page_layout
 
 
 def move_to(obj, device: torch.device):
@@ -115,7 +116,7 @@ class RankWorker:
         s = self.spec
         self.model = load_model(s.model_dir, DTYPES[s.dtype], str(self.device), tp=tp, hadamard=s.hadamard,
                                 with_mtp=s.with_mtp)
-        self.cache = PagedKVCache(cache_spec_for(self.model, s.num_pages, s.kv_cache_dtype), str(self.device))
+        self.cache = PagedKVCache(cache_spec_for(self.model, s.num_pages, s.kv_cache_dtype, s.page_layout), str(self.device))
         self.backend = get_backend(s.backend)
         return len(self.model.mtp), os.getpid()
 
@@ -152,7 +153,7 @@ class RankWorker:
     def open_link(self, worker_id: str, epoch: int) -> bytes:
         """Register this rank's caches with a NIXL agent ``worker_id@epoch``; returns its handshake offer."""
         self.link = KVLink.create(worker_id, self.spec.model_dir, self.cache, has_mtp=len(self.model.mtp) > 0,
-                                  epoch=epoch, push_threads=self.spec.push_threads)
+                                  epoch=epoch, push=self.spec.push)
         self.pusher = self.link.pusher()
         # Decode pages come back to the driver's pool, not here: record them for the next answer.
         self._released: list[tuple[int, ...]] = []

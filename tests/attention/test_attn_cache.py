@@ -20,11 +20,15 @@ from attention.formats import (
 )
 
 
-def spec(mode="fp8", dtype=torch.bfloat16, layers=3, pages=6, r=96, d=16, D=32, indexer_layers=None):
+def spec(mode="fp8", dtype=torch.bfloat16, layers=3, pages=6, r=96, d=16, D=32, indexer_layers=None,
+         layout="cross_layer"):
     return CacheSpec(
         num_layers=layers, num_pages=pages, kv_lora_rank=r, rope_dim=d, index_head_dim=D,
-        kv_cache_dtype=mode, dtype=dtype, indexer_layers=indexer_layers,
+        kv_cache_dtype=mode, dtype=dtype, indexer_layers=indexer_layers, page_layout=layout,
     )
+
+
+LAYOUTS = pytest.mark.parametrize("layout", ["cross_layer", "per_layer"])
 
 
 def scattered_slots(num_pages: int, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -120,12 +124,13 @@ def test_storage_shapes_and_kernel_views(mode):
 # ----------------------------------------------------------------- MLA write / read
 
 
+@LAYOUTS
 @pytest.mark.parametrize("r,d", [(512, 64), (96, 16), (32, 8)])
-def test_fp8_write_mla_touches_only_its_slots(r, d, gen):
-    s = spec("fp8", layers=2, pages=7, r=r, d=d, D=32)
+def test_fp8_write_mla_touches_only_its_slots(r, d, layout, gen):
+    s = spec("fp8", layers=2, pages=7, r=r, d=d, D=32, layout=layout)
     c = PagedKVCache(s)
     fill_random_bytes(c, gen)
-    before = [reg.tensor.clone() for reg in c.regions()]
+    before = [page.clone() for page in c.pages]
     mla_before, index_before = c.mla[1].clone(), c.index[1].clone()
     n = 40
     slots = scattered_slots(7, n, gen)
@@ -141,7 +146,7 @@ def test_fp8_write_mla_touches_only_its_slots(r, d, gen):
     touched[slots] = True
     assert torch.equal(rows[~touched], mla_before.reshape(-1, fmt.bytes_per_token)[~touched])
     # The indexer bytes sharing those pages, and every other layer, are untouched.
-    assert torch.equal(c.index[1], index_before) and torch.equal(c.regions()[0].tensor, before[0])
+    assert torch.equal(c.index[1], index_before) and torch.equal(c.pages[0], before[0])
 
     got = c.read_mla(1, slots)
     lat_q, rope_q = dequantize_mla_fp8(expect, fmt)
@@ -164,11 +169,12 @@ def test_auto_write_mla_exact_in_dtype(dtype, gen):
     assert torch.equal(c.mla[0], other)
 
 
+@LAYOUTS
 @pytest.mark.parametrize("mode", ["fp8", "auto"])
-def test_invalid_slots(mode, gen):
-    c = PagedKVCache(spec(mode, pages=2))
+def test_invalid_slots(mode, layout, gen):
+    c = PagedKVCache(spec(mode, pages=2, layout=layout))
     latent, rope = torch.randn(3, 96, generator=gen), torch.randn(3, 16, generator=gen)
-    raw_before = [reg.tensor.clone() for reg in c.regions()]
+    raw_before = [page.clone() for page in c.pages]
     # -1 = padding: write skips it, read yields zeros
     c.write_mla(0, torch.tensor([-1, 5, -1]), latent, rope)
     got = c.read_mla(0, torch.tensor([-1, 5, -1, 6]))
@@ -176,7 +182,7 @@ def test_invalid_slots(mode, gen):
     assert got[1].abs().sum() > 0 and torch.equal(got[3], torch.zeros(112))  # 6 never written
     c.write_index(0, torch.tensor([-1, 5, -1]), torch.randn(3, 32, generator=gen))
     assert torch.equal(c.read_index(0, torch.tensor([-1]))[0], torch.zeros(32))
-    changed = [not torch.equal(reg.tensor, b) for reg, b in zip(c.regions(), raw_before)]
+    changed = [not torch.equal(page, b) for page, b in zip(c.pages, raw_before)]
     assert changed == [True] + [False] * (len(changed) - 1)  # layer 0's pages only
     for bad in ([128], [-2], [0, 1000]):
         with pytest.raises(IndexError):
@@ -192,12 +198,13 @@ def test_invalid_slots(mode, gen):
 # ----------------------------------------------------------------- index write / read
 
 
+@LAYOUTS
 @pytest.mark.parametrize("D", [128, 32])
-def test_fp8_write_index_layout_and_isolation(D, gen):
-    s = spec("fp8", layers=2, pages=5, D=D)
+def test_fp8_write_index_layout_and_isolation(D, layout, gen):
+    s = spec("fp8", layers=2, pages=5, D=D, layout=layout)
     c = PagedKVCache(s)
     fill_random_bytes(c, gen)
-    before = [reg.tensor.clone() for reg in c.regions()]
+    before = [page.clone() for page in c.pages]
     index_before, mla_before = c.index[0].clone(), c.mla[0].clone()
     n = 50
     slots = scattered_slots(5, n, gen)
@@ -216,7 +223,7 @@ def test_fp8_write_index_layout_and_isolation(D, gen):
     assert torch.equal(pages_fp8[~touched].view(torch.uint8), old_fp8[~touched].view(torch.uint8))
     assert torch.equal(pages_scale[~touched].view(torch.int32), old_scale[~touched].view(torch.int32))
     # The MLA bytes sharing those pages, and every other layer, are untouched.
-    assert torch.equal(c.mla[0], mla_before) and torch.equal(c.regions()[1].tensor, before[1])
+    assert torch.equal(c.mla[0], mla_before) and torch.equal(c.pages[1], before[1])
     assert torch.equal(c.read_index(0, slots), dequantize_indexer_fp8(k_fp8, scale))
 
 
@@ -234,7 +241,7 @@ def test_auto_write_index(gen):
 
 @pytest.mark.parametrize("mode", ["fp8", "auto"])
 def test_regions_describe_every_page(mode, gen):
-    s = spec(mode, layers=3, pages=4, indexer_layers=(True, False, True))
+    s = spec(mode, layers=3, pages=4, indexer_layers=(True, False, True), layout="per_layer")
     c = PagedKVCache(s)
     regs = c.regions()
     M, I = s.mla_bytes_per_page(), s.index_bytes_per_page()
@@ -264,3 +271,65 @@ def test_regions_describe_every_page(mode, gen):
         dst.tensor[1].copy_(src.tensor[2])
     assert torch.equal(c2.read_mla(2, torch.tensor([64 + 5])), c.read_mla(2, torch.tensor([2 * 64 + 5])))
     assert torch.equal(c2.read_index(2, torch.tensor([64 + 5])), c.read_index(2, torch.tensor([2 * 64 + 5])))
+
+
+@pytest.mark.parametrize("mode", ["fp8", "auto"])
+def test_cross_layer_region_holds_every_layer_of_a_page(mode, gen):
+    s = spec(mode, layers=3, pages=4, indexer_layers=(True, False, True))
+    c = PagedKVCache(s)
+    M, I = s.mla_bytes_per_page(), s.index_bytes_per_page()
+    widths = [M + I, M, M + I]
+    assert s.layer_page_bytes() == tuple(widths)
+    (reg,) = c.regions()
+    # One region: page p is every layer's page p back to back (a run of pages is one descriptor).
+    assert (reg.layer, reg.kind, reg.num_pages, reg.bytes_per_page) == (-1, "kv", 4, sum(widths))
+    assert reg.tensor.is_contiguous() and reg.tensor.shape == (4, sum(widths)) and reg.nbytes == reg.tensor.nbytes
+    starts = [0, widths[0], widths[0] + widths[1]]
+    for layer in range(3):
+        mla = c.mla[layer]
+        assert mla.data_ptr() == reg.tensor.data_ptr() + starts[layer]
+        assert mla.stride(0) * mla.element_size() == sum(widths)  # the kernels read at the whole page's stride
+        if layer != 1:
+            assert c.index[layer].data_ptr() == reg.tensor.data_ptr() + starts[layer] + M
+    # A token of layer 2 at slot 2*64+5 lands in page 2, within layer 2's bytes only.
+    c.write_mla(2, torch.tensor([2 * 64 + 5]), torch.randn(1, 96, generator=gen) + 1, torch.randn(1, 16, generator=gen))
+    c.write_index(2, torch.tensor([2 * 64 + 5]), torch.randn(1, 32, generator=gen) + 1)
+    assert (reg.tensor != 0).any(dim=1).nonzero().flatten().tolist() == [2]
+    assert not reg.tensor[2, : starts[2]].any() and bool(reg.tensor[2, starts[2]:starts[2] + M].any())
+    assert bool(reg.tensor[2, starts[2] + M:].any())
+    # Copying one page's bytes between two caches moves every layer's tokens of that page.
+    c2 = PagedKVCache(s)
+    c2.regions()[0].tensor[1].copy_(reg.tensor[2])
+    assert torch.equal(c2.read_mla(2, torch.tensor([64 + 5])), c.read_mla(2, torch.tensor([2 * 64 + 5])))
+    assert torch.equal(c2.read_index(2, torch.tensor([64 + 5])), c.read_index(2, torch.tensor([2 * 64 + 5])))
+
+
+@pytest.mark.parametrize("mode", ["fp8", "auto"])
+def test_layouts_store_the_same_tokens(mode, gen):
+    """Both page layouts read back exactly what was written, per layer, with and without indexers."""
+    caches = {lay: PagedKVCache(spec(mode, layers=3, pages=3, indexer_layers=(True, False, True), layout=lay))
+              for lay in ("cross_layer", "per_layer")}
+    slots = scattered_slots(3, 60, gen)
+    for layer in range(3):
+        latent, rope = torch.randn(60, 96, generator=gen), torch.randn(60, 16, generator=gen)
+        k = torch.randn(60, 32, generator=gen)
+        for c in caches.values():
+            c.write_mla(layer, slots, latent, rope)
+            if layer != 1:
+                c.write_index(layer, slots, k)
+    a, b = caches["cross_layer"], caches["per_layer"]
+    for layer in range(3):
+        assert torch.equal(a.pages[layer], b.pages[layer])
+        assert torch.equal(a.read_mla(layer, slots), b.read_mla(layer, slots))
+        if layer != 1:
+            assert torch.equal(a.read_index(layer, slots), b.read_index(layer, slots))
+            assert torch.equal(a.index_view_for_kernel(layer), b.index_view_for_kernel(layer))
+
+
+def test_transfer_formats_name_the_layout():
+    fp8 = spec("fp8", r=512, d=64, D=128)
+    assert fp8.transfer_formats() == ("fp8_mla_656+index/cross_layer", "fp8_index_132")
+    assert dataclasses.replace(fp8, page_layout="per_layer").transfer_formats()[0] == "fp8_mla_656+index/per_layer"
+    assert spec("auto", dtype=torch.float32).transfer_formats() == ("fp32_mla_112+index/cross_layer", "fp32_index_32")
+    with pytest.raises(ValueError, match="page_layout"):
+        spec(layout="page_major")

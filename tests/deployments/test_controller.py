@@ -104,6 +104,13 @@ def test_kv_cache_format_must_agree():
     assert "'fp8' vs decode 'auto'" in v.message and "fp8_" in v.message and "fp32_" in v.message
 
 
+def test_page_layout_must_agree():
+    v = only(validate(app(merged(CPU, decode={"page_layout": "per_layer"})), tiny_model()), "decode.page_layout")
+    assert "'cross_layer' vs decode 'per_layer'" in v.message and "byte for byte" in v.message
+    both = merged(CPU, prefill={"page_layout": "per_layer"}, decode={"page_layout": "per_layer"})
+    assert validate(app(both), tiny_model()) == []
+
+
 def test_auto_cache_dtype_must_agree():
     args = merged(CPU, prefill={"kv_cache_dtype": "auto"}, decode={"kv_cache_dtype": "auto", "dtype": "bfloat16"})
     v = only(validate(app(args), tiny_model()), "decode.dtype")
@@ -129,11 +136,14 @@ def test_compat_info_is_what_the_handshake_hashes():
     a = app(DSV32)
     p, d = pool_compat_info(a, "prefill", m), pool_compat_info(a, "decode", m)
     assert p == d and p.digest() == d.digest()
-    assert (p.num_layers, p.page_size, p.kv_format, p.index_format, p.has_mtp) == (62, 64, "fp8_656", "fp8_132", True)
+    assert (p.num_layers, p.page_size, p.kv_format, p.index_format, p.has_mtp) == (
+        62, 64, "fp8_mla_656+index/cross_layer", "fp8_index_132", True)
     assert p.model.startswith("deepseek-ai/DeepSeek-V3.2@")
     bad = app(merged(DSV32, decode={"kv_cache_dtype": "auto"}))
-    assert pool_compat_info(bad, "decode", m).kv_format == "bf16_576"
+    assert pool_compat_info(bad, "decode", m).kv_format == "bf16_mla_576+index/cross_layer"
     assert pool_compat_info(bad, "decode", m).digest() != p.digest()
+    other = app(merged(DSV32, decode={"page_layout": "per_layer"}))
+    assert pool_compat_info(other, "decode", m).kv_format == "fp8_mla_656+index/per_layer"
 
 
 def test_decode_mtp_needs_the_models_mtp_layer():

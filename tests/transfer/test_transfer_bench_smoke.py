@@ -46,13 +46,13 @@ def test_bench_transfer_cpu_smoke(tmp_path):
         assert r["plan_seconds"] + r["make_seconds"] + r["nixl_post_seconds"] <= r["post_seconds"]
 
 
-def test_bench_transfer_cpu_page_major_and_inflight_stream(tmp_path):
+def test_bench_transfer_cpu_cross_layer_and_inflight_stream(tmp_path):
     stdout, report = run_bench(tmp_path, "--tokens", "1000", "--reps", "1", "--ucx-sgl", "off", "--layout",
-                               "page-major", "--paths", "prep,flat", "--inflight", "2", "--stream", "3",
-                               "--stream-reps", "1")
+                               "random", "--cache-layout", "cross-layer", "--paths", "prep,flat", "--inflight", "2",
+                               "--stream", "3", "--stream-reps", "1")
     assert "stream: 3 requests back to back, at most 2 outstanding" in stdout and "verified" in stdout
-    # --layout page-major: one region per side holding every layer's bytes of a page, random page ids.
-    assert (report["config"]["cache_layout"], report["config"]["layout"]) == ("page-major", "random")
+    # cross-layer: one region per side holding every layer's bytes of a page; random page ids.
+    assert (report["config"]["cache_layout"], report["config"]["layout"]) == ("cross-layer", "random")
     assert [(r["path"], r["merge"]) for r in report["rows"]] == [("prep", True), ("flat", False)]
     flat = report["rows"][1]
     assert flat["descriptors"] == 16 and flat["nbytes"] == 16 * 3 * (41_984 + 8_448)  # one descriptor per page
@@ -72,6 +72,17 @@ def test_bench_transfer_cpu_posting_threads(tmp_path):
                                "--cache-layout", "layer-major")
     assert "verified" in stdout and "UCX backend params {'num_workers': '2', 'split_batch_size': '8'}" in stdout
     # The pool before layer pages: a region per (layer, kind), 3 x 2 of them.
-    assert report["config"]["ucx_threads"] == 2 and "cache layer-major (6 region(s))" in stdout
+    assert report["config"]["ucx_threads"] == 2 and "cache layer-major (6 region(s), run pages whole runs)" in stdout
     # Enough descriptors for NIXL to split the WRITE (>= split_batch_size).
     assert all(r["descriptors"] >= 8 for r in report["rows"]) and report["streams"][0]["requests"] == 4
+
+
+def test_bench_transfer_cpu_cross_layer_run_pages(tmp_path):
+    """A cross-layer cache with contiguous pages is one descriptor per request; --run-pages cuts it."""
+    stdout, report = run_bench(tmp_path, "--tokens", "1000", "--reps", "1", "--ucx-sgl", "off", "--layout",
+                               "contiguous", "--cache-layout", "cross-layer", "--paths", "auto,init",
+                               "--run-pages", "5")
+    assert "verified" in stdout and "(1 region(s), run pages 5)" in stdout
+    # 16 pages in one run, cut into 5 + 5 + 5 + 1: four descriptors of whole pages of every layer.
+    assert [r["descriptors"] for r in report["rows"]] == [4, 4]
+    assert all(r["nbytes"] == 16 * 3 * (41_984 + 8_448) for r in report["rows"])

@@ -128,19 +128,24 @@ def test_indexed_write_needs_the_prepared_list_of_that_table(prefill):
     dec.close()
 
 
-def test_push_between_paged_kv_caches_through_regions():
+@pytest.mark.parametrize("layout", ["cross_layer", "per_layer"])
+def test_push_between_paged_kv_caches_through_regions(layout):
     """`PagedKVCache.regions()` objects are registered and pushed as they come: through the prepared
-    lists (merged and not) and through explicit descriptors."""
+    lists (merged and not) and through explicit descriptors (whole runs and cut to one page)."""
     cache_mod = pytest.importorskip("attention.cache")
-    spec = cache_mod.CacheSpec(num_layers=3, num_pages=10, kv_lora_rank=64, rope_dim=16, index_head_dim=32,
-                               kv_cache_dtype="fp8", dtype=torch.bfloat16, indexer_layers=(True, False, True))
+    spec = cache_mod.CacheSpec(num_layers=3, num_pages=12, kv_lora_rank=64, rope_dim=16, index_head_dim=32,
+                               kv_cache_dtype="fp8", dtype=torch.bfloat16, indexer_layers=(True, False, True),
+                               page_layout=layout)
     src, dst = cache_mod.PagedKVCache(spec, "cpu"), cache_mod.PagedKVCache(spec, "cpu")
     for r in src.regions():
         r.tensor.copy_(torch.randint(0, 256, r.tensor.shape, dtype=torch.uint8))
     compat = dataclasses.replace(COMPAT, num_layers=3)
     pa, da = TransferAgent("pre-kv", src.regions(), compat), TransferAgent("dec-kv", dst.regions(), compat)
-    # One region per layer (its pages hold the MLA bytes, then the indexer bytes where the layer has one).
-    assert pa.table.keys() == [(0, "kv"), (1, "kv"), (2, "kv")]
+    # per_layer: one region per layer (its pages hold the MLA bytes, then the indexer bytes where the
+    # layer has one); cross_layer: one region whose page holds every layer's.
+    keys = [(0, "kv"), (1, "kv"), (2, "kv")] if layout == "per_layer" else [(-1, "kv")]
+    assert pa.table.keys() == keys
+    k = len(keys)
     pb, db = PeerBook(pa), PeerBook(da)
     db.accept(pb.respond(db.offer().to_bytes()))
     # Every request must end DONE: none of its pages may come back as released.
@@ -149,6 +154,7 @@ def test_push_between_paged_kv_caches_through_regions():
         "prep": (Pusher(pa, pb, path="prepared"), 150, [0, 1, 5], [7, 2, 3]),
         "init": (Pusher(pa, pb, path="explicit"), 128, [2, 3], [0, 1]),
         "flat": (Pusher(pa, pb, merge=False), 150, [6, 7, 8], [4, 5, 6]),
+        "cut": (Pusher(pa, pb, path="explicit", run_pages=1), 150, [9, 10, 11], [8, 9, 10]),
     }
     for rid, (pusher, n, lp, rp) in requests.items():
         receiver.expect(rid, pa.name, n, rp, 10.0)
@@ -156,17 +162,20 @@ def test_push_between_paged_kv_caches_through_regions():
         pusher.push(rid, 64)
         pusher.push(rid, n)
     pushed, got, t_end = [], [], time.monotonic() + 10
-    while (len(pushed) < 3 or len(got) < 3) and time.monotonic() < t_end:
+    while (len(pushed) < 4 or len(got) < 4) and time.monotonic() < t_end:
         for pusher, *_ in requests.values():
             pushed += pusher.poll()
         got += receiver.poll()
-    assert sorted((r.request_id, r.status.value) for r in pushed) == [("flat", "done"), ("init", "done"), ("prep", "done")]
-    assert sorted((r.request_id, r.status.value) for r in got) == [("flat", "done"), ("init", "done"), ("prep", "done")]
+    done = [("cut", "done"), ("flat", "done"), ("init", "done"), ("prep", "done")]
+    assert sorted((r.request_id, r.status.value) for r in pushed) == done
+    assert sorted((r.request_id, r.status.value) for r in got) == done
     stats = {rid: p.stats for rid, (p, *_) in requests.items()}
-    assert stats["flat"].descriptors == 3 * 3 and stats["prep"].descriptors == 3 * (1 + 2)
+    assert stats["flat"].descriptors == k * 3 and stats["prep"].descriptors == k * (1 + 2)
+    # Two chunks each: pages 2 | 3; and 9 | 10-11, the run cut into single pages.
+    assert stats["init"].descriptors == k * 2 and stats["cut"].descriptors == k * 3
     for s, d in zip(src.regions(), dst.regions()):
         for _, _, lp, rp in requests.values():
             assert torch.equal(d.tensor[rp], s.tensor[lp])
-        assert not d.tensor[[8, 9]].any()
+        assert not d.tensor[[11]].any()  # the one decode page no request owns
     pa.close()
     da.close()

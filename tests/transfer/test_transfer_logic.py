@@ -335,6 +335,27 @@ def test_explicit_path_posts_one_descriptor_per_region_and_page_run(path):
         for k in loc.keys() for a, b, n in ((0, 9, 3), (3, 20, 2)))
 
 
+def test_run_pages_cuts_explicit_descriptors_but_not_prepared_lists():
+    agent, clock = FakeAgent("pre@1"), Clock()
+    cut = Pusher(agent, FakeBook(DEC), path="explicit", clock=clock, run_pages=2)
+    cut.begin("r", "dec@1", 300, [0, 1, 2, 3, 4], [9, 10, 11, 20, 21], 10.0)
+    cut.push("r", 300)
+    (plan,) = [w[1] for w in agent.writes]
+    # Runs [0-2 -> 9-11] and [3-4 -> 20-21] cut to at most 2 pages: 3 descriptors per region, same bytes.
+    assert plan.num_descriptors == 4 * 3 and plan.nbytes == 5 * 280
+    loc, rem = agent.table, DEC.regions
+    assert explicit_pairs(plan) == sorted(
+        (loc.get(*k).page_addr(a), rem.get(*k).page_addr(b), n * loc.get(*k).bytes_per_page)
+        for k in loc.keys() for a, b, n in ((0, 9, 2), (2, 11, 1), (3, 20, 2)))
+    agent2 = FakeAgent("pre@1")
+    prep = Pusher(agent2, FakeBook(DEC), path="prepared", clock=clock, run_pages=2)
+    prep.begin("q", "dec@1", 300, [0, 1, 2, 3, 4], [9, 10, 11, 20, 21], 10.0)
+    prep.push("q", 300)
+    assert agent2.writes[0][1].num_descriptors == 4 * 2  # NIXL merges prepared indices itself
+    with pytest.raises(ValueError, match="run_pages"):
+        Pusher(agent, FakeBook(DEC), run_pages=0)
+
+
 def test_auto_path_switches_to_prepared_lists_above_the_descriptor_limit(monkeypatch):
     import transfer.push as push_mod
 

@@ -310,3 +310,25 @@ def test_page_runs_are_maximal_and_expand_to_the_pairing():
         ends_l, ends_r = runs.local[:-1] + runs.length[:-1], runs.remote[:-1] + runs.length[:-1]
         assert not ((ends_l == runs.local[1:]) & (ends_r == runs.remote[1:])).any()
         assert len(PageRuns.of(lp, rp, merge=False)) == lp.size
+
+
+def test_page_runs_split_caps_every_run_and_keeps_the_pairing():
+    from transfer import PageRuns
+
+    runs = PageRuns.of(np.r_[0:10, 20:23, 40], np.r_[100:113, 5])
+    cut = runs.split(4)
+    assert cut.local.tolist() == [0, 4, 8, 20, 40] and cut.remote.tolist() == [100, 104, 108, 110, 5]
+    assert cut.length.tolist() == [4, 4, 2, 3, 1] and cut.num_pages == runs.num_pages
+    assert runs.split(None) is runs and runs.split(10) is runs  # nothing longer than the cap
+    rng = np.random.default_rng(2)
+    for _ in range(30):
+        lp = np.sort(rng.choice(400, int(rng.integers(1, 120)), replace=False))
+        rp = lp + 3
+        cap = int(rng.integers(1, 20))
+        cut = PageRuns.of(lp, rp).split(cap)
+        assert int(cut.length.max()) <= cap
+        got_l = np.concatenate([np.arange(a, a + k) for a, k in zip(cut.local, cut.length)])
+        got_r = np.concatenate([np.arange(a, a + k) for a, k in zip(cut.remote, cut.length)])
+        assert got_l.tolist() == lp.tolist() and got_r.tolist() == rp.tolist()
+    with pytest.raises(ValueError, match="max_pages"):
+        PageRuns.of(np.arange(5), np.arange(5)).split(0)

@@ -1,19 +1,21 @@
-"""The KV link's NIXL settings for GPU caches (`workers.kv_link.gpu_push_tuning`) and
-the serve config field that picks them (`transfer.push_threads`)."""
+"""The KV link's NIXL settings for GPU caches (`workers.kv_link.gpu_push_tuning`), its
+descriptor size, and the serve config fields that pick them (`transfer.push_threads`,
+`transfer.descriptor_pages`)."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from workers.kv_link import DEFAULT_PUSH_THREADS, gpu_push_tuning
+from workers.kv_link import DEFAULT_DESCRIPTOR_PAGES, DEFAULT_PUSH_THREADS, PushTuning, gpu_push_tuning
 
 
 def test_push_threads_map_to_nixl_settings():
     assert gpu_push_tuning() == gpu_push_tuning(DEFAULT_PUSH_THREADS)
     four = gpu_push_tuning(4)
-    # one UCX worker (one CUDA stream) per posting thread; scatter-gather off
-    assert four["backend_params"] == {"num_threads": "4", "num_workers": "4", "split_batch_size": "8"}
+    # one UCX worker (one CUDA stream) per posting thread, a WRITE of any size split over them;
+    # scatter-gather off
+    assert four["backend_params"] == {"num_threads": "4", "num_workers": "4", "split_batch_size": "1"}
     assert four["ucx_sgl"] is False
     assert gpu_push_tuning(0) == {"ucx_sgl": True}  # the previous setting: one thread, scatter-gather offload
     with pytest.raises(ValueError, match="push threads must be >= 0"):
@@ -27,3 +29,33 @@ def test_transfer_push_threads_config():
     assert TransferConfig(push_threads=2).push_threads == 2
     with pytest.raises(ValidationError, match="push_threads"):
         TransferConfig(push_threads=-1)
+
+
+def test_descriptor_pages_config_reaches_the_link():
+    from deployments.app_config import TransferConfig
+
+    assert TransferConfig().descriptor_pages == DEFAULT_DESCRIPTOR_PAGES == 16
+    assert TransferConfig().push_tuning() == PushTuning(threads=None, descriptor_pages=16)
+    assert TransferConfig(push_threads=2, descriptor_pages=None).push_tuning() == PushTuning(2, None)
+    with pytest.raises(ValidationError, match="descriptor_pages"):
+        TransferConfig(descriptor_pages=0)
+    with pytest.raises(ValueError, match="descriptor_pages"):
+        PushTuning(descriptor_pages=0)
+
+
+def test_link_pusher_cuts_runs_to_descriptor_pages(tmp_path):
+    """A real KVLink over a cross_layer cache: its pusher cuts runs to the configured pages."""
+    import json
+
+    import torch
+
+    from attention.cache import CacheSpec, PagedKVCache
+    from workers.kv_link import KVLink
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v32"}))
+    cache = PagedKVCache(CacheSpec(2, 8, 32, 8, 16, "auto", torch.float32))
+    link = KVLink.create("kvlink-test", tmp_path, cache, has_mtp=False, push=PushTuning(descriptor_pages=3))
+    try:
+        assert link.pusher().run_pages == 3 and link.agent.compat.kv_format == "fp32_mla_40+index/cross_layer"
+    finally:
+        link.close()

@@ -267,8 +267,8 @@ class Side:
         del src, dst
         return statistics.median(times)
 
-    def warm_up(self, peer: str, repeat: int, notify: bool) -> float:
-        return self.pushers[ROWS["auto"]].warm_up(peer, 0, 0, repeat=repeat, notify=notify)
+    def warm_up(self, peer: str, repeat: int, notify: bool, rounds: int = 1) -> float:
+        return self.pushers[ROWS["auto"]].warm_up(peer, 0, 0, repeat=repeat, notify=notify, rounds=rounds)
 
     def repost(self, peer: str, local: list[int], remote: list[int], reps: int) -> dict[str, Any]:
         """One request's WRITE (explicit descriptors, merged, no notification) posted once,
@@ -543,8 +543,9 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
         out: dict[str, Any] = {"ucx_sgl": cfg.ucx_sgl, "info": info}
         warm_s = None
         if args.warmup:
-            warm_s = pair.pre.call("warm_up", pair.dec_name, args.warmup_repeat, args.warmup_notif == "on")
-            print(f"warm-up at start ({args.warmup_repeat} x one page per region, notification "
+            warm_s = pair.pre.call("warm_up", pair.dec_name, args.warmup_repeat, args.warmup_notif == "on",
+                                   args.warmup_rounds)
+            print(f"warm-up at start ({args.warmup_rounds} x {args.warmup_repeat} x one page per region, notification "
                   f"{args.warmup_notif}): {warm_s * 1e3:.1f} ms")
         out["warmup_seconds"] = warm_s
 
@@ -654,6 +655,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--warmup", action="store_true", help="warm the pair up at start (connect + one page per region)")
     ap.add_argument("--warmup-notif", choices=("on", "off"), default="on",
                     help="attach a notification to the warm-up WRITE (default on, as served)")
+    ap.add_argument("--warmup-rounds", type=int, default=3,
+                    help="warm-up WRITEs at start, one after the other (default 3, as served)")
     ap.add_argument("--warmup-repeat", type=int, default=32,
                     help="the warm-up writes its page this many times per region in one WRITE (default 32)")
     ap.add_argument("--ucx-sgl", choices=("off", "on", "both"), default="both",

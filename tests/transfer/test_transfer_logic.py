@@ -378,12 +378,15 @@ def test_warm_up_writes_one_page_per_region_repeatedly(path):
     agent, clock = FakeAgent("pre@1", done_on_write=True), Clock()
     pusher = Pusher(agent, FakeBook(DEC), path=path, clock=clock)
     pusher.warm_up("dec@1", local_page=3, remote_page=47, repeat=5)
-    ((x, plan, notif),) = agent.writes
+    # Three WRITEs by default, one after the other, each the same page of every region 5 times.
+    assert len(agent.writes) == 3 and len({id(w[1]) for w in agent.writes}) == 3
+    x, plan, notif = agent.writes[0]
     # The notification is a WarmUp (the receiving agent drops it); notify=False sends none.
-    assert isinstance(notif, WarmUp)
-    assert plan.num_descriptors == 4 * 5 and plan.num_pages == 5 and plan.nbytes == 5 * 280
-    pusher.warm_up("dec@1", local_page=3, remote_page=47, repeat=2, notify=False)
-    assert agent.writes[1][2] is None
+    assert all(isinstance(w[2], WarmUp) for w in agent.writes)
+    assert all(w[1].num_descriptors == 4 * 5 and w[1].num_pages == 5 and w[1].nbytes == 5 * 280
+               for w in agent.writes)
+    pusher.warm_up("dec@1", local_page=3, remote_page=47, repeat=2, notify=False, rounds=1)
+    assert len(agent.writes) == 4 and agent.writes[3][2] is None
     if path == "prepared":
         assert written_pages(plan, agent.table, DEC.regions) == sorted((k, 3, 47) for k in agent.table.keys())
     else:
@@ -393,6 +396,8 @@ def test_warm_up_writes_one_page_per_region_repeatedly(path):
         pusher.warm_up("dec@1", remote_page=48)
     with pytest.raises(ValueError, match="repeat"):
         pusher.warm_up("dec@1", repeat=0)
+    with pytest.raises(ValueError, match="rounds"):
+        pusher.warm_up("dec@1", rounds=0)
 
 
 def test_peer_selection_is_computed_once_and_dropped_with_the_peer():

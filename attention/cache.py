@@ -189,9 +189,10 @@ class PagedKVCache:
                       None for layers with ``indexer_layers[layer] == False``
 
     Within a page each kind keeps its byte format (docs in
-    :mod:`attention.formats`); FlashMLA and DeepGEMM take the strided views
-    as they are (bit-identical outputs to contiguous pools on the H100,
-    ``bench/page_stride_probe.py``). Slots are ``page_id * 64 + offset``.
+    :mod:`attention.formats`); FlashMLA, DeepGEMM and the Triton cache
+    kernels take the strided views as they are (bit-identical outputs for
+    both layouts on the H100, byte offsets up to 27.7 GB included:
+    ``bench/page_layout.py``). Slots are ``page_id * 64 + offset``.
     Writes ignore slot ``-1`` (padding tokens); reads return zeros for it.
     Any other slot outside ``[0, num_pages * 64)`` raises ``IndexError``.
     Slots of one write must be distinct.

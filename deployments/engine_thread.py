@@ -35,9 +35,11 @@ class EngineFailed(RuntimeError):
 class EngineThread:
     IDLE_POLL_S = 0.1
     """How long an idle thread blocks on its queue before re-checking for shutdown."""
-    WAIT_SLEEP_S = 0.002
+    WAIT_SLEEP_S = 0.0005
     """Pause between ticks that only polled the network (waiting for KV or WRITE
-    completions): a tight loop would take a core from the model on a small host."""
+    completions): a tight loop would take a core from the model on a small host.
+    It adds to a request's time to first token on both sides of a push, whose
+    copies take 0.3-1.2 ms for an 8k-token DeepSeek-V3.2 prompt (docs/perf.md)."""
 
     def __init__(self, name: str):
         self.name = name

@@ -4,6 +4,7 @@ the decode replica over NIXL and returns the first token + last hidden state."""
 from __future__ import annotations
 
 import io
+import time
 from dataclasses import dataclass
 
 import torch
@@ -54,11 +55,20 @@ class _Active:
     result: PrefillResult | None = None
 
 
+FINAL_PUSH_WAIT_S = 0.05
+"""How long a round waits for the WRITEs of the prompts it just finished while other prompts still
+need forwards. Decode learns that a push is complete only from a notification that NIXL sends when a
+poll here sees the copies done; the next forward would delay that poll, and the request's first
+token, by its whole duration. The copies of a 32k-token DeepSeek-V3.2 prompt take 1-5 ms
+(docs/perf.md), so the GPU waits that long per prompt at most once."""
+
+
 class PrefillWorker:
     def __init__(self, runner: ModelRunner, pool: PagePool, link: KVLink, chunk_size: int = 256,
-                 mtp: bool = False, deadline_s: float = 60.0):
+                 mtp: bool = False, deadline_s: float = 60.0, final_push_wait_s: float = FINAL_PUSH_WAIT_S):
         self.runner, self.pool, self.link = runner, pool, link
         self.chunk_size, self.mtp, self.deadline_s = chunk_size, mtp, deadline_s
+        self.final_push_wait_s = final_push_wait_s
         self.pusher = link.pusher()  # a tensor-parallel replica's link pushes rank i -> rank i
         self.active: dict[str, _Active] = {}
 
@@ -106,16 +116,27 @@ class PrefillWorker:
             budget -= end - a.done
         if items:
             self._run(items, chosen)
-        results = []
-        for res in self.pusher.poll():
+        results = self._results(self.pusher.poll())
+        finished = {a.task.request_id for a, _, end in chosen if end == len(a.task.token_ids)}
+        if finished and any(a.done < len(a.task.token_ids) for a in self.active.values()):
+            # More forwards follow: see these pushes end now, not after the next forward.
+            t_end = time.monotonic() + self.final_push_wait_s
+            while finished.intersection(self.pusher.active) and time.monotonic() < t_end:
+                results += self._results(self.pusher.poll())
+        return results
+
+    def _results(self, pushes) -> list[PrefillResult]:
+        """Results of requests whose push ended (their pages are freed)."""
+        out = []
+        for res in pushes:
             a = self._release(res.request_id)
             if a is None:
                 continue
             if res.status is PushStatus.DONE and a.result is not None:
-                results.append(a.result)
+                out.append(a.result)
             else:
-                results.append(PrefillResult(res.request_id, False, error=f"push {res.status.value}: {res.reason}"))
-        return results
+                out.append(PrefillResult(res.request_id, False, error=f"push {res.status.value}: {res.reason}"))
+        return out
 
     def _run(self, items, chosen) -> None:
         model = self.runner.model

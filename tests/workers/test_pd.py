@@ -64,3 +64,39 @@ def test_pd_seeded_sampling_equals_monolithic(tiny, reference):
 def test_pd_aborts_at_every_phase_free_both_pools(tiny):
     llm = LLM(tiny, pd=True, chunk_size=32, num_pages=32)
     abort_at_every_phase(llm.pd.prefill, llm.pd.decode)
+
+
+def test_prefill_round_sees_a_finished_push_end_before_the_next_forward(tiny):
+    """A prompt finished in a round while another still needs forwards: the round waits for its
+    WRITE (decode's notification goes out on that poll), so its result comes from this round,
+    not after the next forward; both pools come back whole."""
+    from workers.prefill_worker import PrefillTask
+    from workers.request import Request
+    from workers.sampler import SamplingParams
+
+    llm = LLM(tiny, pd=True, chunk_size=32, num_pages=32)
+    pre, dec = llm.pd.prefill, llm.pd.decode
+    p_start, d_start = pre.pool.free_count, dec.pool.free_count
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    reqs = {}
+    for rid, n in (("short", 20), ("long", 100)):
+        r = reqs[rid] = Request(rid, random_prompt(n, 300, n), params)
+        pre.submit(PrefillTask(rid, r.prompt, params, dec.link.agent.name, dec.reserve(r, pre.link.agent.name)))
+    results = pre.step()  # 20 tokens of "short" (its last chunk) and 12 of "long"
+    assert [r.request_id for r in results] == ["short"] and results[0].ok
+    assert pre.pusher.active == ["long"] and 0 < pre.active["long"].done < 100
+    for res in results:
+        dec.on_prefill_result(res)
+    for _ in range(200):
+        for res in pre.step():
+            dec.on_prefill_result(res)
+        dec.step()
+        if all(r.finished for r in reqs.values()):
+            break
+    assert all(len(r.output) == 4 for r in reqs.values())
+    for _ in range(200):
+        if not dec.has_work and not pre.pusher.has_work():
+            break
+        pre.step()
+        dec.step()
+    assert (pre.pool.free_count, dec.pool.free_count) == (p_start, d_start)

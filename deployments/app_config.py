@@ -19,9 +19,12 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from workers.kv_link import PushTuning
 
 __all__ = [
     "APP_IMPORT_PATH",
@@ -294,8 +297,8 @@ class TransferConfig(_Strict):
         "one stream). None = whole runs.",
     )
 
-    def push_tuning(self):
-        """The `workers.kv_link.PushTuning` these settings give."""
+    def push_tuning(self) -> "PushTuning":
+        """The `workers.kv_link.PushTuning` these settings give (imported here: configs load without torch)."""
         from workers.kv_link import PushTuning
 
         return PushTuning(threads=self.push_threads, descriptor_pages=self.descriptor_pages)

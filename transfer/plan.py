@@ -10,8 +10,9 @@ usually one or a few). Two ways to hand a chunk to NIXL:
   length, device_id)``, one per (region, run), posted with
   ``initialize_xfer``. Serving uses it while a chunk needs at most
   `transfer.push.EXPLICIT_MAX_DESCRIPTORS`: a 32k-token DeepSeek-V3.2
-  request in one run is 61 descriptors (one region per layer), built from a
-  few small arrays.
+  request in one run is one descriptor on the cross-layer cache (one
+  region), cut into 32 by `PageRuns.split` to spread over NIXL's posting
+  threads, or 61 on the per-layer cache, built from a few small arrays.
 - `IndexPlan` (`index_plan`): indices into descriptor lists prepared once
   over every page of every region (`RegionTable.first_index`), locally at
   agent start and per peer at handshake; a WRITE is then

@@ -1,9 +1,10 @@
 """Region tables: where each paged cache of one worker lives in memory.
 
-A *region* is paged cache memory of one layer: the served cache registers
-one ``"kv"`` region per layer whose page holds the layer's MLA latent bytes
-then its indexer-key bytes (`attention.cache.PagedKVCache`); a model may
-declare more, e.g. V4's SWA / compressed state pages. A region is a tensor
+A *region* is paged cache memory: the served cache registers one ``"kv"``
+region whose page holds every layer's MLA latent bytes then indexer-key bytes
+(`attention.cache.PagedKVCache`, ``cross_layer``; ``layer = -1``), or one
+such region per layer (``per_layer``); a model may declare more, e.g. V4's
+SWA / compressed state pages. A region is a tensor
 whose dim 0 is the page id and whose pages are each ``bytes_per_page``
 contiguous bytes, ``num_pages`` of them back to back.
 Every region of a worker shares the page ids of the worker's page pool, so

@@ -147,6 +147,10 @@ class CacheSpec:
         M, I = self.mla_bytes_per_page(), self.index_bytes_per_page()
         return tuple(M + (I if has else 0) for has in self.indexer_layers)
 
+    def page_bytes(self) -> int:
+        """Bytes one page id occupies over every layer (a ``cross_layer`` page's size)."""
+        return sum(self.layer_page_bytes())
+
 
 @dataclass(frozen=True)
 class CacheRegion:
@@ -207,7 +211,7 @@ class PagedKVCache:
         widths = spec.layer_page_bytes()
         self.storage: torch.Tensor | None = None
         if spec.page_layout == "cross_layer":
-            self.storage = torch.zeros(P, sum(widths), dtype=torch.uint8, device=self.device)
+            self.storage = torch.zeros(P, spec.page_bytes(), dtype=torch.uint8, device=self.device)
         self.pages: list[torch.Tensor] = []
         self.mla: list[torch.Tensor] = []
         self.index: list[torch.Tensor | None] = []

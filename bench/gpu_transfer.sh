@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call (~1-2 min): the transfer experiments behind docs/perf.md's
 # latest transfer section. Usage (device run, repo root, .devicewheels/nixl carried):
-#   [CASES=single|ab] [SHOW=regex] bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
+#   [CASES=layout|sweep] [RUNS=...] [SHOW=regex] bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
 # (e.g. `--devices 0,1` on two GPUs). The host has torch but no nixl: its wheels
 # come from .devicewheels/nixl (../shared/offline-wheels, pack_wheels.py --groups
 # nixl). Results land in $OUT; SHOW filters what each case prints.
@@ -18,12 +18,10 @@
 #     per run, split_batch_size 8) and cross-layer with 8-page descriptors,
 #     interleaved, twice.
 #   sweep: the same measurements for RUNS="name:bench args;..." (a name ending
-#     in _sbsN sets split_batch_size N, else 8), interleaved, twice.
-#   single: the same measurements, per-layer vs the layer-major cache before it.
-#   ab: streams of 32k requests, 8 in flight, old default vs 8 threads,
-#     interleaved and twice, on the cross-layer and layer-major caches.
-# Earlier case sets (layouts, ucx, threads, receiver; docs/perf.md sessions 2-3)
-# are in git history at 1532f00.
+#     in _sbsN sets split_batch_size N, else 8), interleaved, twice. Session 4's
+#     `single` (per-layer vs layer-major) is RUNS="per_layer:;layer_major:--cache-layout layer-major".
+# Earlier case sets are in git history: `single` and `ab` at f535a37 (docs/perf.md
+# session 4); layouts, ucx, threads, receiver at 1532f00 (sessions 2-3).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .devicewheels/nixl/*.whl 2>&1 | tail -2
@@ -53,7 +51,7 @@ case "${CASES:-layout}" in
       run_case layout${rep}_cross_layer_8 90 "${S[@]}" $(th 8 1) --cache-layout cross-layer --run-pages 8 "$@"
     done
     ;;
-  sweep)  # RUNS="name:args;name:args" (each with SBS=split_batch_size, default 8), interleaved, twice
+  sweep)  # RUNS="name:args;name:args", interleaved, twice
     S=(--warmup --reps 5 --tokens 8192,32768 --layout contiguous --raw-reps 5 --paths auto --inflight 8)
     IFS=';' read -ra entries <<< "${RUNS:?sweep needs RUNS}"
     for rep in 1 2; do
@@ -65,22 +63,6 @@ case "${CASES:-layout}" in
       done
     done
     ;;
-  single)
-    S=(--warmup --reps 5 --tokens 8192,32768 --layout contiguous --raw-reps 5 --paths auto --inflight 8)
-    for rep in 1 2; do
-      run_case single${rep}_per_layer 90 "${S[@]}" $(th 8) "$@"
-      run_case single${rep}_layer_major 90 "${S[@]}" $(th 8) --cache-layout layer-major "$@"
-    done
-    ;;
-  ab)
-    B=(--warmup --reps 3 --stream-reps 3 --paths auto --tokens 32768 --inflight 8)
-    for rep in 1 2; do
-      run_case ab${rep}_pm_base 60 "${B[@]}" --cache-layout cross-layer --layout runs --ucx-sgl on "$@"
-      run_case ab${rep}_pm_threads8 60 "${B[@]}" --cache-layout cross-layer --layout runs $(th 8) "$@"
-      run_case ab${rep}_lm_base 60 "${B[@]}" --layout contiguous --ucx-sgl on "$@"
-      run_case ab${rep}_lm_threads8 60 "${B[@]}" --layout contiguous $(th 8) "$@"
-    done
-    ;;
-  *) echo "unknown CASES=${CASES}: layout, sweep, single or ab" >&2; exit 2 ;;
+  *) echo "unknown CASES=${CASES}: layout or sweep" >&2; exit 2 ;;
 esac
 echo "results: $OUT/*.txt, $OUT/*.json"

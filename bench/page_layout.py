@@ -152,7 +152,7 @@ def main() -> int:
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
            "cross_layer_page_stride": caches["cross_layer"].mla[args.layer].stride(0),
            "per_layer_page_stride": caches["per_layer"].mla[args.layer].stride(0),
-           "cache_gb_each": spec.num_pages * sum(spec.layer_page_bytes()) / 1e9}
+           "cache_gb_each": spec.num_pages * spec.page_bytes() / 1e9}
     res["bytes"] = check_bytes(args, caches)
     print(json.dumps(res, indent=1), flush=True)
     res["decode"] = decode(args, caches)

@@ -129,6 +129,7 @@ class Side:
     def __init__(self, role: str, cfg: BenchConfig):
         import torch
 
+        from attention.cache import ALL_LAYERS
         from transfer import CacheRegion, CompatInfo, PeerBook, Pusher, Receiver, TransferAgent
 
         self.cfg, self.role = cfg, role
@@ -150,7 +151,7 @@ class Side:
         if cfg.cache_layout == "cross-layer":
             # One uint8 [pool_pages, layers * (mla + index)] region: page p of
             # every layer and kind is one contiguous block, one descriptor.
-            self.regions = [CacheRegion.of(-1, "kv", buf(cfg.bytes_per_page))]
+            self.regions = [CacheRegion.of(ALL_LAYERS, "kv", buf(cfg.bytes_per_page))]
         elif cfg.cache_layout == "per-layer":
             # The serving layout: per layer, uint8 [pool_pages, mla_bytes + index_bytes].
             self.regions = [CacheRegion.of(layer, "kv", buf(cfg.mla_bytes + cfg.index_bytes))

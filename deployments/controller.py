@@ -157,8 +157,7 @@ def _cache_spec(pool: PoolConfig, model_cfg: ModelConfig, num_pages: int | None 
 
 def bytes_per_page(pool: PoolConfig, model_cfg: ModelConfig) -> int:
     """Bytes one page id occupies across every layer's MLA and indexer caches of one rank."""
-    spec = _cache_spec(pool, model_cfg)
-    return spec.num_layers * spec.mla_bytes_per_page() + sum(spec.indexer_layers) * spec.index_bytes_per_page()
+    return _cache_spec(pool, model_cfg, num_pages=1).page_bytes()
 
 
 def model_identity(app_cfg: AppConfig, model_cfg: ModelConfig) -> str:

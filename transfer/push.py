@@ -291,16 +291,15 @@ class Pusher:
             request_id, index, count=index + 1 if last else None, pages=len(job.local_pages) if last else None
         )
         try:
-            whole = job.sent_pages == 0 and upto == len(job.local_pages)
-            if upto > job.sent_pages and whole and job.ready is not None:
-                xfer, job.ready = job.ready, None
-                self._post(xfer, encode(msg))
-                job.inflight.append(xfer)
-                job.nbytes += xfer.nbytes
-            elif upto > job.sent_pages:
-                self._drop_ready(job)  # a partial chunk: the whole request's WRITE is not the one
-                xfer = self._write(job.peer, job.local_pages[job.sent_pages : upto],
-                                   job.remote_pages[job.sent_pages : upto], encode(msg))
+            if upto > job.sent_pages:
+                whole = job.sent_pages == 0 and upto == len(job.local_pages)
+                if whole and job.ready is not None:
+                    xfer, job.ready = job.ready, None
+                    self._post(xfer, encode(msg))
+                else:
+                    self._drop_ready(job)  # a partial chunk: the whole request's WRITE is not the one
+                    xfer = self._write(job.peer, job.local_pages[job.sent_pages : upto],
+                                       job.remote_pages[job.sent_pages : upto], encode(msg))
                 job.inflight.append(xfer)
                 job.nbytes += xfer.nbytes
             else:

@@ -17,6 +17,10 @@
 #     per-layer cache as served before (a region per layer: 61 descriptors
 #     per run, split_batch_size 8) and cross-layer with 8-page descriptors,
 #     interleaved, twice.
+#   anatomy: one 8k request timed with one thing changed at a time (re-posted or
+#     fresh handle, notification, new pages, the Pusher; decode idle or polling)
+#     for 16-, 8-page and whole-run descriptors, with NIXL posting on its threads
+#     (split_batch_size 1, served) and on the calling thread (1024), twice.
 #   sweep: the same measurements for RUNS="name:bench args;..." (a name ending
 #     in _sbsN sets split_batch_size N, else 8), interleaved, twice. Session 4's
 #     `single` (per-layer vs layer-major) is RUNS="per_layer:;layer_major:--cache-layout layer-major".
@@ -37,7 +41,7 @@ run_case() {  # name, timeout seconds, bench args...
   local name=$1 limit=$2; shift 2
   echo "=== $name: bench/transfer.py $*" | tee "$OUT/$name.txt"
   timeout "$limit" python3 bench/transfer.py "$@" --json "$OUT/$name.json" 2>&1 | tee -a "$OUT/$name.txt" \
-      | grep -v "^reference\|^# \|^verified\|NIXL INFO" | grep -E "${SHOW:-.}" | tail -14
+      | grep -v "^reference\|^# \|^verified\|NIXL INFO" | grep -E "${SHOW:-.}" | tail -"${TAIL:-14}"
   echo "=== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
 }
 th() { echo --ucx-sgl off --ucx-threads "$1" --ucx-param num_workers="$1" --ucx-param split_batch_size=${2:-8}; }
@@ -63,6 +67,15 @@ case "${CASES:-layout}" in
       done
     done
     ;;
-  *) echo "unknown CASES=${CASES}: layout or sweep" >&2; exit 2 ;;
+  anatomy)  # where an 8k request's time goes (bench/transfer.py --anatomy-reps), served setting vs
+            # NIXL posting on the calling thread (split_batch_size above the descriptor count)
+    S=(--warmup --reps 5 --tokens 8192,32768 --layout contiguous --raw-reps 5 --paths auto --inflight 8
+       --cache-layout cross-layer --run-pages 16 --anatomy-reps 9 --anatomy-run-pages 16,8,0)
+    for rep in 1 2; do
+      run_case anatomy${rep}_sbs1 120 "${S[@]}" $(th 8 1) "$@"
+      run_case anatomy${rep}_sbs1024 120 "${S[@]}" $(th 8 1024) "$@"
+    done
+    ;;
+  *) echo "unknown CASES=${CASES}: layout, sweep or anatomy" >&2; exit 2 ;;
 esac
 echo "results: $OUT/*.txt, $OUT/*.json"

@@ -26,7 +26,10 @@ Reported, all from one run:
   ``push_ms`` runs from ``Pusher.begin`` to completion; ``from_push_ms``
   from the ``push`` call (serving calls ``begin`` when decode has reserved
   the pages, before prefill computes, so this is the part on the critical
-  path once the prompt's cache is final);
+  path once the prompt's cache is final), waiting as a prefill round does
+  (`Pusher.poll` spinning on the WRITE's state); ``to_decode_ms`` from the
+  push call until the decode process saw the request complete (both
+  processes' ``perf_counter``, one system-wide monotonic clock on Linux);
 - with ``--raw-reps N``: one request's WRITE posted again N times (no plan,
   no request creation, no notification): the transport's own time;
 - with ``--inflight N``: a stream of ``--stream`` requests (default 4N) pushed
@@ -224,10 +227,21 @@ class Side:
         self.receiver.expect(rid, peer, tokens, pages, self.cfg.deadline_s)
 
     def wait(self) -> dict[str, Any]:
+        """Poll until a request ends; ``at``: when this side saw it (perf_counter, CLOCK_MONOTONIC on
+        Linux: comparable with the prefill process's)."""
         while True:
             for r in self.receiver.poll():
-                return {"status": r.status.value, "seconds": r.seconds, "reason": r.reason}
+                return {"status": r.status.value, "seconds": r.seconds, "reason": r.reason,
+                        "at": time.perf_counter()}
             time.sleep(0)  # yield: on a small CPU the pusher needs the core
+
+    def spin(self, seconds: float) -> int:
+        """Poll the receiver for ``seconds`` as a serving decode worker does (busy); returns messages seen."""
+        end, n = time.perf_counter() + seconds, 0
+        while time.perf_counter() < end:
+            n += len(self.receiver.poll())
+            time.sleep(0)
+        return n
 
     def reserve_many(self, reqs: list[tuple[str, str, int, list[int]]]) -> None:
         """`reserve` for every ``(request id, prefill agent, tokens, decode pages)`` of a stream."""
@@ -281,7 +295,7 @@ class Side:
         from transfer import PageRuns, RegionSelection, descriptor_plan
 
         sel = RegionSelection.of(self.agent.table, self.book.get(peer).regions)
-        plan = descriptor_plan(sel, PageRuns.of(local, remote))
+        plan = descriptor_plan(sel, PageRuns.of(local, remote).split(self.cfg.run_pages))
         xfer = self.agent.write(peer, plan, b"")
         times, posts = [], []
         try:
@@ -303,6 +317,116 @@ class Side:
         return {"seconds": statistics.median(times), "post_seconds": statistics.median(posts),
                 "descriptors": plan.num_descriptors, "nbytes": plan.nbytes}
 
+    def anatomy(self, peer: str, tokens: int, page_sets: list[tuple[list[int], list[int]]], reps: int,
+                run_pages: list[Optional[int]]) -> dict[str, Any]:
+        """Where one request's time goes: the same WRITE timed with one thing changed at a time.
+
+        For each descriptor size in ``run_pages`` (None: whole runs) and each
+        rep, interleaved, seconds from posting to DONE (``agent.state`` in a
+        tight loop) of:
+          ``repost``            a handle posted again (the transport alone);
+          ``repost_notif``      the same with a notification;
+          ``fresh``             a handle created before timing, posted once;
+          ``fresh_notif``       the same with a notification;
+          ``fresh_notif_new``   the same on pages not written just before;
+          ``pusher``            `Pusher.push` then `Pusher.poll` until done
+                                (the serving path; decode does not poll);
+          ``pusher_*``          the same in parts: the push call, the copies
+                                (the WRITE's state polled alone), the poll
+                                that reports the end, and their total;
+          ``release``, ``read_notifs``: releasing a done WRITE's handle, and
+                                reading inbound notifications (once each).
+        ``page_sets``: ``reps + 1`` (local, remote) page lists; the first is
+        "the same pages". Returns ``{variant/run_pages: {median, min, post}}``.
+        """
+        from transfer import PageRuns, Pusher, RegionSelection, descriptor_plan
+        from transfer.messages import WarmUp, encode
+
+        notif = encode(WarmUp())
+        sel = RegionSelection.of(self.agent.table, self.book.get(peer).regions)
+
+        def plan(local, remote, rp):
+            return descriptor_plan(sel, PageRuns.of(local, remote).split(rp))
+
+        def run(xfer, msg) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            self.agent.post(xfer, msg)
+            while self.agent.state(xfer) == "PROC":
+                pass
+            t1 = time.perf_counter()
+            if xfer.state != "DONE":
+                raise RuntimeError("anatomy: WRITE failed")
+            return t1 - t0, xfer.post_s
+
+        same_l, same_r = page_sets[0]
+        pushers = {rp: Pusher(self.agent, self.book, run_pages=rp) for rp in run_pages}
+        held = {}
+        for rp in run_pages:
+            for name, msg in (("repost", b""), ("repost_notif", notif)):
+                x = self.agent.prepare(peer, plan(same_l, same_r, rp))
+                run(x, msg)  # its first post is not a repost
+                held[(name, rp)] = (x, msg)
+        times: dict[str, list[tuple[float, float]]] = {}
+        variants = ("repost", "repost_notif", "fresh", "fresh_notif", "fresh_notif_new", "pusher")
+        try:
+            for i in range(reps):
+                new_l, new_r = page_sets[1 + i]
+                for rp in run_pages:
+                    order = variants[i % len(variants):] + variants[:i % len(variants)]
+                    for v in order:
+                        key = f"{v}/{rp or 'whole'}"
+                        if v in ("repost", "repost_notif"):
+                            t = run(*held[(v, rp)])
+                        elif v == "pusher":
+                            p = pushers[rp]
+                            rid = f"anatomy{i}-{rp}"
+                            before = p.stats.copy()
+                            p.begin(rid, peer, tokens, new_l, new_r, self.cfg.deadline_s)
+                            t0 = time.perf_counter()
+                            p.push(rid, tokens)
+                            t1 = time.perf_counter()
+                            while not (res := p.poll(spin_s=0.01)):
+                                pass
+                            t = (time.perf_counter() - t0, p.stats.since(before).post_s)
+                            if not res[0].ok:
+                                raise RuntimeError(f"anatomy: push failed: {res[0].reason}")
+                            # The same split in parts: the push call; the copies (the WRITE's state
+                            # polled alone); the poll that reports it.
+                            rid = f"anatomy{i}-{rp}-parts"
+                            p.begin(rid, peer, tokens, new_l, new_r, self.cfg.deadline_s)
+                            t0 = time.perf_counter()
+                            p.push(rid, tokens)
+                            t1 = time.perf_counter()
+                            while p.writes_in_flight():
+                                pass
+                            t2 = time.perf_counter()
+                            while not (res := p.poll()):
+                                pass
+                            t3 = time.perf_counter()
+                            for part, sec in (("push_call", t1 - t0), ("copies", t2 - t1), ("report", t3 - t2),
+                                              ("parts_total", t3 - t0)):
+                                times.setdefault(f"pusher_{part}/{rp or 'whole'}", []).append((sec, 0.0))
+                        else:
+                            pages = (new_l, new_r) if v == "fresh_notif_new" else (same_l, same_r)
+                            x = self.agent.prepare(peer, plan(*pages, rp))
+                            try:
+                                t = run(x, b"" if v == "fresh" else notif)
+                            finally:
+                                t0 = time.perf_counter()
+                                self.agent.release(x)
+                                t1 = time.perf_counter()
+                                self.agent.take()  # reads inbound notifications, as every poll does
+                                t2 = time.perf_counter()
+                            if v == "fresh_notif":
+                                times.setdefault(f"release/{rp or 'whole'}", []).append((t1 - t0, 0.0))
+                                times.setdefault(f"read_notifs/{rp or 'whole'}", []).append((t2 - t1, 0.0))
+                        times.setdefault(key, []).append(t)
+        finally:
+            for x, _ in held.values():
+                self.agent.release(x)
+        return {k: {"median": statistics.median(a for a, _ in v), "min": min(a for a, _ in v),
+                    "post": statistics.median(b for _, b in v)} for k, v in times.items()}
+
     def push(
         self, rid: str, peer: str, tokens: int, local: list[int], remote: list[int], path: str, merge: bool,
         chunk_tokens: int,
@@ -319,14 +443,14 @@ class Side:
             pusher.push(rid, done)
         t_posted = time.perf_counter()
         while True:
-            results = pusher.poll()
+            results = pusher.poll(spin_s=0.01)  # as a prefill round waits for the prompts it finished
             if results:
                 break
         t1 = time.perf_counter()
         (r,) = results
         st = pusher.stats.since(before)
         return {"status": r.status.value, "reason": r.reason, "seconds": t1 - t0, "post_seconds": t_posted - t0,
-                "from_push_seconds": t1 - t_begun,
+                "from_push_seconds": t1 - t_begun, "push_at": t_begun,
                 "plan_seconds": st.plan_s, "make_seconds": st.make_s, "nixl_post_seconds": st.post_s,
                 "nbytes": r.nbytes, "descriptors": st.descriptors, "chunks": r.chunks}
 
@@ -352,7 +476,9 @@ class Side:
                     done = min(done + chunk, tokens)
                     pusher.push(rid, done)
                 active.add(rid)
-            for r in pusher.poll():
+            # Nothing to post until a request ends: wait for one as a prefill round does.
+            spin = 0.001 if len(active) >= inflight or not queue else 0.0
+            for r in pusher.poll(spin_s=spin):
                 active.discard(r.request_id)
                 results.append(r)
         t1 = time.perf_counter()
@@ -449,6 +575,7 @@ class Pair:
         if verify and self.pre.call("checksum", local) != self.dec.call("checksum", remote):
             raise RuntimeError(f"request {rid}: decode pages differ from prefill pages")
         res["receive_seconds"] = got["seconds"]
+        res["to_decode_seconds"] = got["at"] - res["push_at"]
         return res
 
     def raw(self, tokens: int, reps: int) -> dict[str, Any]:
@@ -457,6 +584,19 @@ class Pair:
         local = page_ids(self.cfg.layout, n, self.cfg.pool_pages, self.rng)
         remote = page_ids(self.cfg.layout, n, self.cfg.pool_pages, self.rng)
         return self.pre.call("repost", self.dec_name, local, remote, reps)
+
+    def anatomy(self, tokens: int, reps: int, run_pages: list[Optional[int]], decode_spins: bool) -> dict[str, Any]:
+        """`Side.anatomy` on fresh page sets; ``decode_spins``: decode polls its receiver meanwhile."""
+        n = pages_for_tokens(tokens)
+        sets = [(page_ids(self.cfg.layout, n, self.cfg.pool_pages, self.rng),
+                 page_ids(self.cfg.layout, n, self.cfg.pool_pages, self.rng)) for _ in range(reps + 1)]
+        if decode_spins:
+            self.dec.send("spin", 0.5 + 0.05 * reps * len(run_pages))
+            time.sleep(0.05)
+        res = self.pre.call("anatomy", self.dec_name, tokens, sets, reps, run_pages)
+        if decode_spins:
+            self.dec.recv()
+        return res
 
     def stream(self, tokens: int, inflight: int, count: int, chunk_tokens: int, verify: bool) -> dict[str, Any]:
         """``count`` requests of ``tokens`` pushed with at most ``inflight`` outstanding.
@@ -556,14 +696,16 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
               f"{first['seconds'] * 1e3:.2f} ms = {f_bw:.1f} GB/s = {f_bw / gbps(first['nbytes'], copy_s[tokens[0]]):.3f}"
               f" of copy (post {ms(first['post_seconds'])} ms: plan {ms(first['plan_seconds'])}, make "
               f"{ms(first['make_seconds'])}, nixl_post {ms(first['nixl_post_seconds'])}); from the push call "
-              f"{ms(first['from_push_seconds'])} ms = {copy_s[tokens[0]] / first['from_push_seconds']:.3f} of copy")
+              f"{ms(first['from_push_seconds'])} ms = {copy_s[tokens[0]] / first['from_push_seconds']:.3f} of copy; "
+              f"to decode {ms(first['to_decode_seconds'])} ms = {copy_s[tokens[0]] / first['to_decode_seconds']:.3f}")
         first["fraction_of_copy"] = f_bw / gbps(first["nbytes"], copy_s[tokens[0]])
         first["fraction_from_push"] = copy_s[tokens[0]] / first["from_push_seconds"]
+        first["fraction_to_decode"] = copy_s[tokens[0]] / first["to_decode_seconds"]
         out["first"] = first
 
         print(f"{'tokens':>6} {'path':>4} {'merge':>5} {'descs':>7} {'MB':>9} {'plan_ms':>8} {'make_ms':>8} "
               f"{'nixl_post_ms':>12} {'post_ms':>8} {'push_ms':>9} {'GB/s':>8} {'fraction_of_copy':>16} "
-              f"{'from_push_ms':>12} {'fraction':>8}")
+              f"{'from_push_ms':>12} {'fraction':>8} {'to_decode_ms':>12} {'fraction':>8}")
         rows = []
         for t in tokens:
             for name in args.row_names:
@@ -571,21 +713,24 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                 runs = [pair.request(t, path, merge, args.chunk_tokens, verify and i == 0) for i in range(args.reps)]
                 med = {k: statistics.median(r[k] for r in runs)
                        for k in ("seconds", "post_seconds", "plan_seconds", "make_seconds", "nixl_post_seconds",
-                                 "from_push_seconds")}
+                                 "from_push_seconds", "to_decode_seconds")}
                 nb = runs[0]["nbytes"]
                 bw = gbps(nb, med["seconds"])
                 frac = bw / gbps(nb, copy_s[t])
                 print(f"{t:>6} {name:>4} {'yes' if merge else 'no':>5} {runs[0]['descriptors']:>7} {nb / 1e6:>9.1f} "
                       f"{ms(med['plan_seconds']):>8} {ms(med['make_seconds']):>8} {ms(med['nixl_post_seconds']):>12} "
                       f"{ms(med['post_seconds']):>8} {ms(med['seconds']):>9} {bw:>8.1f} {frac:>16.3f} "
-                      f"{ms(med['from_push_seconds']):>12} {copy_s[t] / med['from_push_seconds']:>8.3f}")
+                      f"{ms(med['from_push_seconds']):>12} {copy_s[t] / med['from_push_seconds']:>8.3f} "
+                      f"{ms(med['to_decode_seconds']):>12} {copy_s[t] / med['to_decode_seconds']:>8.3f}")
                 rows.append({"tokens": t, "path": name, "merge": merge, "ucx_sgl": cfg.ucx_sgl,
                              "descriptors": runs[0]["descriptors"], "nbytes": nb, "push_seconds": med["seconds"],
                              "post_seconds": med["post_seconds"], "plan_seconds": med["plan_seconds"],
                              "make_seconds": med["make_seconds"], "nixl_post_seconds": med["nixl_post_seconds"],
                              "gbps": bw, "copy_seconds": copy_s[t], "fraction_of_copy": frac,
                              "from_push_seconds": med["from_push_seconds"],
-                             "fraction_from_push": copy_s[t] / med["from_push_seconds"]})
+                             "fraction_from_push": copy_s[t] / med["from_push_seconds"],
+                             "to_decode_seconds": med["to_decode_seconds"],
+                             "fraction_to_decode": copy_s[t] / med["to_decode_seconds"]})
         out["rows"] = rows
         out["raw"] = []
         if args.raw_reps:
@@ -619,6 +764,19 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                                        "ucx_sgl": cfg.ucx_sgl, "descriptors": runs[0]["descriptors"], "nbytes": nb,
                                        "stream_seconds": sec, "nixl_post_seconds": post, "gbps": bw,
                                        "copy_seconds": copy_s[t], "fraction_of_copy": bw / copy_bw})
+        out["anatomy"] = []
+        if args.anatomy_reps:
+            t = tokens[0]
+            rps = [int(x) or None for x in args.anatomy_run_pages.split(",")]
+            print(f"anatomy of one {t}-token request (median / min of {args.anatomy_reps}, ms from posting to DONE; "
+                  f"fraction of copy from the median):")
+            for spins in (False, True):
+                res = pair.anatomy(t, args.anatomy_reps, rps, spins)
+                for key, r in res.items():
+                    print(f"anat decode {'polls' if spins else 'idle ':5} {key:>22}: {ms(r['median'])} / "
+                          f"{ms(r['min'])} ms, post {ms(r['post'])} ms, {copy_s[t] / r['median']:.3f} of copy")
+                    out["anatomy"].append({"tokens": t, "decode_polls": spins, "variant": key, **r,
+                                           "fraction_of_copy": copy_s[t] / r["median"]})
         return out, copy_s
     finally:
         pair.close()
@@ -651,6 +809,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--raw-reps", type=int, default=0,
                     help="also post one request's WRITE again this many times (no planning, request creation "
                          "or notification): the transport's own time, per token count")
+    ap.add_argument("--anatomy-reps", type=int, default=0,
+                    help="also time one request of the first --tokens with one thing changed at a time "
+                         "(re-posted / fresh handle, notification, new pages, Pusher), this many reps each, "
+                         "with decode idle and polling")
+    ap.add_argument("--anatomy-run-pages", default="16,0",
+                    help="descriptor sizes (pages) the anatomy compares, comma-separated; 0: whole runs")
     ap.add_argument("--chunk-tokens", type=int, default=0, help="push in chunks of this many tokens (0: one chunk)")
     ap.add_argument("--reps", type=int, default=5, help="warm repetitions per configuration (median)")
     ap.add_argument("--warmup", action="store_true", help="warm the pair up at start (connect + one page per region)")

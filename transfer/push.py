@@ -128,6 +128,8 @@ class _Job:
     ready: Optional[Xfer] = None
     """The whole request's WRITE, created at `begin` and posted if one chunk turns out to carry
     every page (a prompt within one prefill chunk); released unposted otherwise."""
+    ready_notif: bytes = b""
+    """``ready``'s notification (the one-chunk `ChunkDone`), encoded at `begin` as well."""
 
 
 @dataclass
@@ -165,6 +167,10 @@ class Pusher:
     all registered). ``run_pages``: the most pages one descriptor covers
     (None: a whole run; longer runs are cut, `PageRuns.split`, so that one
     WRITE's copies spread over NIXL's posting threads and their streams).
+    ``fence``: called before a WRITE of new pages is posted; returns once
+    the bytes it moves are written. A CUDA cache needs one: NIXL copies on
+    UCX's own CUDA stream, which does not wait for the kernels that wrote
+    the pages (`workers.kv_link.KVLink` passes a device synchronize).
     ``clock``: seconds, monotonic (tests may inject one).
     ``remember_cancelled``: how many cancelled request ids are kept to refuse
     a late `begin`.
@@ -180,6 +186,7 @@ class Pusher:
         layers: Optional[Iterable[int]] = None,
         kinds: Optional[Iterable[str]] = None,
         run_pages: Optional[int] = None,
+        fence: Optional[Callable[[], None]] = None,
         clock: Callable[[], float] = time.monotonic,
         remember_cancelled: int = 65536,
     ):
@@ -192,6 +199,7 @@ class Pusher:
         self.merge = merge
         self.path = path
         self.run_pages = run_pages
+        self.fence = fence
         self.stats = PushStats()
         self._selections: dict[str, RegionSelection] = {}  # per peer agent, dropped with the peer
         self.layers = None if layers is None else tuple(layers)
@@ -265,6 +273,7 @@ class Pusher:
                 # Off the critical path: begin runs when decode has reserved the pages, before
                 # prefill computes them; the push then only posts.
                 job.ready = self._prepare(peer, lp, rp)
+                job.ready_notif = encode(self._chunk_done(job, 0, True))
             except Exception as e:  # noqa: BLE001 - push builds its WRITE then (and fails there if it must)
                 log.debug("preparing the WRITE of %s: %s", request_id, e)
         self._jobs[request_id] = job
@@ -287,25 +296,25 @@ class Pusher:
         if upto == job.sent_pages and not last:
             return True  # the chunk finished no page
         index = job.chunks
-        msg = ChunkDone(
-            request_id, index, count=index + 1 if last else None, pages=len(job.local_pages) if last else None
-        )
         try:
             if upto > job.sent_pages:
+                if self.fence is not None:
+                    self.fence()
                 whole = job.sent_pages == 0 and upto == len(job.local_pages)
                 if whole and job.ready is not None:
                     xfer, job.ready = job.ready, None
-                    self._post(xfer, encode(msg))
+                    self._post(xfer, job.ready_notif)
                 else:
                     self._drop_ready(job)  # a partial chunk: the whole request's WRITE is not the one
+                    msg = encode(self._chunk_done(job, index, last))
                     xfer = self._write(job.peer, job.local_pages[job.sent_pages : upto],
-                                       job.remote_pages[job.sent_pages : upto], encode(msg))
+                                       job.remote_pages[job.sent_pages : upto], msg)
                 job.inflight.append(xfer)
                 job.nbytes += xfer.nbytes
             else:
                 # A last chunk without pages (only an empty prompt has one):
                 # the count still has to reach decode.
-                self.agent.notify(job.peer.agent_name, msg)
+                self.agent.notify(job.peer.agent_name, self._chunk_done(job, index, last))
         except Exception as e:  # noqa: BLE001 - any transport error fails this request only
             self._results.append(self._finish(job, PushStatus.FAILED, f"posting chunk {index}: {e}", tell_peer=True))
             return False
@@ -314,8 +323,17 @@ class Pusher:
         job.last_posted = last
         return True
 
-    def poll(self) -> list[PushResult]:
-        """Advance every request; returns the requests that ended since the last call."""
+    def poll(self, spin_s: float = 0.0) -> list[PushResult]:
+        """Advance every request; returns the requests that ended since the last call.
+
+        ``spin_s``: a caller with nothing else to do first checks the WRITEs
+        in flight in a tight loop, for up to this long, until one ends. A
+        request's completion is then seen (and decode notified: NIXL sends
+        the notification from this check) within microseconds of its copies,
+        not a bookkeeping pass or a sleep later.
+        """
+        if spin_s > 0:
+            self._spin(spin_s)
         self._take_cancels()
         now = self.clock()
         for name in [n for n in self._selections if not self.peers.knows(n)]:
@@ -406,6 +424,20 @@ class Pusher:
         return self.clock() - t0
 
     # -- internals ----------------------------------------------------------
+
+    def _spin(self, spin_s: float) -> None:
+        xfers = [x for j in self._jobs.values() for x in j.inflight]
+        if not xfers:
+            return
+        end = time.perf_counter() + spin_s  # real time, whatever ``clock`` a test injects
+        state = self.agent.state
+        while all(state(x) == "PROC" for x in xfers) and time.perf_counter() < end:
+            pass
+
+    @staticmethod
+    def _chunk_done(job: _Job, index: int, last: bool) -> ChunkDone:
+        return ChunkDone(job.request_id, index, count=index + 1 if last else None,
+                         pages=len(job.local_pages) if last else None)
 
     def _selection(self, peer: Peer) -> RegionSelection:
         """The regions pushed to ``peer`` as flat-index offsets: computed once per peer (epoch)."""

@@ -194,8 +194,9 @@ class GroupPusher:
             return False
         return all(self.group.call("push", request_id, tokens_done))
 
-    def poll(self) -> list[PushResult]:
-        for r, results in enumerate(self.group.call("push_poll")):
+    def poll(self, spin_s: float = 0.0) -> list[PushResult]:
+        # Each rank spins on its own WRITEs (`Pusher.poll`), all at once.
+        for r, results in enumerate(self.group.call("push_poll", spin_s)):
             for res in results:
                 if res.request_id in self._jobs:
                     self._jobs[res.request_id].results[r] = res

@@ -7,6 +7,9 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 from attention.cache import PagedKVCache
 from attention.formats import PAGE_SIZE
@@ -76,11 +79,24 @@ class PushTuning:
             raise ValueError(f"descriptor_pages must be >= 1 or None, got {self.descriptor_pages!r}")
 
 
+def device_fence(cache: PagedKVCache) -> Callable[[], None] | None:
+    """What a pusher calls before posting pages of ``cache`` (`transfer.Pusher`'s ``fence``):
+    for a CUDA cache, wait until the device has run every kernel queued so far, since NIXL
+    copies on UCX's own stream and would otherwise read pages still being written. None on CPU,
+    where a forward has written its pages when it returns."""
+    tensor = cache.regions()[0].tensor
+    if not tensor.is_cuda:
+        return None
+    device = tensor.device
+    return lambda: torch.cuda.synchronize(device)
+
+
 @dataclass
 class KVLink:
     agent: TransferAgent
     peers: PeerBook
     push: PushTuning = PushTuning()
+    fence: Callable[[], None] | None = None
 
     @classmethod
     def create(cls, worker_id: str, model_dir: str | Path, cache: PagedKVCache, has_mtp: bool,
@@ -91,11 +107,11 @@ class KVLink:
         tuning = gpu_push_tuning(push.threads) if on_gpu else {}
         agent = TransferAgent(worker_id, cache.regions(), compat_info(model_dir, cache, has_mtp), epoch=epoch,
                               **tuning)
-        return cls(agent, PeerBook(agent), push)
+        return cls(agent, PeerBook(agent), push, device_fence(cache))
 
     def pusher(self) -> Pusher:
         """The prefill side's pusher over this link (a rank group's link makes one over its ranks)."""
-        return Pusher(self.agent, self.peers, run_pages=self.push.descriptor_pages)
+        return Pusher(self.agent, self.peers, run_pages=self.push.descriptor_pages, fence=self.fence)
 
     def receiver(self, release_pages) -> Receiver:
         """The decode side's receiver; ``release_pages(page_ids)`` gets back pages of a request that ended

@@ -56,10 +56,11 @@ class _Active:
 
 
 FINAL_PUSH_WAIT_S = 0.05
-"""How long a round waits for the WRITEs of the prompts it just finished while other prompts still
-need forwards. Decode learns that a push is complete only from a notification that NIXL sends when a
-poll here sees the copies done; the next forward would delay that poll, and the request's first
-token, by its whole duration. The copies of a 32k-token DeepSeek-V3.2 prompt take 1-5 ms
+"""How long a round waits for the WRITEs of the prompts it just finished. Decode learns that a push
+is complete only from a notification that NIXL sends when a poll here sees the copies done; a
+following forward, or the engine's idle sleep, would delay that poll and the request's first token
+(by a whole forward, or up to the sleep). The round spins on the WRITEs' states instead
+(`Pusher.poll`'s ``spin_s``): the copies of a 32k-token DeepSeek-V3.2 prompt take 1-5 ms
 (docs/perf.md), so the GPU waits that long per prompt at most once."""
 
 
@@ -118,11 +119,11 @@ class PrefillWorker:
             self._run(items, chosen)
         results = self._results(self.pusher.poll())
         finished = {a.task.request_id for a, _, end in chosen if end == len(a.task.token_ids)}
-        if finished and any(a.done < len(a.task.token_ids) for a in self.active.values()):
-            # More forwards follow: see these pushes end now, not after the next forward.
-            t_end = time.monotonic() + self.final_push_wait_s
-            while finished.intersection(self.pusher.active) and time.monotonic() < t_end:
-                results += self._results(self.pusher.poll())
+        # See these pushes end now (decode is notified by the poll that sees it), not after the
+        # next forward or idle sleep.
+        t_end = time.monotonic() + self.final_push_wait_s
+        while finished.intersection(self.pusher.active) and (left := t_end - time.monotonic()) > 0:
+            results += self._results(self.pusher.poll(spin_s=left))
         return results
 
     def _results(self, pushes) -> list[PrefillResult]:

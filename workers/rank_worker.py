@@ -178,8 +178,8 @@ class RankWorker:
     def push(self, request_id: str, tokens_done: int) -> bool:
         return self.pusher.push(request_id, tokens_done)
 
-    def push_poll(self) -> list[PushResult]:
-        return self.pusher.poll()
+    def push_poll(self, spin_s: float = 0.0) -> list[PushResult]:
+        return self.pusher.poll(spin_s)
 
     def push_abort(self, request_id: str, reason: str) -> PushResult | None:
         return self.pusher.abort(request_id, reason)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -576,3 +577,55 @@ def test_begin_without_prepare_builds_the_write_at_push():
     pusher.push("r", 128)
     ((x, plan, _),) = agent.writes
     assert plan.num_pages == 2 and agent.prepared == [x] and agent.unposted == []
+
+
+def test_fence_runs_before_every_write_of_pages_and_only_then():
+    events = []
+    agent, clock = FakeAgent("pre@1", done_on_write=True), Clock()
+    real_post = agent.post
+    agent.post = lambda x, notif=b"": (events.append("post"), real_post(x, notif))[1]
+    pusher = Pusher(agent, FakeBook(DEC), clock=clock, fence=lambda: events.append("fence"))
+    pusher.warm_up("dec@1")  # garbage of page 0: nothing computed to wait for
+    assert events == ["post"] * 3
+    events.clear()
+    pusher.begin("r", "dec@1", 129, [0, 1, 2], [3, 4, 5], 10.0)
+    pusher.push("r", 64)   # page 0: a WRITE built at push
+    pusher.push("r", 100)  # no new page: nothing to wait for
+    pusher.push("r", 129)  # pages 1-2, last chunk
+    pusher.begin("w", "dec@1", 64, [6], [7], 10.0)
+    pusher.push("w", 64)   # the WRITE prepared at begin
+    pusher.begin("e", "dec@1", 0, [], [], 10.0)
+    pusher.push("e", 0)    # an empty prompt: a notification, no page
+    assert events == ["fence", "post"] * 3
+
+
+class SlowAgent(FakeAgent):
+    """A WRITE turns DONE after ``checks`` state checks (the copies take that long)."""
+
+    checks: int = 50
+
+    def state(self, x):
+        if x.state == "PROC":
+            x.checks = getattr(x, "checks", 0) + 1
+            if x.checks >= self.checks:
+                x.state = "DONE"
+        return x.state
+
+
+def test_poll_spin_sees_a_write_end_in_the_same_call_and_is_bounded():
+    agent, clock = SlowAgent("pre@1"), Clock()
+    pusher = Pusher(agent, FakeBook(DEC), clock=clock)
+    pusher.begin("r", "dec@1", 64, [0], [1], 10.0)
+    pusher.push("r", 64)
+    assert pusher.poll() == []  # one check: still copying
+    (res,) = pusher.poll(spin_s=5.0)  # checks until DONE, then the bookkeeping
+    assert res.status is PushStatus.DONE and agent.writes[0][0].checks == agent.checks
+    # Nothing ends: the spin gives up after spin_s (real time, whatever the injected clock).
+    agent.checks = 10**9
+    pusher.begin("s", "dec@1", 64, [2], [3], 10.0)
+    pusher.push("s", 64)
+    t0 = time.perf_counter()
+    assert pusher.poll(spin_s=0.02) == []
+    assert 0.02 <= time.perf_counter() - t0 < 1.0
+    assert pusher.poll(spin_s=0.02) == [] and pusher.active == ["s"]
+    assert Pusher(agent, FakeBook(DEC), clock=clock).poll(spin_s=10.0) == []  # nothing in flight: returns at once

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 
 import pytest
 import torch
@@ -64,6 +65,33 @@ def test_pd_seeded_sampling_equals_monolithic(tiny, reference):
 def test_pd_aborts_at_every_phase_free_both_pools(tiny):
     llm = LLM(tiny, pd=True, chunk_size=32, num_pages=32)
     abort_at_every_phase(llm.pd.prefill, llm.pd.decode)
+
+
+def test_prefill_round_sees_a_lone_prompts_push_end(tiny):
+    """Nothing else to compute: the round that finishes the prompt still waits for its WRITE
+    (decode's notification goes out on that poll), rather than the engine's next idle poll."""
+    from workers.prefill_worker import PrefillTask
+    from workers.request import Request
+    from workers.sampler import SamplingParams
+
+    llm = LLM(tiny, pd=True, chunk_size=32, num_pages=32)
+    pre, dec = llm.pd.prefill, llm.pd.decode
+    p_start, d_start = pre.pool.free_count, dec.pool.free_count
+    r = Request("solo", random_prompt(30, 300, 7), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    pre.submit(PrefillTask("solo", r.prompt, r.params, dec.link.agent.name, dec.reserve(r, pre.link.agent.name)))
+    (res,) = pre.step()
+    assert res.request_id == "solo" and res.ok and not pre.pusher.active
+    dec.on_prefill_result(res)
+    end = time.monotonic() + 30  # decode's notification travels on its own
+    while not r.finished and time.monotonic() < end:
+        dec.step()
+    assert len(r.output) == 3
+    for _ in range(50):
+        if not dec.has_work and not pre.pusher.has_work():
+            break
+        pre.step()
+        dec.step()
+    assert (pre.pool.free_count, dec.pool.free_count) == (p_start, d_start)
 
 
 def test_prefill_round_sees_a_finished_push_end_before_the_next_forward(tiny):

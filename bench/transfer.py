@@ -100,6 +100,7 @@ class BenchConfig:
     backend_params: tuple = ()  # (key, value) pairs: NIXL UCX backend init parameters
     receiver_defaults: bool = False  # the decode agent keeps NIXL's defaults (no threads, params, SGL)
     run_pages: Optional[int] = None  # `Pusher(run_pages=...)`: the most pages per descriptor
+    prefill_progress_thread: bool = True  # False: only the decode agent runs NIXL's progress thread
 
     @property
     def bytes_per_page(self) -> int:
@@ -176,7 +177,7 @@ class Side:
             if cfg.ucx_threads:
                 params.setdefault("num_threads", str(cfg.ucx_threads))
             tuning = dict(ucx_sgl=cfg.ucx_sgl, backend_params=params)
-        self.agent = TransferAgent(f"bench-{role}", self.regions, compat, progress_thread=cfg.progress_thread,
+        self.agent = TransferAgent(f"bench-{role}", self.regions, compat, progress_thread=cfg.progress_thread and (role == "decode" or cfg.prefill_progress_thread),
                                    **tuning)
         self.book = PeerBook(self.agent)
         self.pushers = {row: Pusher(self.agent, self.book, merge=row[1], path=row[0], run_pages=cfg.run_pages)
@@ -476,9 +477,7 @@ class Side:
                     done = min(done + chunk, tokens)
                     pusher.push(rid, done)
                 active.add(rid)
-            # Nothing to post until a request ends: wait for one as a prefill round does.
-            spin = 0.001 if len(active) >= inflight or not queue else 0.0
-            for r in pusher.poll(spin_s=spin):
+            for r in pusher.poll():
                 active.discard(r.request_id)
                 results.append(r)
         t1 = time.perf_counter()
@@ -669,7 +668,7 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                   f"run pages {cfg.run_pages or 'whole runs'}); "
                   f"pool {cfg.pool_pages} pages/side; page ids {cfg.layout}; "
                   f"chunk {args.chunk_tokens or 'whole prompt'}; NIXL progress thread "
-                  f"{'on' if cfg.progress_thread else 'off'}; UCX threads {cfg.ucx_threads}; UCX backend params "
+                  f"{('on' if cfg.prefill_progress_thread else 'decode only') if cfg.progress_thread else 'off'}; UCX threads {cfg.ucx_threads}; UCX backend params "
                   f"{dict(cfg.backend_params) or 'default'}; UCX env "
                   f"{ {k: v for k, v in os.environ.items() if k.startswith('UCX_')} or 'default'}")
         if copy_s is None:
@@ -836,6 +835,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--deadline", type=float, default=120.0, help="per-request deadline, seconds")
     ap.add_argument("--no-progress-thread", action="store_true",
                     help="create the NIXL agents without their spinning progress thread")
+    ap.add_argument("--no-prefill-progress-thread", action="store_true",
+                    help="only the decode agent runs NIXL's progress thread (the pushing side progresses "
+                         "its UCX worker when it polls its WRITEs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
@@ -854,7 +856,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                        args.layout, args.deadline, not args.no_progress_thread, ucx_threads=args.ucx_threads,
                        cache_layout=args.cache_layout, run_pages=args.run_pages,
                        backend_params=tuple(tuple(kv.split("=", 1)) for kv in args.ucx_param),
-                       receiver_defaults=args.receiver_defaults)
+                       receiver_defaults=args.receiver_defaults,
+                       prefill_progress_thread=not args.no_prefill_progress_thread)
     verify = not args.no_verify
     sgl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.ucx_sgl]
 

@@ -286,6 +286,24 @@ class Side:
     def warm_up(self, peer: str, repeat: int, notify: bool, rounds: int = 1) -> float:
         return self.pushers[ROWS["auto"]].warm_up(peer, 0, 0, repeat=repeat, notify=notify, rounds=rounds)
 
+    def write_pool(self, peer: str) -> float:
+        """One WRITE of every pool page onto the same page of the peer (descriptors cut per
+        ``--run-pages``); returns its seconds. Touches every page of both pools once."""
+        from transfer import PageRuns, RegionSelection, descriptor_plan
+
+        sel = RegionSelection.of(self.agent.table, self.book.get(peer).regions)
+        pages = list(range(self.cfg.pool_pages))
+        t0 = time.perf_counter()
+        xfer = self.agent.write(peer, descriptor_plan(sel, PageRuns.of(pages, pages).split(self.cfg.run_pages)), b"")
+        try:
+            while self.agent.state(xfer) == "PROC":
+                pass
+            if xfer.state != "DONE":
+                raise RuntimeError("pool WRITE failed")
+        finally:
+            self.agent.release(xfer)
+        return time.perf_counter() - t0
+
     def repost(self, peer: str, local: list[int], remote: list[int], reps: int) -> dict[str, Any]:
         """One request's WRITE (explicit descriptors, merged, no notification) posted once,
         then again ``reps`` times: seconds from posting to completion, each.
@@ -688,6 +706,9 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
             print(f"warm-up at start ({args.warmup_rounds} x {args.warmup_repeat} x one page per region, notification "
                   f"{args.warmup_notif}): {warm_s * 1e3:.1f} ms")
         out["warmup_seconds"] = warm_s
+        if args.warmup_pool:
+            pool_s = pair.pre.call("write_pool", pair.dec_name)
+            print(f"warm-up: every pool page written once ({cfg.pool_pages} pages): {pool_s * 1e3:.1f} ms")
 
         first = pair.request(tokens[0], *ROWS["auto"], args.chunk_tokens, verify)
         f_bw = gbps(first["nbytes"], first["seconds"])
@@ -821,6 +842,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="attach a notification to the warm-up WRITE (default on, as served)")
     ap.add_argument("--warmup-rounds", type=int, default=3,
                     help="warm-up WRITEs at start, one after the other (default 3, as served)")
+    ap.add_argument("--warmup-pool", action="store_true",
+                    help="after the warm-up, WRITE every pool page once (not timed as a request)")
     ap.add_argument("--warmup-repeat", type=int, default=32,
                     help="the warm-up writes its page this many times per region in one WRITE (default 32)")
     ap.add_argument("--ucx-sgl", choices=("off", "on", "both"), default="both",

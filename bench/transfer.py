@@ -71,7 +71,6 @@ import json  # noqa: E402
 import multiprocessing as mp  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from typing import Any, Optional  # noqa: E402
@@ -102,7 +101,6 @@ class BenchConfig:
     receiver_defaults: bool = False  # the decode agent keeps NIXL's defaults (no threads, params, SGL)
     run_pages: Optional[int] = None  # `Pusher(run_pages=...)`: the most pages per descriptor
     prefill_progress_thread: bool = True  # False: only the decode agent runs NIXL's progress thread
-    lanes: int = 0  # anatomy: also a request as this many WRITEs on as many NIXL shared workers
 
     @property
     def bytes_per_page(self) -> int:
@@ -389,14 +387,6 @@ class Side:
                 held[(name, rp)] = (x, msg)
         times: dict[str, list[tuple[float, float]]] = {}
         variants = ("repost", "repost_notif", "fresh", "fresh_notif", "fresh_notif_new", "pusher")
-        if self.cfg.lanes:
-            variants += ("lanes",)
-            # NIXL binds each thread that creates a request to one of its shared UCX workers,
-            # round robin: requests created on ``lanes`` helper threads land on as many workers
-            # (CUDA streams), and the calling thread posts them all without waking any thread.
-            from concurrent.futures import ThreadPoolExecutor
-
-            lane_pool = ThreadPoolExecutor(self.cfg.lanes)
         try:
             for i in range(reps):
                 new_l, new_r = page_sets[1 + i]
@@ -406,32 +396,6 @@ class Side:
                         key = f"{v}/{rp or 'whole'}"
                         if v in ("repost", "repost_notif"):
                             t = run(*held[(v, rp)])
-                        elif v == "lanes":
-                            runs = PageRuns.of(new_l, new_r).split(rp)
-                            k = self.cfg.lanes
-                            parts = [PageRuns(runs.local[j::k], runs.remote[j::k], runs.length[j::k], runs.merged)
-                                     for j in range(min(k, len(runs)))]
-                            barrier = threading.Barrier(len(parts))
-
-                            def make(part):
-                                barrier.wait()  # every part on its own helper thread (its own worker)
-                                return self.agent.prepare(peer, descriptor_plan(sel, part))
-
-                            xs = list(lane_pool.map(make, parts))
-                            try:
-                                t0 = time.perf_counter()
-                                for x in xs:
-                                    self.agent.post(x, b"")
-                                t1 = time.perf_counter()
-                                while any(self.agent.state(x) == "PROC" for x in xs):
-                                    pass
-                                if any(x.state != "DONE" for x in xs):
-                                    raise RuntimeError("anatomy: lane WRITE failed")
-                                self.agent.notify(peer, WarmUp())
-                                t = (time.perf_counter() - t0, t1 - t0)
-                            finally:
-                                for x in xs:
-                                    self.agent.release(x)
                         elif v == "pusher":
                             p = pushers[rp]
                             rid = f"anatomy{i}-{rp}"
@@ -869,10 +833,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="also time one request of the first --tokens with one thing changed at a time "
                          "(re-posted / fresh handle, notification, new pages, Pusher), this many reps each, "
                          "with decode idle and polling")
-    ap.add_argument("--lanes", type=int, default=0,
-                    help="anatomy: also push the request as this many WRITEs, each created on its own "
-                         "thread (so on its own NIXL shared worker: set --ucx-param num_workers=N and "
-                         "--ucx-threads 0) and all posted from the calling thread")
     ap.add_argument("--anatomy-run-pages", default="16,0",
                     help="descriptor sizes (pages) the anatomy compares, comma-separated; 0: whole runs")
     ap.add_argument("--chunk-tokens", type=int, default=0, help="push in chunks of this many tokens (0: one chunk)")
@@ -920,7 +880,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        cache_layout=args.cache_layout, run_pages=args.run_pages,
                        backend_params=tuple(tuple(kv.split("=", 1)) for kv in args.ucx_param),
                        receiver_defaults=args.receiver_defaults,
-                       prefill_progress_thread=not args.no_prefill_progress_thread, lanes=args.lanes)
+                       prefill_progress_thread=not args.no_prefill_progress_thread)
     verify = not args.no_verify
     sgl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.ucx_sgl]
 

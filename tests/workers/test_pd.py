@@ -67,6 +67,22 @@ def test_pd_aborts_at_every_phase_free_both_pools(tiny):
     abort_at_every_phase(llm.pd.prefill, llm.pd.decode)
 
 
+def _serve_to_end(pre, dec, reqs, starts) -> None:
+    """Step both sides until every request finished, then until nothing is in flight; both pools
+    must be back at their ``starts`` free counts."""
+    end = time.monotonic() + 60  # decode's notifications travel on their own
+    while not all(r.finished for r in reqs) and time.monotonic() < end:
+        for res in pre.step():
+            dec.on_prefill_result(res)
+        dec.step()
+    for _ in range(200):
+        if not dec.has_work and not pre.pusher.has_work():
+            break
+        pre.step()
+        dec.step()
+    assert (pre.pool.free_count, dec.pool.free_count) == starts
+
+
 def test_prefill_round_sees_a_lone_prompts_push_end(tiny):
     """Nothing else to compute: the round that finishes the prompt still waits for its WRITE
     (decode's notification goes out on that poll), rather than the engine's next idle poll."""
@@ -82,16 +98,8 @@ def test_prefill_round_sees_a_lone_prompts_push_end(tiny):
     (res,) = pre.step()
     assert res.request_id == "solo" and res.ok and not pre.pusher.active
     dec.on_prefill_result(res)
-    end = time.monotonic() + 30  # decode's notification travels on its own
-    while not r.finished and time.monotonic() < end:
-        dec.step()
+    _serve_to_end(pre, dec, [r], (p_start, d_start))
     assert len(r.output) == 3
-    for _ in range(50):
-        if not dec.has_work and not pre.pusher.has_work():
-            break
-        pre.step()
-        dec.step()
-    assert (pre.pool.free_count, dec.pool.free_count) == (p_start, d_start)
 
 
 def test_prefill_round_sees_a_finished_push_end_before_the_next_forward(tiny):
@@ -115,16 +123,5 @@ def test_prefill_round_sees_a_finished_push_end_before_the_next_forward(tiny):
     assert pre.pusher.active == ["long"] and 0 < pre.active["long"].done < 100
     for res in results:
         dec.on_prefill_result(res)
-    for _ in range(200):
-        for res in pre.step():
-            dec.on_prefill_result(res)
-        dec.step()
-        if all(r.finished for r in reqs.values()):
-            break
+    _serve_to_end(pre, dec, list(reqs.values()), (p_start, d_start))
     assert all(len(r.output) == 4 for r in reqs.values())
-    for _ in range(200):
-        if not dec.has_work and not pre.pusher.has_work():
-            break
-        pre.step()
-        dec.step()
-    assert (pre.pool.free_count, dec.pool.free_count) == (p_start, d_start)

@@ -432,7 +432,7 @@ class Pusher:
         end = time.perf_counter() + spin_s  # real time, whatever ``clock`` a test injects
         state = self.agent.state
         while all(state(x) == "PROC" for x in xfers) and time.perf_counter() < end:
-            pass
+            time.sleep(0)  # releases the GIL: a replica's event loop keeps serving meanwhile
 
     @staticmethod
     def _chunk_done(job: _Job, index: int, last: bool) -> ChunkDone:

@@ -7,7 +7,9 @@ Per-request timings are taken in the decode replica, which sees every token
 leave: time to first token counts from the moment decode accepted the request
 (page reservation and prefill included), inter-token latency is the gap
 between consecutive engine outputs (with MTP one output may carry several
-tokens). Pool gauges and MTP counters follow each replica's heartbeat
+tokens). KV push figures are taken in the prefill replica, which pushes, as
+each prefill call returns (a push its decode caller cancelled is not
+counted). Pool gauges and MTP counters follow each replica's heartbeat
 snapshot (`deployments.peer_sync`).
 """
 
@@ -19,6 +21,8 @@ from typing import Any
 from ray.serve import metrics
 
 _LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+# A DeepSeek-V3.2 8k prompt's pages copy in 0.3 ms on one H100, 1 ms between NVLink H200s.
+_PUSH_BUCKETS_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0]
 
 
 class PoolMetrics:
@@ -47,12 +51,43 @@ class PoolMetrics:
 
     def safe_update(self, stats: dict[str, Any]) -> None:
         """`update`, logging instead of raising: metrics must never stop the heartbeat that carries the stats."""
+        self._safely(self.update, stats)
+
+    def _safely(self, fn, *args) -> None:
         try:
-            self.update(stats)
+            fn(*args)
         except Exception as e:  # noqa: BLE001
             if not self._warned:
                 self._warned = True
                 logging.getLogger("ray.serve").warning("dsa-pd metrics update failed: %r", e)
+
+
+class PrefillMetrics(PoolMetrics):
+    """Pool gauges plus the KV pushes of a prefill replica."""
+
+    def __init__(self):
+        super().__init__("prefill")
+        self.push_bytes = metrics.Counter("dsa_pd_kv_push_bytes", "Bytes of KV, indexer and state pages pushed "
+                                          "to decode by completed pushes.")
+        self.pushes = metrics.Counter("dsa_pd_kv_pushes", "Pushes ended, by status (done, failed, expired).",
+                                      tag_keys=("status",))
+        self.push_tail = metrics.Histogram("dsa_pd_kv_push_tail_seconds",
+                                           "Transfer time after a prompt's last forward: from posting its last "
+                                           "chunk's pages to the end of its push.", boundaries=_PUSH_BUCKETS_S)
+
+    def observe_push(self, result) -> None:
+        """Record a `workers.prefill_worker.PrefillResult`'s push (nothing if it never began)."""
+        if not result.push_status:
+            return
+        self.pushes.inc(tags={"status": result.push_status})
+        if result.push_status == "done":
+            if result.push_nbytes:
+                self.push_bytes.inc(result.push_nbytes)
+            self.push_tail.observe(result.push_tail_s)
+
+    def safe_observe_push(self, result) -> None:
+        """`observe_push`, logging instead of raising: metrics must never fail a request."""
+        self._safely(self.observe_push, result)
 
 
 class DecodeMetrics(PoolMetrics):

@@ -18,7 +18,7 @@ from typing import Any
 from ray import serve
 
 from deployments.app_config import AppConfig
-from deployments.metrics import PoolMetrics
+from deployments.metrics import PrefillMetrics
 from deployments.pool_server import PoolServer
 from deployments.prefill_engine import PrefillEngine
 from deployments.replica_build import build_prefill_worker
@@ -33,7 +33,7 @@ class PrefillServer(PoolServer):
         self.worker_id = f"prefill-{serve.get_replica_context().replica_id.unique_id}"
         worker = await asyncio.to_thread(build_prefill_worker, cfg, model_dir, self.worker_id)
         await self._start(PrefillEngine(worker, warm_up=cfg.transfer.warmup_at_start), worker, "prefill",
-                          PoolMetrics("prefill"), directory, {})
+                          PrefillMetrics(), directory, {})
 
     async def _learn(self, entry: dict[str, Any]) -> None:
         await self.engine.call(self.engine.learn_peer, entry["offer"], entry.get("extra", {}).get("warmup_page"))
@@ -62,6 +62,7 @@ class PrefillServer(PoolServer):
             self.engine.post(self.engine.submit, task, decode_offer)
             result = await stream.get()
             done = True
+            self.metrics.safe_observe_push(result)
             return self.agent, result
         finally:
             if not done:  # cancelled by decode (or the replica is shutting down)

@@ -82,6 +82,9 @@ class PushResult:
     nbytes: int
     seconds: float
     reason: str = ""
+    tail_seconds: float = 0.0
+    """From posting the last chunk to the end (0 if it was never posted): the part of the transfer
+    after the prompt's last forward, which the first token waits for."""
 
     @property
     def ok(self) -> bool:
@@ -130,6 +133,7 @@ class _Job:
     every page (a prompt within one prefill chunk); released unposted otherwise."""
     ready_notif: bytes = b""
     """``ready``'s notification (the one-chunk `ChunkDone`), encoded at `begin` as well."""
+    last_posted_at: Optional[float] = None
 
 
 @dataclass
@@ -321,6 +325,8 @@ class Pusher:
         job.sent_pages = upto
         job.chunks += 1
         job.last_posted = last
+        if last:
+            job.last_posted_at = self.clock()
         return True
 
     def poll(self, spin_s: float = 0.0) -> list[PushResult]:
@@ -558,12 +564,14 @@ class Pusher:
             self._release_all(xfers)  # DONE (nothing in flight) or the peer is gone
         if status is not PushStatus.DONE:
             log.warning("push of %s to %s %s: %s", job.request_id, job.peer.agent_name, status.value, reason)
+        now = self.clock()
         return PushResult(
             request_id=job.request_id,
             status=status,
             pages=tuple(job.local_pages.tolist()),
             chunks=job.chunks,
             nbytes=job.nbytes,
-            seconds=self.clock() - job.started,
+            seconds=now - job.started,
             reason=reason,
+            tail_seconds=0.0 if job.last_posted_at is None else now - job.last_posted_at,
         )

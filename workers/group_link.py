@@ -237,7 +237,7 @@ class GroupPusher:
             f = ending.failure
             out.append(PushResult(rid, PushStatus.DONE if f is None else f.status, ending.pages,
                                   min(x.chunks for x in rs), sum(x.nbytes for x in rs), max(x.seconds for x in rs),
-                                  "" if f is None else f.reason))
+                                  "" if f is None else f.reason, max(x.tail_seconds for x in rs)))
         return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,6 +44,12 @@ class PrefillResult:
     last_hidden: torch.Tensor | None = None
     generator_state: bytes | None = None
     error: str = ""
+    push_status: str = ""
+    """How the push ended (`transfer.PushStatus` value); empty if it never began."""
+    push_nbytes: int = 0
+    """Bytes the push's WRITEs carried."""
+    push_tail_s: float = 0.0
+    """`transfer.PushResult.tail_seconds`: the transfer after the prompt's last forward."""
 
 
 @dataclass
@@ -133,10 +139,11 @@ class PrefillWorker:
             a = self._release(res.request_id)
             if a is None:
                 continue
+            push = dict(push_status=res.status.value, push_nbytes=res.nbytes, push_tail_s=res.tail_seconds)
             if res.status is PushStatus.DONE and a.result is not None:
-                out.append(a.result)
+                out.append(replace(a.result, **push))
             else:
-                out.append(PrefillResult(res.request_id, False, error=f"push {res.status.value}: {res.reason}"))
+                out.append(PrefillResult(res.request_id, False, error=f"push {res.status.value}: {res.reason}", **push))
         return out
 
     def _run(self, items, chosen) -> None:

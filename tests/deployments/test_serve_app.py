@@ -327,10 +327,16 @@ def test_metrics_on_rays_prometheus_endpoint(ready):
     def scraped():
         text = ready.metrics()
         names = ("ray_dsa_pd_generated_tokens_total", "ray_dsa_pd_time_to_first_token_seconds_count",
-                 "ray_dsa_pd_inter_token_latency_seconds_count", "ray_dsa_pd_mtp_acceptance_rate")
+                 "ray_dsa_pd_inter_token_latency_seconds_count", "ray_dsa_pd_mtp_acceptance_rate",
+                 "ray_dsa_pd_kv_push_bytes_total", "ray_dsa_pd_kv_push_tail_seconds_count",
+                 'ray_dsa_pd_kv_pushes_total{')
         pools = [f'ray_dsa_pd_{g}{{' for g in ("free_pages", "queue_depth")]
         return all(n in text for n in names + tuple(pools)) and 'role="prefill"' in text and text
     text = wait_until(scraped, 60, "dsa-pd series on Ray's metrics endpoint")
     tokens = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("ray_dsa_pd_generated_tokens_total{")]
     assert sum(tokens) > 0
+    pushed = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("ray_dsa_pd_kv_push_bytes_total{")]
+    done = [line for line in text.splitlines() if line.startswith("ray_dsa_pd_kv_pushes_total{") and 'status="done"' in line]
+    assert sum(pushed) > 0 and done

@@ -131,12 +131,15 @@ def make_pusher(path="auto", **kw):
 
 
 def test_push_chunks_follow_finished_pages_and_complete():
-    pusher, agent, _ = make_pusher()
+    pusher, agent, clock = make_pusher()
     pusher.begin("r", "dec@1", 300, [0, 1, 2, 3, 4], [9, 10, 11, 20, 21], 10.0)
     assert pusher.push("r", 50)  # no full page yet: nothing sent
     assert agent.writes == []
+    clock.t = 1.0
     pusher.push("r", 130)  # pages 0-1
+    clock.t = 2.5
     pusher.push("r", 300)  # pages 2-4 incl. partial last page
+    clock.t = 2.75
     assert [w[1].num_pages for w in agent.writes] == [2, 3]
     assert [w[2] for w in agent.writes] == [ChunkDone("r", 0), ChunkDone("r", 1, 2, 5)]
     # Chunk 1: per region [2 -> 11] and [3-4 -> 20-21] -> 2 descriptors x 4 regions.
@@ -147,6 +150,8 @@ def test_push_chunks_follow_finished_pages_and_complete():
     (res,) = pusher.poll()
     assert (res.request_id, res.status, res.pages, res.chunks) == ("r", PushStatus.DONE, (0, 1, 2, 3, 4), 2)
     assert res.nbytes == 5 * 280 and agent.sent == [] and not pusher.active
+    # From begin (t=0) to the end, and from the last chunk's post (t=2.5) to the end.
+    assert (res.seconds, res.tail_seconds) == (2.75, 0.25)
     assert not pusher.push("r", 300)  # finished request: ignored
 
 

@@ -97,6 +97,9 @@ def test_prefill_round_sees_a_lone_prompts_push_end(tiny):
     pre.submit(PrefillTask("solo", r.prompt, r.params, dec.link.agent.name, dec.reserve(r, pre.link.agent.name)))
     (res,) = pre.step()
     assert res.request_id == "solo" and res.ok and not pre.pusher.active
+    # What the prefill replica's metrics record: the push's status, bytes and tail.
+    assert res.push_status == "done" and res.push_nbytes == pre.runner.cache.spec.page_bytes() * 1
+    assert 0 < res.push_tail_s < 30
     dec.on_prefill_result(res)
     _serve_to_end(pre, dec, [r], (p_start, d_start))
     assert len(r.output) == 3

@@ -215,7 +215,6 @@ class Pusher:
         self._draining: list[_Drain] = []
         self._cancelled: OrderedDict[tuple[str, str], None] = OrderedDict()  # (decode agent, request id)
         self._remember_cancelled = remember_cancelled
-        self._deferred_housekeeping = False
 
     @property
     def active(self) -> list[str]:
@@ -338,34 +337,13 @@ class Pusher:
         request's completion is then seen (and decode notified: NIXL sends
         the notification from this check) within microseconds of its copies,
         not a bookkeeping pass or a sleep later.
-
-        A poll that sees a request complete returns it before reading
-        decode's cancels and advancing drains; the next poll does those (so
-        they wait at most one poll).
         """
         if spin_s > 0:
             self._spin(spin_s)
+        self._take_cancels()
         now = self.clock()
-        completed = self._advance_jobs(now)
-        # Decode's cancels, drains and handle retries: a poll that saw a push complete returns it
-        # first and leaves them to the next poll (never two in a row, so a busy pusher still
-        # reads its cancels at least every other poll).
-        if not completed or self._deferred_housekeeping:
-            self._deferred_housekeeping = False
-            self._take_cancels()
-            for name in [n for n in self._selections if not self.peers.knows(n)]:
-                del self._selections[name]  # the peer was forgotten or superseded
-            self._advance_drains(now)
-            self._unreleased = [x for x in self._unreleased if not self._try_release(x)]
-        else:
-            self._deferred_housekeeping = True
-        out, self._results = self._results, []
-        return out
-
-    def _advance_jobs(self, now: float) -> bool:
-        """Check every request's WRITEs and end those that completed, failed or expired;
-        True if one completed."""
-        completed = False
+        for name in [n for n in self._selections if not self.peers.knows(n)]:
+            del self._selections[name]  # the peer was forgotten or superseded
         for job in list(self._jobs.values()):
             if not self.peers.knows(job.peer.agent_name):
                 # Forgotten, or superseded by a newer epoch of the same worker:
@@ -382,11 +360,13 @@ class Pusher:
                 job.inflight.remove(x)
             if job.last_posted and not job.inflight:
                 self._results.append(self._finish(job, PushStatus.DONE, "", tell_peer=False))
-                completed = True
             elif now > job.deadline:
                 reason = f"deadline of {job.deadline - job.started:.3f}s passed after {job.chunks} chunk(s)"
                 self._results.append(self._finish(job, PushStatus.EXPIRED, reason, tell_peer=True))
-        return completed
+        self._advance_drains(now)
+        self._unreleased = [x for x in self._unreleased if not self._try_release(x)]
+        out, self._results = self._results, []
+        return out
 
     def abort(self, request_id: str, reason: str) -> Optional[PushResult]:
         """End a request now (prefill failed, shutdown); decode is told once its WRITEs ended. None if not active."""

@@ -634,20 +634,3 @@ def test_poll_spin_sees_a_write_end_in_the_same_call_and_is_bounded():
     assert 0.02 <= time.perf_counter() - t0 < 1.0
     assert pusher.poll(spin_s=0.02) == [] and pusher.active == ["s"]
     assert Pusher(agent, FakeBook(DEC), clock=clock).poll(spin_s=10.0) == []  # nothing in flight: returns at once
-
-
-def test_a_poll_that_reports_a_completion_leaves_cancels_to_the_next_one():
-    pusher, agent, _ = make_pusher()
-    for rid, page in (("a", 0), ("b", 1), ("c", 2)):
-        pusher.begin(rid, "dec@1", 64, [page], [page], 10.0)
-        pusher.push(rid, 64)
-    agent.writes[0][0].state = "DONE"
-    agent.inbox.append(("dec@1", PushCancelled("b", "client gone")))
-    # The completion comes back at once; the cancel waits one poll.
-    assert [(r.request_id, r.status) for r in pusher.poll()] == [("a", PushStatus.DONE)]
-    assert agent.inbox and sorted(pusher.active) == ["b", "c"]
-    # Never two polls in a row: the next one reads the cancel even though "c" completes in it.
-    agent.writes[2][0].state = "DONE"
-    assert sorted((r.request_id, r.status) for r in pusher.poll()) == [("b", PushStatus.CANCELLED),
-                                                                        ("c", PushStatus.DONE)]
-    assert not agent.inbox and not pusher.active

@@ -20,8 +20,6 @@ and the byte formats of ``attention/``, so they change when those do.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +50,6 @@ __all__ = [
     "bytes_per_page",
     "estimate_memory",
     "format_bytes",
-    "model_identity",
     "model_param_count",
     "plan_placement",
     "pool_compat_info",
@@ -160,13 +157,6 @@ def bytes_per_page(pool: PoolConfig, model_cfg: ModelConfig) -> int:
     return _cache_spec(pool, model_cfg, num_pages=1).page_bytes()
 
 
-def model_identity(app_cfg: AppConfig, model_cfg: ModelConfig) -> str:
-    """``<served name>@<hash of the model config>``: what the handshake's ``model`` field carries."""
-    fields = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg) if f.compare}
-    blob = json.dumps(fields, sort_keys=True, default=repr).encode()
-    return f"{app_cfg.model_name}@{hashlib.sha256(blob).hexdigest()[:16]}"
-
-
 def pool_compat_info(app_cfg: AppConfig, role: Role, model_cfg: ModelConfig) -> CompatInfo:
     """The ``CompatInfo`` the ranks of ``role`` present in the transfer handshake.
 
@@ -176,7 +166,9 @@ def pool_compat_info(app_cfg: AppConfig, role: Role, model_cfg: ModelConfig) -> 
     pool = app_cfg.pool(role)
     kv_format, index_format = cache_formats(pool, model_cfg)
     return CompatInfo(
-        model=model_identity(app_cfg, model_cfg),
+        # models.config.config_identity, as the replicas' links compute it from the config.json
+        # they load (for a config given inline or generated, from that dict).
+        model=model_cfg.identity,
         num_layers=_cache_spec(pool, model_cfg).num_layers,
         page_size=pool.page_size,
         kv_format=kv_format,

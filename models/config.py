@@ -13,6 +13,7 @@ an earlier layer's top-k, a GLM-5 feature) is computed here once, by
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -224,6 +225,8 @@ class ModelConfig:
     topk_plan: TopkPlan
     rope_parameters: dict = field(default_factory=dict, compare=False, hash=False)
     hf_config: Any = field(default=None, compare=False, hash=False, repr=False)
+    identity: str = field(default="", compare=False, hash=False, repr=False)
+    """`config_identity` of the config.json this was built from ("" if built by hand)."""
 
     @property
     def qk_head_dim(self) -> int:
@@ -336,6 +339,14 @@ def _build_hf_config(raw: dict):
         raise ConfigError(f"{cls.__name__} rejected config.json: {e}") from e
 
 
+def config_identity(raw: dict) -> str:
+    """``<model_type>:<16 hex of sha256 of the canonical config.json>``: which checkpoint config a
+    replica serves. Prefill and decode must agree on it: the transfer handshake compares it
+    (`workers.kv_link.compat_info`), and the controller before placement."""
+    digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{raw.get('model_type', '?')}:{digest}"
+
+
 def config_from_dict(raw: dict) -> ModelConfig:
     """Build a ``ModelConfig`` from the parsed contents of a ``config.json``.
 
@@ -446,6 +457,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
         topk_plan=plan,
         rope_parameters=rope,
         hf_config=hf,
+        identity=config_identity(raw),
     )
 
 

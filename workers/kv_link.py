@@ -3,7 +3,6 @@ cache region, its peer book, and the compatibility info both ends hash."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,17 +12,17 @@ import torch
 
 from attention.cache import PagedKVCache
 from attention.formats import PAGE_SIZE
+from models.config import config_identity
 from transfer import CompatInfo, PeerBook, Pusher, Receiver, TransferAgent
 
 
 def compat_info(model_dir: str | Path, cache: PagedKVCache, has_mtp: bool) -> CompatInfo:
-    """What prefill and decode must agree on, from the checkpoint config and
-    the cache geometry (``model``: sha256 of the canonical config.json)."""
+    """What prefill and decode must agree on, from the checkpoint config (``model``:
+    `models.config.config_identity`) and the cache geometry."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
-    ident = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
     spec = cache.spec
     kv, index = spec.transfer_formats()
-    return CompatInfo(model=f"{raw.get('model_type', '?')}:{ident}", num_layers=spec.num_layers,
+    return CompatInfo(model=config_identity(raw), num_layers=spec.num_layers,
                       page_size=PAGE_SIZE, kv_format=kv, index_format=index, has_mtp=has_mtp)
 
 

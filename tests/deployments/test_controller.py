@@ -131,14 +131,22 @@ def test_page_size_must_be_64_and_agree():
     assert any("prefill pages hold 64 tokens, decode pages 128" in m for m in msgs)
 
 
-def test_compat_info_is_what_the_handshake_hashes():
+def test_compat_info_is_what_the_handshake_hashes(tmp_path):
+    from attention.cache import CacheSpec, PagedKVCache
+    from workers.kv_link import compat_info
+
     m = real_model("dsv32_pd.yaml")
     a = app(DSV32)
     p, d = pool_compat_info(a, "prefill", m), pool_compat_info(a, "decode", m)
     assert p == d and p.digest() == d.digest()
     assert (p.num_layers, p.page_size, p.kv_format, p.index_format, p.has_mtp) == (
         62, 64, "fp8_mla_656+index/cross_layer", "fp8_index_132", True)
-    assert p.model.startswith("deepseek-ai/DeepSeek-V3.2@")
+    # The model field is the one a replica's link computes from the config.json it loads.
+    (tmp_path / "config.json").write_text(json.dumps(yaml_args("dsv32_pd.yaml")["model"]["config"]))
+    cache = PagedKVCache(CacheSpec(num_layers=1, num_pages=1, kv_lora_rank=512, rope_dim=64, index_head_dim=128,
+                                   kv_cache_dtype="fp8", dtype=torch.bfloat16))
+    assert p.model == compat_info(tmp_path, cache, has_mtp=True).model
+    assert p.model.startswith("deepseek_v32:")
     bad = app(merged(DSV32, decode={"kv_cache_dtype": "auto"}))
     assert pool_compat_info(bad, "decode", m).kv_format == "bf16_mla_576+index/cross_layer"
     assert pool_compat_info(bad, "decode", m).digest() != p.digest()

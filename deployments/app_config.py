@@ -19,12 +19,11 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-if TYPE_CHECKING:
-    from workers.kv_link import PushTuning
+from workers.push_tuning import DEFAULT_DESCRIPTOR_PAGES, PushTuning
 
 __all__ = [
     "APP_IMPORT_PATH",
@@ -287,20 +286,18 @@ class TransferConfig(_Strict):
         None, ge=0, le=64,
         description="GPU caches only: NIXL posting threads per agent, each on its own UCX worker (a CUDA stream "
         "of its own): one WRITE is split over them. None = the link's default "
-        "(workers.kv_link.DEFAULT_PUSH_THREADS); 0 = one thread with UCX scatter-gather offload (the old "
+        "(workers.push_tuning.DEFAULT_PUSH_THREADS); 0 = one thread with UCX scatter-gather offload (the old "
         "setting). 8 streamed 0.91-0.93 of a peer copy on 2 x H200 (docs/perf.md); fewer suit small hosts.",
     )
     descriptor_pages: int | None = Field(
-        16, ge=1,
+        DEFAULT_DESCRIPTOR_PAGES, ge=1,
         description="Most pages one transfer descriptor covers: longer page runs are cut so one request's WRITE "
         "spreads over the posting threads (with a cross_layer cache a whole request is otherwise one copy on "
         "one stream). None = whole runs.",
     )
 
-    def push_tuning(self) -> "PushTuning":
-        """The `workers.kv_link.PushTuning` these settings give (imported here: configs load without torch)."""
-        from workers.kv_link import PushTuning
-
+    def push_tuning(self) -> PushTuning:
+        """The `workers.push_tuning.PushTuning` these settings give."""
         return PushTuning(threads=self.push_threads, descriptor_pages=self.descriptor_pages)
 
 

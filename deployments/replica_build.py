@@ -29,7 +29,8 @@ from workers.decode_graphs import default_graph_context, graphs_wanted
 from workers.decode_worker import DecodeWorker
 from workers.group_link import GroupLink
 from workers.engine import Engine
-from workers.kv_link import KVLink, PushTuning
+from workers.kv_link import KVLink
+from workers.push_tuning import PushTuning
 from workers.model_runner import ModelRunner, cache_spec_for
 from workers.page_pool import PagePool
 from workers.prefill_worker import PrefillWorker

@@ -28,7 +28,8 @@ from attention.cache import PagedKVCache
 from models.loader import load_model
 from models.parallel import TPContext
 from transfer import PushResult, ReceiveResult
-from workers.kv_link import KVLink, PushTuning
+from workers.kv_link import KVLink
+from workers.push_tuning import PushTuning
 from workers.model_runner import cache_spec_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -1,4 +1,4 @@
-"""The KV link's NIXL settings for GPU caches (`workers.kv_link.gpu_push_tuning`), its
+"""The KV link's NIXL settings for GPU caches (`workers.push_tuning.gpu_push_tuning`), its
 descriptor size, and the serve config fields that pick them (`transfer.push_threads`,
 `transfer.descriptor_pages`)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from workers.kv_link import DEFAULT_DESCRIPTOR_PAGES, DEFAULT_PUSH_THREADS, PushTuning, gpu_push_tuning
+from workers.push_tuning import DEFAULT_DESCRIPTOR_PAGES, DEFAULT_PUSH_THREADS, PushTuning, gpu_push_tuning
 
 
 def test_push_threads_map_to_nixl_settings():

@@ -125,7 +125,11 @@ class _Job:
     deadline: float
     sent_pages: int = 0
     chunks: int = 0
-    last_posted: bool = False
+    """Chunks pushed (the next one's index)."""
+    posted: int = 0
+    """Chunks posted: their WRITEs (or the notification of an empty one) handed to NIXL."""
+    last_pushed: bool = False
+    """The last chunk was pushed (its WRITE may still wait for the device, `waiting`)."""
     nbytes: int = 0
     inflight: list[Xfer] = field(default_factory=list)
     ready: Optional[Xfer] = None
@@ -134,6 +138,20 @@ class _Job:
     ready_notif: bytes = b""
     """``ready``'s notification (the one-chunk `ChunkDone`), encoded at `begin` as well."""
     last_posted_at: Optional[float] = None
+    waiting: list["_Chunk"] = field(default_factory=list)
+    """Pushed chunks whose pages the device is still writing, in push order (see `Pusher`'s ``fence``)."""
+
+
+@dataclass
+class _Chunk:
+    """A pushed chunk: pages ``[lo, hi)`` of its request; ``ready`` (from the fence) says when the
+    device has written them (None: now)."""
+
+    index: int
+    lo: int
+    hi: int
+    last: bool
+    ready: Optional[Callable[[], bool]] = None
 
 
 @dataclass
@@ -171,10 +189,13 @@ class Pusher:
     all registered). ``run_pages``: the most pages one descriptor covers
     (None: a whole run; longer runs are cut, `PageRuns.split`, so that one
     WRITE's copies spread over NIXL's posting threads and their streams).
-    ``fence``: called before a WRITE of new pages is posted; returns once
-    the bytes it moves are written. A CUDA cache needs one: NIXL copies on
-    UCX's own CUDA stream, which does not wait for the kernels that wrote
-    the pages (`workers.kv_link.KVLink` passes a device synchronize).
+    ``fence``: called when `push` is given new pages; returns a check that
+    turns True once the device has written them. A CUDA cache needs one:
+    NIXL copies on UCX's own CUDA stream, which does not wait for the
+    kernels that wrote the pages (`workers.kv_link.device_fence` records a
+    CUDA event). A chunk's WRITE is posted once its check passes, in push
+    order, by `push` itself or a later `poll`: the caller never waits for
+    the device, and can queue its next forward meanwhile.
     ``clock``: seconds, monotonic (tests may inject one).
     ``remember_cancelled``: how many cancelled request ids are kept to refuse
     a late `begin`.
@@ -190,7 +211,7 @@ class Pusher:
         layers: Optional[Iterable[int]] = None,
         kinds: Optional[Iterable[str]] = None,
         run_pages: Optional[int] = None,
-        fence: Optional[Callable[[], None]] = None,
+        fence: Optional[Callable[[], Callable[[], bool]]] = None,
         clock: Callable[[], float] = time.monotonic,
         remember_cancelled: int = 65536,
     ):
@@ -291,7 +312,7 @@ class Pusher:
         never raise here, they end the request (see `poll`).
         """
         job = self._jobs.get(request_id)
-        if job is None or job.last_posted:
+        if job is None or job.last_pushed:
             return False
         upto = finished_pages(tokens_done, job.prompt_len)
         last = tokens_done == job.prompt_len
@@ -299,35 +320,12 @@ class Pusher:
             raise ValueError(f"request {request_id!r}: tokens_done went backwards ({upto} < {job.sent_pages} pages)")
         if upto == job.sent_pages and not last:
             return True  # the chunk finished no page
-        index = job.chunks
-        try:
-            if upto > job.sent_pages:
-                if self.fence is not None:
-                    self.fence()
-                whole = job.sent_pages == 0 and upto == len(job.local_pages)
-                if whole and job.ready is not None:
-                    xfer, job.ready = job.ready, None
-                    self._post(xfer, job.ready_notif)
-                else:
-                    self._drop_ready(job)  # a partial chunk: the whole request's WRITE is not the one
-                    msg = encode(self._chunk_done(job, index, last))
-                    xfer = self._write(job.peer, job.local_pages[job.sent_pages : upto],
-                                       job.remote_pages[job.sent_pages : upto], msg)
-                job.inflight.append(xfer)
-                job.nbytes += xfer.nbytes
-            else:
-                # A last chunk without pages (only an empty prompt has one):
-                # the count still has to reach decode.
-                self.agent.notify(job.peer.agent_name, self._chunk_done(job, index, last))
-        except Exception as e:  # noqa: BLE001 - any transport error fails this request only
-            self._results.append(self._finish(job, PushStatus.FAILED, f"posting chunk {index}: {e}", tell_peer=True))
-            return False
+        ready = self.fence() if self.fence is not None and upto > job.sent_pages else None
+        job.waiting.append(_Chunk(job.chunks, job.sent_pages, upto, last, ready))
         job.sent_pages = upto
         job.chunks += 1
-        job.last_posted = last
-        if last:
-            job.last_posted_at = self.clock()
-        return True
+        job.last_pushed = last
+        return self._post_ready(job)
 
     def poll(self, spin_s: float = 0.0) -> list[PushResult]:
         """Advance every request; returns the requests that ended since the last call.
@@ -345,6 +343,8 @@ class Pusher:
         for name in [n for n in self._selections if not self.peers.knows(n)]:
             del self._selections[name]  # the peer was forgotten or superseded
         for job in list(self._jobs.values()):
+            if job.waiting and not self._post_ready(job):
+                continue  # a post failed: the request ended
             if not self.peers.knows(job.peer.agent_name):
                 # Forgotten, or superseded by a newer epoch of the same worker:
                 # its pages are gone with the old process.
@@ -358,10 +358,10 @@ class Pusher:
             for x in [x for x, s in zip(job.inflight, states) if s == "DONE"]:
                 self.agent.release(x)
                 job.inflight.remove(x)
-            if job.last_posted and not job.inflight:
+            if job.last_pushed and not job.inflight and not job.waiting:
                 self._results.append(self._finish(job, PushStatus.DONE, "", tell_peer=False))
             elif now > job.deadline:
-                reason = f"deadline of {job.deadline - job.started:.3f}s passed after {job.chunks} chunk(s)"
+                reason = f"deadline of {job.deadline - job.started:.3f}s passed after {job.posted} chunk(s)"
                 self._results.append(self._finish(job, PushStatus.EXPIRED, reason, tell_peer=True))
         self._advance_drains(now)
         self._unreleased = [x for x in self._unreleased if not self._try_release(x)]
@@ -432,13 +432,52 @@ class Pusher:
     # -- internals ----------------------------------------------------------
 
     def _spin(self, spin_s: float) -> None:
-        xfers = [x for j in self._jobs.values() for x in j.inflight]
-        if not xfers:
-            return
         end = time.perf_counter() + spin_s  # real time, whatever ``clock`` a test injects
         state = self.agent.state
-        while all(state(x) == "PROC" for x in xfers) and time.perf_counter() < end:
+        while True:
+            for job in [j for j in self._jobs.values() if j.waiting]:
+                self._post_ready(job)
+            xfers = [x for j in self._jobs.values() for x in j.inflight]
+            waiting = any(j.waiting for j in self._jobs.values())
+            if self._results or not (xfers or waiting) or any(state(x) != "PROC" for x in xfers):
+                return
+            if time.perf_counter() >= end:
+                return
             time.sleep(0)  # releases the GIL: a replica's event loop keeps serving meanwhile
+
+    def _post_ready(self, job: _Job) -> bool:
+        """Post ``job``'s waiting chunks whose pages are written, in order; False if a post failed
+        (the request is then ended, FAILED)."""
+        while job.waiting and (job.waiting[0].ready is None or job.waiting[0].ready()):
+            chunk = job.waiting.pop(0)
+            try:
+                self._post_chunk(job, chunk)
+            except Exception as e:  # noqa: BLE001 - any transport error fails this request only
+                reason = f"posting chunk {chunk.index}: {e}"
+                self._results.append(self._finish(job, PushStatus.FAILED, reason, tell_peer=True))
+                return False
+        return True
+
+    def _post_chunk(self, job: _Job, chunk: _Chunk) -> None:
+        if chunk.hi > chunk.lo:
+            whole = chunk.lo == 0 and chunk.hi == len(job.local_pages)
+            if whole and job.ready is not None:
+                xfer, job.ready = job.ready, None
+                self._post(xfer, job.ready_notif)
+            else:
+                self._drop_ready(job)  # a partial chunk: the whole request's WRITE is not the one
+                msg = encode(self._chunk_done(job, chunk.index, chunk.last))
+                xfer = self._write(job.peer, job.local_pages[chunk.lo : chunk.hi],
+                                   job.remote_pages[chunk.lo : chunk.hi], msg)
+            job.inflight.append(xfer)
+            job.nbytes += xfer.nbytes
+        else:
+            # A last chunk without pages (only an empty prompt has one):
+            # the count still has to reach decode.
+            self.agent.notify(job.peer.agent_name, self._chunk_done(job, chunk.index, chunk.last))
+        job.posted += 1
+        if chunk.last:
+            job.last_posted_at = self.clock()
 
     @staticmethod
     def _chunk_done(job: _Job, index: int, last: bool) -> ChunkDone:
@@ -569,7 +608,7 @@ class Pusher:
             request_id=job.request_id,
             status=status,
             pages=tuple(job.local_pages.tolist()),
-            chunks=job.chunks,
+            chunks=job.posted,
             nbytes=job.nbytes,
             seconds=now - job.started,
             reason=reason,

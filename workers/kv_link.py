@@ -27,16 +27,23 @@ def compat_info(model_dir: str | Path, cache: PagedKVCache, has_mtp: bool) -> Co
                       page_size=PAGE_SIZE, kv_format=kv, index_format=index, has_mtp=has_mtp)
 
 
-def device_fence(cache: PagedKVCache) -> Callable[[], None] | None:
-    """What a pusher calls before posting pages of ``cache`` (`transfer.Pusher`'s ``fence``):
-    for a CUDA cache, wait until the device has run every kernel queued so far, since NIXL
-    copies on UCX's own stream and would otherwise read pages still being written. None on CPU,
-    where a forward has written its pages when it returns."""
+def device_fence(cache: PagedKVCache) -> Callable[[], Callable[[], bool]] | None:
+    """`transfer.Pusher`'s ``fence`` for pages of ``cache``: on a CUDA cache, record an event on the
+    current stream (where the forwards write the pages) and return its ``query``. NIXL copies on
+    UCX's own stream, which would otherwise read pages still being written; the pusher posts once
+    the event has passed, so no thread waits for the device. None on CPU, where a forward has
+    written its pages when it returns."""
     tensor = cache.regions()[0].tensor
     if not tensor.is_cuda:
         return None
     device = tensor.device
-    return lambda: torch.cuda.synchronize(device)
+
+    def fence() -> Callable[[], bool]:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event.query
+
+    return fence
 
 
 @dataclass
@@ -44,7 +51,7 @@ class KVLink:
     agent: TransferAgent
     peers: PeerBook
     push: PushTuning = PushTuning()
-    fence: Callable[[], None] | None = None
+    fence: Callable[[], Callable[[], bool]] | None = None
 
     @classmethod
     def create(cls, worker_id: str, model_dir: str | Path, cache: PagedKVCache, has_mtp: bool,

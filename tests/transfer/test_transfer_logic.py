@@ -584,24 +584,58 @@ def test_begin_without_prepare_builds_the_write_at_push():
     assert plan.num_pages == 2 and agent.prepared == [x] and agent.unposted == []
 
 
-def test_fence_runs_before_every_write_of_pages_and_only_then():
-    events = []
+def test_writes_wait_for_their_fence_in_push_order_and_never_leak():
+    """The fence is taken when pages are pushed; a chunk's WRITE is posted once its check passes,
+    in push order, by `push` or `poll`, and a request is done only once every chunk was posted."""
+    written = set()  # fence tokens the "device" has reached
+    fences = []
+
+    def fence():
+        token = len(fences)
+        fences.append(token)
+        return lambda: token in written
+
     agent, clock = FakeAgent("pre@1", done_on_write=True), Clock()
-    real_post = agent.post
-    agent.post = lambda x, notif=b"": (events.append("post"), real_post(x, notif))[1]
-    pusher = Pusher(agent, FakeBook(DEC), clock=clock, fence=lambda: events.append("fence"))
+    pusher = Pusher(agent, FakeBook(DEC), clock=clock, fence=fence)
     pusher.warm_up("dec@1")  # garbage of page 0: nothing computed to wait for
-    assert events == ["post"] * 3
-    events.clear()
+    assert fences == [] and len(agent.writes) == 3
+    agent.writes.clear()
+    agent.prepared.clear()
     pusher.begin("r", "dec@1", 129, [0, 1, 2], [3, 4, 5], 10.0)
-    pusher.push("r", 64)   # page 0: a WRITE built at push
-    pusher.push("r", 100)  # no new page: nothing to wait for
-    pusher.push("r", 129)  # pages 1-2, last chunk
+    assert pusher.push("r", 64)    # page 0: fence 0
+    assert pusher.push("r", 100)   # no new page: no fence
+    assert pusher.push("r", 129)   # pages 1-2, the last chunk: fence 1
+    assert fences == [0, 1] and agent.writes == []
+    assert pusher.poll(spin_s=0.01) == [] and agent.writes == []  # the device has written nothing yet
+    written.add(1)  # a later fence passed first: still posted in push order
+    assert pusher.poll() == [] and agent.writes == []
+    written.add(0)
+    (res,) = pusher.poll()  # both posted (done at once here), then the request completes
+    assert [w[1].num_pages for w in agent.writes] == [1, 2] and res.status is PushStatus.DONE
+    # The WRITE prepared at begin waits too; an empty prompt has no page and no fence.
     pusher.begin("w", "dec@1", 64, [6], [7], 10.0)
-    pusher.push("w", 64)   # the WRITE prepared at begin
+    ready_w = agent.prepared[-1]
+    pusher.push("w", 64)
     pusher.begin("e", "dec@1", 0, [], [], 10.0)
-    pusher.push("e", 0)    # an empty prompt: a notification, no page
-    assert events == ["fence", "post"] * 3
+    pusher.push("e", 0)
+    assert fences == [0, 1, 2] and len(agent.writes) == 2
+    assert [r.request_id for r in pusher.poll()] == ["e"]
+    written.add(2)
+    assert [r.request_id for r in pusher.poll()] == ["w"] and agent.writes[-1][0] is ready_w
+    # Ended while waiting (abort, deadline): nothing is posted, the prepared WRITE is released.
+    pusher.begin("a", "dec@1", 64, [8], [9], 10.0)
+    pusher.push("a", 64)
+    pusher.begin("x", "dec@1", 64, [10], [11], 1.0)
+    pusher.push("x", 64)
+    assert pusher.abort("a", "shutdown").status is PushStatus.FAILED
+    clock.t = 2.0
+    (res,) = pusher.poll()
+    assert res.request_id == "x" and res.status is PushStatus.EXPIRED
+    written.update({3, 4})
+    assert pusher.poll() == [] and len(agent.writes) == 3 and not pusher.active
+    # Every WRITE prepared at begin was posted ("w") or released unposted ("r": chunked; "a", "x").
+    posted, unposted = {id(w[0]) for w in agent.writes}, {id(u) for u in agent.unposted}
+    assert len(unposted) == 3 and all((id(x) in posted) != (id(x) in unposted) for x in agent.prepared)
 
 
 class SlowAgent(FakeAgent):

@@ -5,6 +5,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/wheels
 cp .devicewheels/kernels/*.whl .whl/*.whl /tmp/wheels/ 2>/dev/null
+# A fresh target: pip --target leaves an existing bin/ alone, and `serve` must be in it.
+rm -rf /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/wheels/*.whl 2>&1 | grep -v WARNING | tail -3
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 DSA_PD_CACHE=/tmp/dsa-cache RAY_DEDUP_LOGS=0
 python3 -c "import ray, nixl, transformers, flash_mla, deep_gemm; print('ray', ray.__version__, 'transformers', transformers.__version__)" 2>&1 | tee "$OUT/versions.txt"

@@ -343,14 +343,14 @@ class Pusher:
         for name in [n for n in self._selections if not self.peers.knows(n)]:
             del self._selections[name]  # the peer was forgotten or superseded
         for job in list(self._jobs.values()):
-            if job.waiting and not self._post_ready(job):
-                continue  # a post failed: the request ended
             if not self.peers.knows(job.peer.agent_name):
                 # Forgotten, or superseded by a newer epoch of the same worker:
                 # its pages are gone with the old process.
                 reason = f"peer {job.peer.agent_name} forgotten or restarted"
                 self._results.append(self._finish(job, PushStatus.FAILED, reason, tell_peer=False))
                 continue
+            if job.waiting and not self._post_ready(job):
+                continue  # a post failed: the request ended
             states = [self.agent.state(x) for x in job.inflight]
             if "ERR" in states:
                 self._results.append(self._finish(job, PushStatus.FAILED, "WRITE failed", tell_peer=True))

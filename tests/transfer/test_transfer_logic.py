@@ -668,3 +668,19 @@ def test_poll_spin_sees_a_write_end_in_the_same_call_and_is_bounded():
     assert 0.02 <= time.perf_counter() - t0 < 1.0
     assert pusher.poll(spin_s=0.02) == [] and pusher.active == ["s"]
     assert Pusher(agent, FakeBook(DEC), clock=clock).poll(spin_s=10.0) == []  # nothing in flight: returns at once
+
+
+def test_a_waiting_write_to_a_forgotten_peer_is_never_posted():
+    book = FakeBook(DEC)
+    agent = FakeAgent("pre@1")
+    pusher = Pusher(agent, book, clock=Clock(), fence=lambda: (lambda: True))
+    pusher.begin("r", "dec@1", 64, [0], [1], 10.0, prepare=False)
+    pusher.push("r", 64)  # the fence has passed: posted at once
+    pusher.begin("s", "dec@1", 64, [2], [3], 10.0, prepare=False)
+    pusher.fence = lambda: (lambda: False)  # this one's pages are still being written
+    pusher.push("s", 64)
+    assert len(agent.writes) == 1
+    book.forget("dec@1")
+    res = {r.request_id: r for r in pusher.poll()}
+    assert set(res) == {"r", "s"} and all("forgotten" in r.reason for r in res.values())
+    assert len(agent.writes) == 1 and agent.sent == []  # nothing posted to, or sent to, the gone peer

@@ -286,20 +286,28 @@ class Side:
     def warm_up(self, peer: str, repeat: int, notify: bool, rounds: int = 1) -> float:
         return self.pushers[ROWS["auto"]].warm_up(peer, 0, 0, repeat=repeat, notify=notify, rounds=rounds)
 
-    def write_pool(self, peer: str) -> float:
-        """One WRITE of every pool page onto the same page of the peer (descriptors cut per
-        ``--run-pages``); returns its seconds. Touches every page of both pools once."""
+    def _plan(self, peer: str, local: list[int], remote: list[int], run_pages: Optional[int]):
+        """Explicit descriptors of these pages to ``peer``, runs cut to ``run_pages`` (None: whole)."""
         from transfer import PageRuns, RegionSelection, descriptor_plan
 
         sel = RegionSelection.of(self.agent.table, self.book.get(peer).regions)
+        return descriptor_plan(sel, PageRuns.of(local, remote).split(run_pages))
+
+    def _wait_done(self, xfer, what: str) -> None:
+        """Poll ``xfer`` in a tight loop until it ends; raise unless it completed."""
+        while self.agent.state(xfer) == "PROC":
+            pass
+        if xfer.state != "DONE":
+            raise RuntimeError(f"{what} WRITE failed")
+
+    def write_pool(self, peer: str) -> float:
+        """One WRITE of every pool page onto the same page of the peer (descriptors cut per
+        ``--run-pages``); returns its seconds. Touches every page of both pools once."""
         pages = list(range(self.cfg.pool_pages))
         t0 = time.perf_counter()
-        xfer = self.agent.write(peer, descriptor_plan(sel, PageRuns.of(pages, pages).split(self.cfg.run_pages)), b"")
+        xfer = self.agent.write(peer, self._plan(peer, pages, pages, self.cfg.run_pages), b"")
         try:
-            while self.agent.state(xfer) == "PROC":
-                pass
-            if xfer.state != "DONE":
-                raise RuntimeError("pool WRITE failed")
+            self._wait_done(xfer, "pool")
         finally:
             self.agent.release(xfer)
         return time.perf_counter() - t0
@@ -311,10 +319,7 @@ class Side:
         The transport's own time for these bytes and descriptors: no planning,
         no request creation, no notification, no Pusher bookkeeping.
         """
-        from transfer import PageRuns, RegionSelection, descriptor_plan
-
-        sel = RegionSelection.of(self.agent.table, self.book.get(peer).regions)
-        plan = descriptor_plan(sel, PageRuns.of(local, remote).split(self.cfg.run_pages))
+        plan = self._plan(peer, local, remote, self.cfg.run_pages)
         xfer = self.agent.write(peer, plan, b"")
         times, posts = [], []
         try:
@@ -325,10 +330,7 @@ class Side:
                     posts.append(xfer.post_s)
                 else:
                     t0 = time.perf_counter()
-                while self.agent.state(xfer) == "PROC":
-                    pass
-                if xfer.state != "DONE":
-                    raise RuntimeError("raw WRITE failed")
+                self._wait_done(xfer, "raw")
                 if i:
                     times.append(time.perf_counter() - t0)
         finally:
@@ -358,24 +360,19 @@ class Side:
         ``page_sets``: ``reps + 1`` (local, remote) page lists; the first is
         "the same pages". Returns ``{variant/run_pages: {median, min, post}}``.
         """
-        from transfer import PageRuns, Pusher, RegionSelection, descriptor_plan
+        from transfer import Pusher
         from transfer.messages import WarmUp, encode
 
         notif = encode(WarmUp())
-        sel = RegionSelection.of(self.agent.table, self.book.get(peer).regions)
 
         def plan(local, remote, rp):
-            return descriptor_plan(sel, PageRuns.of(local, remote).split(rp))
+            return self._plan(peer, local, remote, rp)
 
         def run(xfer, msg) -> tuple[float, float]:
             t0 = time.perf_counter()
             self.agent.post(xfer, msg)
-            while self.agent.state(xfer) == "PROC":
-                pass
-            t1 = time.perf_counter()
-            if xfer.state != "DONE":
-                raise RuntimeError("anatomy: WRITE failed")
-            return t1 - t0, xfer.post_s
+            self._wait_done(xfer, "anatomy")
+            return time.perf_counter() - t0, xfer.post_s
 
         same_l, same_r = page_sets[0]
         pushers = {rp: Pusher(self.agent, self.book, run_pages=rp) for rp in run_pages}

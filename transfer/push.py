@@ -144,14 +144,14 @@ class _Job:
 
 @dataclass
 class _Chunk:
-    """A pushed chunk: pages ``[lo, hi)`` of its request; ``ready`` (from the fence) says when the
-    device has written them (None: now)."""
+    """A pushed chunk: pages ``[lo, hi)`` of its request; ``written`` (from the fence) says when the
+    device has written them (None: already)."""
 
     index: int
     lo: int
     hi: int
     last: bool
-    ready: Optional[Callable[[], bool]] = None
+    written: Optional[Callable[[], bool]] = None
 
 
 @dataclass
@@ -320,8 +320,8 @@ class Pusher:
             raise ValueError(f"request {request_id!r}: tokens_done went backwards ({upto} < {job.sent_pages} pages)")
         if upto == job.sent_pages and not last:
             return True  # the chunk finished no page
-        ready = self.fence() if self.fence is not None and upto > job.sent_pages else None
-        job.waiting.append(_Chunk(job.chunks, job.sent_pages, upto, last, ready))
+        written = self.fence() if self.fence is not None and upto > job.sent_pages else None
+        job.waiting.append(_Chunk(job.chunks, job.sent_pages, upto, last, written))
         job.sent_pages = upto
         job.chunks += 1
         job.last_pushed = last
@@ -448,7 +448,7 @@ class Pusher:
     def _post_ready(self, job: _Job) -> bool:
         """Post ``job``'s waiting chunks whose pages are written, in order; False if a post failed
         (the request is then ended, FAILED)."""
-        while job.waiting and (job.waiting[0].ready is None or job.waiting[0].ready()):
+        while job.waiting and (job.waiting[0].written is None or job.waiting[0].written()):
             chunk = job.waiting.pop(0)
             try:
                 self._post_chunk(job, chunk)

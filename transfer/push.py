@@ -343,14 +343,8 @@ class Pusher:
         for name in [n for n in self._selections if not self.peers.knows(n)]:
             del self._selections[name]  # the peer was forgotten or superseded
         for job in list(self._jobs.values()):
-            if not self.peers.knows(job.peer.agent_name):
-                # Forgotten, or superseded by a newer epoch of the same worker:
-                # its pages are gone with the old process.
-                reason = f"peer {job.peer.agent_name} forgotten or restarted"
-                self._results.append(self._finish(job, PushStatus.FAILED, reason, tell_peer=False))
+            if self._ended_by_gone_peer(job) or not self._post_ready(job):
                 continue
-            if job.waiting and not self._post_ready(job):
-                continue  # a post failed: the request ended
             states = [self.agent.state(x) for x in job.inflight]
             if "ERR" in states:
                 self._results.append(self._finish(job, PushStatus.FAILED, "WRITE failed", tell_peer=True))
@@ -445,9 +439,20 @@ class Pusher:
                 return
             time.sleep(0)  # releases the GIL: a replica's event loop keeps serving meanwhile
 
+    def _ended_by_gone_peer(self, job: _Job) -> bool:
+        """End ``job`` (FAILED) if its peer left the book: forgotten, or superseded by a newer
+        epoch of the same worker, whose pages are gone with the old process. True if it did."""
+        if self.peers.knows(job.peer.agent_name):
+            return False
+        reason = f"peer {job.peer.agent_name} forgotten or restarted"
+        self._results.append(self._finish(job, PushStatus.FAILED, reason, tell_peer=False))
+        return True
+
     def _post_ready(self, job: _Job) -> bool:
-        """Post ``job``'s waiting chunks whose pages are written, in order; False if a post failed
-        (the request is then ended, FAILED)."""
+        """Post ``job``'s waiting chunks whose pages are written, in order; False if the request
+        ended instead (a post failed, or its peer is gone: nothing is posted to a gone peer)."""
+        if job.waiting and self._ended_by_gone_peer(job):
+            return False
         while job.waiting and (job.waiting[0].written is None or job.waiting[0].written()):
             chunk = job.waiting.pop(0)
             try:

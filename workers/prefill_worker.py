@@ -67,7 +67,8 @@ is complete only from a notification that NIXL sends when a poll here sees the c
 following forward, or the engine's idle sleep, would delay that poll and the request's first token
 (by a whole forward, or up to the sleep). The round spins on the WRITEs' states instead
 (`Pusher.poll`'s ``spin_s``): the copies of a 32k-token DeepSeek-V3.2 prompt take 1-5 ms
-(docs/perf.md), so the GPU waits that long per prompt at most once."""
+(docs/perf.md), so the engine thread waits that long per prompt at most once, and queues the next
+forward that much later (the GPU idles meanwhile only if nothing else was queued)."""
 
 
 class PrefillWorker:
@@ -123,14 +124,17 @@ class PrefillWorker:
             budget -= end - a.done
         if items:
             self._run(items, chosen)
-        results = self._results(self.pusher.poll())
         finished = {a.task.request_id for a, _, end in chosen if end == len(a.task.token_ids)}
-        # See these pushes end now (decode is notified by the poll that sees it), not after the
-        # next forward or idle sleep.
+        # One plain poll, then, while a prompt finished here is still pushing, spin: see its push
+        # end now (decode is notified by the poll that sees it), not after the next forward or
+        # idle sleep.
         t_end = time.monotonic() + self.final_push_wait_s
-        while finished.intersection(self.pusher.active) and (left := t_end - time.monotonic()) > 0:
-            results += self._results(self.pusher.poll(spin_s=left))
-        return results
+        results, spin_s = [], 0.0
+        while True:
+            results += self._results(self.pusher.poll(spin_s=spin_s))
+            spin_s = t_end - time.monotonic()
+            if spin_s <= 0 or not finished.intersection(self.pusher.active):
+                return results
 
     def _results(self, pushes) -> list[PrefillResult]:
         """Results of requests whose push ended (their pages are freed)."""

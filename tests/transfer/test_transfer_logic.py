@@ -684,3 +684,24 @@ def test_a_waiting_write_to_a_forgotten_peer_is_never_posted():
     res = {r.request_id: r for r in pusher.poll()}
     assert set(res) == {"r", "s"} and all("forgotten" in r.reason for r in res.values())
     assert len(agent.writes) == 1 and agent.sent == []  # nothing posted to, or sent to, the gone peer
+
+
+def test_a_write_whose_fence_passes_during_a_spin_is_not_posted_to_a_forgotten_peer():
+    # The spin posts waiting chunks as their fences pass; it must not post to
+    # a peer that was forgotten since the chunk was queued.
+    book = FakeBook(DEC)
+    agent = SlowAgent("pre@1")
+    written = {"r": False}
+    pusher = Pusher(agent, book, clock=Clock(), fence=lambda: (lambda: written["r"]))
+    pusher.begin("q", "dec@1", 64, [4], [5], 10.0, prepare=False)
+    pusher.fence = lambda: (lambda: True)
+    pusher.push("q", 64)  # in flight: the spin has something to wait on
+    pusher.fence = lambda: (lambda: written["r"])
+    pusher.begin("r", "dec@1", 64, [0], [1], 10.0, prepare=False)
+    pusher.push("r", 64)
+    assert len(agent.writes) == 1
+    book.forget("dec@1")
+    written["r"] = True
+    res = {r.request_id: r for r in pusher.poll(spin_s=5.0)}
+    assert res["r"].status is PushStatus.FAILED and "forgotten" in res["r"].reason
+    assert len(agent.writes) == 1 and agent.sent == []

@@ -101,6 +101,7 @@ class BenchConfig:
     receiver_defaults: bool = False  # the decode agent keeps NIXL's defaults (no threads, params, SGL)
     run_pages: Optional[int] = None  # `Pusher(run_pages=...)`: the most pages per descriptor
     prefill_progress_thread: bool = True  # False: only the decode agent runs NIXL's progress thread
+    forward_ms: float = 0.0  # device work run just before each request alone, as the forward that wrote its pages
 
     @property
     def bytes_per_page(self) -> int:
@@ -167,6 +168,9 @@ class Side:
                 for layer in range(cfg.layers)
                 for kind, bpp in (("mla", cfg.mla_bytes), ("index", cfg.index_bytes))
             ]
+        self._forward_bufs, self._forward_copies = None, 0
+        if cfg.forward_ms > 0 and role == "prefill":
+            self._calibrate_forward(cfg.forward_ms)
         if cfg.device == "cuda":
             torch.cuda.synchronize()
         compat = CompatInfo("bench/dsv32-shaped", cfg.layers, PAGE_SIZE, "fp8_656", "fp8_132", False)
@@ -184,6 +188,31 @@ class Side:
                         for row in ROWS.values()}
         # The bench picks page ids itself (no pool): nothing to give back.
         self.receiver = Receiver(self.agent, self.book, release_pages=lambda pages: None)
+
+    def _calibrate_forward(self, ms: float) -> None:
+        """Size `_forward`: copies of a 64 MB scratch buffer that take ``ms`` on this device."""
+        import torch
+
+        a = torch.ones(64 << 20, dtype=torch.uint8, device=self.dev)
+        self._forward_bufs = (a, torch.empty_like(a))
+        self._forward_copies = 1
+        self._forward()  # first touch
+        t0 = time.perf_counter()
+        self._forward_copies = 10
+        self._forward()
+        per_copy = (time.perf_counter() - t0) / 10
+        self._forward_copies = max(1, round(ms * 1e-3 / per_copy))
+
+    def _forward(self) -> None:
+        """Keep the device busy, as the prefill forward that wrote a request's pages does right before
+        its push (a GPU left idle between requests clocks down: the copies after it are slower)."""
+        import torch
+
+        src, dst = self._forward_bufs
+        for _ in range(self._forward_copies):
+            dst.copy_(src)
+        if self.cfg.device == "cuda":
+            torch.cuda.synchronize()
 
     def name(self) -> str:
         return self.agent.name
@@ -450,6 +479,8 @@ class Side:
         pusher = self.pushers[(path, merge)]
         before = pusher.stats.copy()
         chunk = chunk_tokens or tokens
+        if self._forward_copies:
+            self._forward()
         t0 = time.perf_counter()
         pusher.begin(rid, peer, tokens, local, remote, self.cfg.deadline_s)
         t_begun = time.perf_counter()
@@ -682,7 +713,8 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                   f"({ {'cross-layer': 1, 'per-layer': cfg.layers}.get(cfg.cache_layout, 2 * cfg.layers)} region(s), "
                   f"run pages {cfg.run_pages or 'whole runs'}); "
                   f"pool {cfg.pool_pages} pages/side; page ids {cfg.layout}; "
-                  f"chunk {args.chunk_tokens or 'whole prompt'}; NIXL progress thread "
+                  f"chunk {args.chunk_tokens or 'whole prompt'}; device busy before a lone push "
+                  f"{cfg.forward_ms or 'no'} ms; NIXL progress thread "
                   f"{('on' if cfg.prefill_progress_thread else 'decode only') if cfg.progress_thread else 'off'}; UCX threads {cfg.ucx_threads}; UCX backend params "
                   f"{dict(cfg.backend_params) or 'default'}; UCX env "
                   f"{ {k: v for k, v in os.environ.items() if k.startswith('UCX_')} or 'default'}")
@@ -858,6 +890,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-prefill-progress-thread", action="store_true",
                     help="only the decode agent runs NIXL's progress thread (the pushing side progresses "
                          "its UCX worker when it polls its WRITEs)")
+    ap.add_argument("--forward-ms", type=float, default=0.0,
+                    help="before each request alone (and the first), keep the prefill device busy this long (copies "
+                         "of a scratch buffer), as the forward that wrote the pages would; default 0: idle since "
+                         "the last request")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
@@ -877,7 +913,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        cache_layout=args.cache_layout, run_pages=args.run_pages,
                        backend_params=tuple(tuple(kv.split("=", 1)) for kv in args.ucx_param),
                        receiver_defaults=args.receiver_defaults,
-                       prefill_progress_thread=not args.no_prefill_progress_thread)
+                       prefill_progress_thread=not args.no_prefill_progress_thread, forward_ms=args.forward_ms)
     verify = not args.no_verify
     sgl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.ucx_sgl]
 

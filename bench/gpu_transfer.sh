@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call (~1-2 min): the transfer experiments behind docs/perf.md's
 # latest transfer section. Usage (device run, repo root, .devicewheels/nixl carried):
-#   [CASES=layout|sweep] [RUNS=...] [SHOW=regex] bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
+#   [CASES=served|layout|sweep|anatomy] [RUNS=...] [SHOW=regex] bash bench/gpu_transfer.sh [extra bench/transfer.py args...]
 # (e.g. `--devices 0,1` on two GPUs). The host has torch but no nixl: its wheels
 # come from .devicewheels/nixl (../shared/offline-wheels, pack_wheels.py --groups
 # nixl). Results land in $OUT; SHOW filters what each case prints.
@@ -10,7 +10,12 @@
 # run (device copy on one GPU, peer copy between two), with contiguous page ids
 # (what workers/page_pool.py hands out), pairs warmed up at start, every push
 # verified page for page.
-#   layout (default): requests alone (8k, 32k) on the serving path, the
+#   served (default): the served setting (workers/push_tuning.py: cross-layer cache,
+#     whole page runs, 8 posting threads taking WRITEs of >= 8 descriptors, no
+#     NIXL progress thread on the pushing agent) vs session 5's (runs cut into
+#     16-page descriptors, every WRITE split over the threads, progress thread on),
+#     on contiguous and on fragmented page ids (--layout runs), interleaved, twice.
+#   layout: requests alone (8k, 32k) on the serving path, the
 #     re-posted WRITE (the transport alone), the first request after start,
 #     streams of 8 in flight; the served setting (cross-layer cache: one
 #     region, runs cut into 16-page descriptors, split_batch_size 1) vs the
@@ -46,7 +51,18 @@ run_case() {  # name, timeout seconds, bench args...
 }
 th() { echo --ucx-sgl off --ucx-threads "$1" --ucx-param num_workers="$1" --ucx-param split_batch_size=${2:-8}; }
 
-case "${CASES:-layout}" in
+SERVED=(--cache-layout cross-layer $(th 8 8) --no-prefill-progress-thread)
+SESSION5=(--cache-layout cross-layer --run-pages 16 $(th 8 1))
+case "${CASES:-served}" in
+  served)
+    S=(--warmup --reps 5 --tokens 8192,32768 --raw-reps 5 --paths auto --inflight 8)
+    for rep in 1 2; do
+      for layout in contiguous runs; do
+        run_case served${rep}_${layout} 90 "${S[@]}" --layout $layout "${SERVED[@]}" "$@"
+        run_case session5_${rep}_${layout} 90 "${S[@]}" --layout $layout "${SESSION5[@]}" "$@"
+      done
+    done
+    ;;
   layout)
     S=(--warmup --reps 5 --tokens 8192,32768 --layout contiguous --raw-reps 5 --paths auto --inflight 8)
     for rep in 1 2; do
@@ -76,6 +92,6 @@ case "${CASES:-layout}" in
       run_case anatomy${rep}_sbs1024 120 "${S[@]}" $(th 8 1024) "$@"
     done
     ;;
-  *) echo "unknown CASES=${CASES}: layout, sweep or anatomy" >&2; exit 2 ;;
+  *) echo "unknown CASES=${CASES}: served, layout, sweep or anatomy" >&2; exit 2 ;;
 esac
 echo "results: $OUT/*.txt, $OUT/*.json"

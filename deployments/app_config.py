@@ -285,15 +285,15 @@ class TransferConfig(_Strict):
     push_threads: int | None = Field(
         None, ge=0, le=64,
         description="GPU caches only: NIXL posting threads per agent, each on its own UCX worker (a CUDA stream "
-        "of its own): one WRITE is split over them. None = the link's default "
-        "(workers.push_tuning.DEFAULT_PUSH_THREADS); 0 = one thread with UCX scatter-gather offload (the old "
-        "setting). 8 streamed 0.91-0.93 of a peer copy on 2 x H200 (docs/perf.md); fewer suit small hosts.",
+        "of its own): a WRITE of at least this many descriptors is split over them, a smaller one is posted "
+        "on the calling thread. None = the link's default (workers.push_tuning.DEFAULT_PUSH_THREADS); 0 = one "
+        "thread with UCX scatter-gather offload (the old setting). Fewer suit small hosts (docs/serving.md).",
     )
     descriptor_pages: int | None = Field(
         DEFAULT_DESCRIPTOR_PAGES, ge=1,
-        description="Most pages one transfer descriptor covers: longer page runs are cut so one request's WRITE "
-        "spreads over the posting threads (with a cross_layer cache a whole request is otherwise one copy on "
-        "one stream). None = whole runs.",
+        description="Most pages one transfer descriptor covers; longer page runs are cut, so that one request's "
+        "WRITE spreads over the posting threads. None (default) = whole runs: a request on contiguous pages of "
+        "a cross_layer cache is one copy, posted without waking a thread (docs/perf.md, session 7).",
     )
 
     def push_tuning(self) -> PushTuning:

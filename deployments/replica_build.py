@@ -117,7 +117,8 @@ def build_parts(pool_cfg: PoolConfig, model_dir: str | Path, worker_id: str, pla
 
 def build_prefill_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: str) -> PrefillWorker:
     pool_cfg = app_cfg.prefill
-    p = build_parts(pool_cfg, model_dir, worker_id, plan_placement(app_cfg).prefill, app_cfg.transfer.push_tuning())
+    p = build_parts(pool_cfg, model_dir, worker_id, plan_placement(app_cfg).prefill,
+                    app_cfg.transfer.push_tuning().for_prefill())
     return PrefillWorker(p.runner, p.pool, p.link, pool_cfg.chunk_size, mtp=pool_cfg.has_mtp,
                          deadline_s=app_cfg.transfer.deadline_s)
 

@@ -402,6 +402,11 @@ class Pusher:
         peer), so the notification path is warmed as well. ``rounds``: how
         many such WRITEs, one after the other (on two H200s the first request
         came within 0.01-0.03 of a warm one after 3, 0.04-0.07 after 1; docs/perf.md).
+        Each round then WRITEs the page once (one descriptor per region, the
+        fewest a WRITE has): an agent with posting threads spreads a WRITE of
+        at least ``split_batch_size`` descriptors over their UCX workers but
+        posts a smaller one on the calling thread's own worker, which must be
+        warm too.
         """
         if repeat < 1 or rounds < 1:
             raise ValueError(f"repeat and rounds must be >= 1, got {repeat}, {rounds}")
@@ -409,8 +414,9 @@ class Pusher:
         self._selection(peer).check([local_page], [remote_page])
         t0 = self.clock()
         self.agent.connect(peer.agent_name)
-        pages = np.full(repeat, local_page, dtype=np.int64), np.full(repeat, remote_page, dtype=np.int64)
-        for _ in range(rounds):
+        sizes = [repeat, 1] if repeat > 1 else [1]
+        for _, n in ((r, n) for r in range(rounds) for n in sizes):
+            pages = np.full(n, local_page, dtype=np.int64), np.full(n, remote_page, dtype=np.int64)
             xfer = self._write(peer, *pages, encode(WarmUp()) if notify else b"")
             try:
                 while self.agent.state(xfer) == "PROC":

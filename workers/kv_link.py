@@ -57,9 +57,10 @@ class KVLink:
     def create(cls, worker_id: str, model_dir: str | Path, cache: PagedKVCache, has_mtp: bool,
                epoch: int | None = None, push: PushTuning = PushTuning()) -> "KVLink":
         """``epoch``: None for a fresh one; the ranks of a tensor-parallel replica share one.
-        ``push``: posting threads (GPU caches only) and descriptor size."""
+        ``push``: posting threads (GPU caches only), descriptor size, and whether this link pushes
+        (`PushTuning.for_prefill`)."""
         on_gpu = cache.regions()[0].tensor.is_cuda
-        tuning = gpu_push_tuning(push.threads) if on_gpu else {}
+        tuning = gpu_push_tuning(push.threads, push.pushes) if on_gpu else {}
         agent = TransferAgent(worker_id, cache.regions(), compat_info(model_dir, cache, has_mtp), epoch=epoch,
                               **tuning)
         return cls(agent, PeerBook(agent), push, device_fence(cache))

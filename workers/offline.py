@@ -6,6 +6,7 @@ caches (never a full recompute) with all live requests batched per step.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from workers.decode_worker import DecodeWorker
 from workers.kv_link import KVLink
 from workers.page_pool import PoolExhausted
 from workers.prefill_worker import PrefillTask, PrefillWorker
+from workers.push_tuning import PushTuning
 from workers.rank_group import RankGroup
 from workers.rank_worker import RankSpec
 from workers.request import FinishReason, Request, RequestState
@@ -91,7 +93,7 @@ class LLM:
             ppool = PagePool(num_pages)
             if tp_size > 1:
                 # Prefill rank i pushes to decode rank i, each pair over its own NIXL agents.
-                self.groups.append(RankGroup(rank_spec, tp_size))
+                self.groups.append(RankGroup(replace(rank_spec, push=rank_spec.push.for_prefill()), tp_size))
                 prunner = self.groups[1].runner
                 plink, dlink = self.groups[1].link("prefill-0"), self.groups[0].link("decode-0")
             else:
@@ -99,7 +101,7 @@ class LLM:
                 pcache = PagedKVCache(cache_spec_for(pmodel, num_pages, kv_cache_dtype), device)
                 prunner = ModelRunner(pmodel, pcache, get_backend(backend), device)
                 has_mtp = len(self.model.mtp) > 0
-                plink = KVLink.create("prefill-0", self.model_dir, pcache, has_mtp)
+                plink = KVLink.create("prefill-0", self.model_dir, pcache, has_mtp, push=PushTuning().for_prefill())
                 dlink = KVLink.create("decode-0", self.model_dir, self.cache, has_mtp)
             dlink.handshake(plink)
             # CPU prefill of a queue of prompts is slow: the deadline covers queueing + compute.

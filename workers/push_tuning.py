@@ -3,7 +3,7 @@ config). Plain values, no torch: the serve config reads its defaults from here."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # NIXL / UCX settings of an agent whose cache is in GPU memory. UCX's
 # cuda_ipc issues every copy to one peer GPU from one UCX worker on one CUDA
@@ -16,28 +16,41 @@ from dataclasses import dataclass
 # keep NIXL's defaults (UCX only emulates scatter-gather there).
 DEFAULT_PUSH_THREADS = 8
 
-# A cross_layer cache pushes a request's run of pages as one descriptor unless
-# it is cut: 16-page descriptors (49 MB of DeepSeek-V3.2 pages) spread an 8k
-# request over 8 posting threads, and NIXL splits a WRITE of as few as one
-# descriptor (split_batch_size 1). With that, 2 x H200: 8k requests 0.89-0.91 of
-# a peer copy alone and 0.98-1.02 streamed (0.80 / 0.86 on the per_layer cache);
-# one H100: 0.69 / 0.77-0.99 (per_layer 0.64-0.69 / 0.71-0.78). docs/perf.md, session 5.
-DEFAULT_DESCRIPTOR_PAGES = 16
+# A cross_layer cache pushes a request's run of pages as one descriptor (None:
+# runs are not cut). A WRITE of fewer descriptors than posting threads (a
+# request on contiguous pages: one) is posted on the calling thread, one copy
+# with no thread to wake; a fragmented one (many runs) is spread over the
+# threads. Session 7 (docs/perf.md), same calls, vs 16-page descriptors spread
+# over the threads (the session-5 setting): one H100, 8k alone 0.68-0.71 vs
+# 0.53-0.66, 8k streams 0.99-1.07 vs 0.54-0.87; 2 x H200, 8k alone 0.87-0.89 vs
+# 0.84-0.87, first request 0.86-0.88 vs 0.78-0.83, streams 1.01-1.06 vs 0.99-1.00;
+# fragmented pages alike (runs are shorter than 16 pages there anyway).
+DEFAULT_DESCRIPTOR_PAGES: int | None = None
 
 
-def gpu_push_tuning(threads: int | None = None) -> dict:
+def gpu_push_tuning(threads: int | None = None, pushes: bool = False) -> dict:
     """`TransferAgent` keyword arguments for a GPU cache: ``threads`` posting
-    threads on as many UCX workers (None: `DEFAULT_PUSH_THREADS`); 0: one
-    thread with UCX scatter-gather offload."""
+    threads on as many UCX workers (None: `DEFAULT_PUSH_THREADS`), which take a
+    WRITE of at least ``threads`` descriptors; a smaller one is posted on the
+    calling thread. 0: one thread with UCX scatter-gather offload.
+
+    ``pushes``: the agent posts WRITEs (a prefill replica's). It then runs
+    without NIXL's progress thread: that thread spins over the calling
+    thread's UCX worker under its lock, and a WRITE posted there waited for it
+    (one H100: a single-descriptor WRITE at 0.63-0.69 of a device copy with
+    the thread, 0.97-1.01 without). The pusher's own polls progress the worker
+    (each prefill round; a finished prompt's push is spun on). A receiving
+    agent keeps the thread: decode must take notifications while it computes.
+    """
     threads = DEFAULT_PUSH_THREADS if threads is None else int(threads)
     if threads < 0:
         raise ValueError(f"push threads must be >= 0, got {threads}")
+    progress = {"progress_thread": False} if pushes else {}
     if threads == 0:
-        return {"ucx_sgl": True}
-    # split_batch_size 1: a WRITE of any number of descriptors is spread over the threads
-    # (NIXL's default, 1024, would post a cross_layer request's few descriptors from one).
-    return {"ucx_sgl": False,
-            "backend_params": {"num_threads": str(threads), "num_workers": str(threads), "split_batch_size": "1"}}
+        return {"ucx_sgl": True, **progress}
+    return {"ucx_sgl": False, **progress,
+            "backend_params": {"num_threads": str(threads), "num_workers": str(threads),
+                               "split_batch_size": str(threads)}}
 
 
 @dataclass(frozen=True)
@@ -46,12 +59,18 @@ class PushTuning:
 
     ``threads``: NIXL posting threads of a GPU agent (`gpu_push_tuning`; None:
     `DEFAULT_PUSH_THREADS`). ``descriptor_pages``: most pages per descriptor
-    (`transfer.Pusher`'s ``run_pages``; None: whole runs).
+    (`transfer.Pusher`'s ``run_pages``; None: whole runs). ``pushes``: the
+    link's agent posts WRITEs (a prefill replica's link; `gpu_push_tuning`).
     """
 
     threads: int | None = None
     descriptor_pages: int | None = DEFAULT_DESCRIPTOR_PAGES
+    pushes: bool = False
 
     def __post_init__(self) -> None:
         if self.descriptor_pages is not None and self.descriptor_pages < 1:
             raise ValueError(f"descriptor_pages must be >= 1 or None, got {self.descriptor_pages!r}")
+
+    def for_prefill(self) -> "PushTuning":
+        """The same settings for a link that pushes."""
+        return replace(self, pushes=True)

@@ -384,15 +384,18 @@ def test_warm_up_writes_one_page_per_region_repeatedly(path):
     agent, clock = FakeAgent("pre@1", done_on_write=True), Clock()
     pusher = Pusher(agent, FakeBook(DEC), path=path, clock=clock)
     pusher.warm_up("dec@1", local_page=3, remote_page=47, repeat=5)
-    # Three WRITEs by default, one after the other, each the same page of every region 5 times.
-    assert len(agent.writes) == 3 and len({id(w[1]) for w in agent.writes}) == 3
+    # Three rounds by default, one WRITE after the other: the same page of every region 5 times
+    # (the posting threads' workers), then once (a WRITE small enough for the calling thread's).
+    assert len(agent.writes) == 6 and len({id(w[1]) for w in agent.writes}) == 6
     x, plan, notif = agent.writes[0]
     # The notification is a WarmUp (the receiving agent drops it); notify=False sends none.
     assert all(isinstance(w[2], WarmUp) for w in agent.writes)
-    assert all(w[1].num_descriptors == 4 * 5 and w[1].num_pages == 5 and w[1].nbytes == 5 * 280
-               for w in agent.writes)
+    assert [(w[1].num_descriptors, w[1].num_pages, w[1].nbytes) for w in agent.writes] == [
+        (4 * 5, 5, 5 * 280), (4, 1, 280)] * 3
     pusher.warm_up("dec@1", local_page=3, remote_page=47, repeat=2, notify=False, rounds=1)
-    assert len(agent.writes) == 4 and agent.writes[3][2] is None
+    assert len(agent.writes) == 8 and agent.writes[6][2] is None and agent.writes[7][2] is None
+    pusher.warm_up("dec@1", local_page=3, remote_page=47, repeat=1, rounds=1)
+    assert len(agent.writes) == 9
     if path == "prepared":
         assert written_pages(plan, agent.table, DEC.regions) == sorted((k, 3, 47) for k in agent.table.keys())
     else:
@@ -598,7 +601,7 @@ def test_writes_wait_for_their_fence_in_push_order_and_never_leak():
     agent, clock = FakeAgent("pre@1", done_on_write=True), Clock()
     pusher = Pusher(agent, FakeBook(DEC), clock=clock, fence=fence)
     pusher.warm_up("dec@1")  # garbage of page 0: nothing computed to wait for
-    assert fences == [] and len(agent.writes) == 3
+    assert fences == [] and len(agent.writes) == 6
     agent.writes.clear()
     agent.prepared.clear()
     pusher.begin("r", "dec@1", 129, [0, 1, 2], [3, 4, 5], 10.0)

@@ -45,10 +45,12 @@ def assert_regions_equal(got: dict, want: dict) -> None:
             pytest.fail(f"region {key}: pages {bad} differ")
 
 
-@pytest.fixture(scope="module")
-def pair():
+@pytest.fixture(scope="module", params=[True, False], ids=["prefill-progress-thread", "prefill-polls-only"])
+def pair(request):
+    # A GPU prefill agent runs without NIXL's progress thread (workers.push_tuning): every case
+    # runs both ways. Decode always keeps it.
     dec = WorkerProc("dec0", GEOM, DEC_PAGES, seed=1)
-    pre = WorkerProc("pre0", GEOM, PRE_PAGES, seed=2)
+    pre = WorkerProc("pre0", GEOM, PRE_PAGES, seed=2, progress_thread=request.param)
     try:
         dec.ready()
         pre.ready()

@@ -105,7 +105,8 @@ class PagePool:
 class Worker:
     """One side of a pair, living in a child process."""
 
-    def __init__(self, conn, worker_id: str, geometry: Geometry, num_pages: int, seed: int):
+    def __init__(self, conn, worker_id: str, geometry: Geometry, num_pages: int, seed: int,
+                 progress_thread: bool = True):
         import torch
 
         from transfer import CacheRegion, PeerBook, Pusher, Receiver, TransferAgent
@@ -116,7 +117,7 @@ class Worker:
             CacheRegion.of(layer, kind, torch.randint(0, 256, (num_pages, bpp), dtype=torch.uint8, generator=gen))
             for layer, kind, bpp in geometry.kinds()
         ]
-        self.agent = TransferAgent(worker_id, self.regions, geometry.compat())
+        self.agent = TransferAgent(worker_id, self.regions, geometry.compat(), progress_thread=progress_thread)
         self.book = PeerBook(self.agent)
         self.pusher = Pusher(self.agent, self.book)
         self.pool = PagePool(num_pages, seed)
@@ -362,11 +363,13 @@ class WorkerProc:
     geometry: Geometry = field(default_factory=Geometry)
     num_pages: int = 48
     seed: int = 0
+    progress_thread: bool = True  # False: as a GPU prefill agent (workers.push_tuning), progressed by its polls
 
     def __post_init__(self) -> None:
         ctx = _context()
         self.conn, child = ctx.Pipe()
-        kwargs = dict(worker_id=self.worker_id, geometry=self.geometry, num_pages=self.num_pages, seed=self.seed)
+        kwargs = dict(worker_id=self.worker_id, geometry=self.geometry, num_pages=self.num_pages, seed=self.seed,
+                      progress_thread=self.progress_thread)
         self.proc = ctx.Process(target=_child_main, args=(child, kwargs), daemon=True)
         self.proc.start()
         child.close()

@@ -20,9 +20,11 @@ def _child(conn, model_dir: str, llm_kwargs: dict, chunk_size: int, mtp: bool) -
     from workers.kv_link import KVLink
     from workers.offline import LLM
     from workers.prefill_worker import PrefillWorker
+    from workers.push_tuning import PushTuning
 
     llm = LLM(model_dir, **{**llm_kwargs, "cuda_graphs": False})
-    link = KVLink.create("prefill-0", model_dir, llm.cache, has_mtp=len(llm.model.mtp) > 0)
+    link = KVLink.create("prefill-0", model_dir, llm.cache, has_mtp=len(llm.model.mtp) > 0,
+                         push=PushTuning().for_prefill())
     worker = PrefillWorker(llm.runner, llm.pool, link, chunk_size, mtp=mtp, deadline_s=600.0)
     conn.send(("ready", link.agent.name))
     while True:

@@ -10,6 +10,7 @@ import torch
 from attention.cache import CacheSpec, PagedKVCache
 from transfer import Pusher
 from workers.kv_link import KVLink
+from workers.push_tuning import PushTuning
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +35,7 @@ def test_push_waits_for_the_kernels_that_wrote_its_pages(tmp_path):
     spec = CacheSpec(num_layers=4, num_pages=64, kv_lora_rank=512, rope_dim=64, index_head_dim=128,
                      kv_cache_dtype="fp8", dtype=torch.bfloat16)
     pre_cache, dec_cache = PagedKVCache(spec, "cuda"), PagedKVCache(spec, "cuda")
-    pre = KVLink.create("fence-pre", tmp_path, pre_cache, has_mtp=False)
+    pre = KVLink.create("fence-pre", tmp_path, pre_cache, has_mtp=False, push=PushTuning().for_prefill())
     dec = KVLink.create("fence-dec", tmp_path, dec_cache, has_mtp=False)
     try:
         assert pre.fence is not None

@@ -13,11 +13,14 @@ from workers.push_tuning import DEFAULT_DESCRIPTOR_PAGES, DEFAULT_PUSH_THREADS, 
 def test_push_threads_map_to_nixl_settings():
     assert gpu_push_tuning() == gpu_push_tuning(DEFAULT_PUSH_THREADS)
     four = gpu_push_tuning(4)
-    # one UCX worker (one CUDA stream) per posting thread, a WRITE of any size split over them;
-    # scatter-gather off
-    assert four["backend_params"] == {"num_threads": "4", "num_workers": "4", "split_batch_size": "1"}
-    assert four["ucx_sgl"] is False
+    # one UCX worker (one CUDA stream) per posting thread; a WRITE of at least 4 descriptors is split
+    # over them, a smaller one posted on the calling thread; scatter-gather off
+    assert four["backend_params"] == {"num_threads": "4", "num_workers": "4", "split_batch_size": "4"}
+    assert four["ucx_sgl"] is False and "progress_thread" not in four  # NIXL's default: on
     assert gpu_push_tuning(0) == {"ucx_sgl": True}  # the previous setting: one thread, scatter-gather offload
+    # A pushing agent runs without NIXL's progress thread (it would hold the calling thread's worker).
+    assert gpu_push_tuning(4, pushes=True) == {**four, "progress_thread": False}
+    assert gpu_push_tuning(0, pushes=True) == {"ucx_sgl": True, "progress_thread": False}
     with pytest.raises(ValueError, match="push threads must be >= 0"):
         gpu_push_tuning(-1)
 
@@ -34,9 +37,10 @@ def test_transfer_push_threads_config():
 def test_descriptor_pages_config_reaches_the_link():
     from deployments.app_config import TransferConfig
 
-    assert TransferConfig().descriptor_pages == DEFAULT_DESCRIPTOR_PAGES == 16
-    assert TransferConfig().push_tuning() == PushTuning(threads=None, descriptor_pages=16)
-    assert TransferConfig(push_threads=2, descriptor_pages=None).push_tuning() == PushTuning(2, None)
+    assert TransferConfig().descriptor_pages is DEFAULT_DESCRIPTOR_PAGES is None  # whole runs
+    assert TransferConfig().push_tuning() == PushTuning(threads=None, descriptor_pages=None, pushes=False)
+    assert TransferConfig(push_threads=2, descriptor_pages=16).push_tuning() == PushTuning(2, 16)
+    assert PushTuning(2, 16).for_prefill() == PushTuning(2, 16, pushes=True)
     with pytest.raises(ValidationError, match="descriptor_pages"):
         TransferConfig(descriptor_pages=0)
     with pytest.raises(ValueError, match="descriptor_pages"):

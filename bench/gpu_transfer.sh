@@ -11,7 +11,7 @@
 # (what workers/page_pool.py hands out), pairs warmed up at start, every push
 # verified page for page.
 #   served (default): the served setting (workers/push_tuning.py: cross-layer cache,
-#     whole page runs, 8 posting threads taking WRITEs of >= 8 descriptors, no
+#     whole page runs, 8 posting threads taking WRITEs of >= 2 descriptors, no
 #     NIXL progress thread on the pushing agent) vs session 5's (runs cut into
 #     16-page descriptors, every WRITE split over the threads, progress thread on),
 #     on contiguous and on fragmented page ids (--layout runs), interleaved, twice.
@@ -51,7 +51,7 @@ run_case() {  # name, timeout seconds, bench args...
 }
 th() { echo --ucx-sgl off --ucx-threads "$1" --ucx-param num_workers="$1" --ucx-param split_batch_size=${2:-8}; }
 
-SERVED=(--cache-layout cross-layer $(th 8 8) --no-prefill-progress-thread)
+SERVED=(--cache-layout cross-layer $(th 8 2) --no-prefill-progress-thread)
 SESSION5=(--cache-layout cross-layer --run-pages 16 $(th 8 1))
 case "${CASES:-served}" in
   served)

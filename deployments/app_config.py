@@ -285,8 +285,8 @@ class TransferConfig(_Strict):
     push_threads: int | None = Field(
         None, ge=0, le=64,
         description="GPU caches only: NIXL posting threads per agent, each on its own UCX worker (a CUDA stream "
-        "of its own): a WRITE of at least this many descriptors is split over them, a smaller one is posted "
-        "on the calling thread. None = the link's default (workers.push_tuning.DEFAULT_PUSH_THREADS); 0 = one "
+        "of its own): a WRITE of two or more descriptors is split over them, one of a single descriptor "
+        "(a request on contiguous pages) is posted on the calling thread. None = the link's default (workers.push_tuning.DEFAULT_PUSH_THREADS); 0 = one "
         "thread with UCX scatter-gather offload (the old setting). Fewer suit small hosts (docs/serving.md).",
     )
     descriptor_pages: int | None = Field(

@@ -17,10 +17,9 @@ from dataclasses import dataclass, replace
 DEFAULT_PUSH_THREADS = 8
 
 # A cross_layer cache pushes a request's run of pages as one descriptor (None:
-# runs are not cut). A WRITE of fewer descriptors than posting threads (a
-# request on contiguous pages: one) is posted on the calling thread, one copy
-# with no thread to wake; a fragmented one (many runs) is spread over the
-# threads. Session 7 (docs/perf.md), same calls, vs 16-page descriptors spread
+# runs are not cut). A WRITE of one descriptor (a request on contiguous pages)
+# is posted on the calling thread, one copy with no thread to wake; a
+# fragmented one (many runs) is spread over the threads. Session 7 (docs/perf.md), same calls, vs 16-page descriptors spread
 # over the threads (the session-5 setting): one H100, 8k alone 0.68-0.71 vs
 # 0.53-0.66, 8k streams 0.99-1.07 vs 0.54-0.87; 2 x H200, 8k alone 0.87-0.89 vs
 # 0.84-0.87, first request 0.86-0.88 vs 0.78-0.83, streams 1.01-1.06 vs 0.99-1.00;
@@ -31,8 +30,8 @@ DEFAULT_DESCRIPTOR_PAGES: int | None = None
 def gpu_push_tuning(threads: int | None = None, pushes: bool = False) -> dict:
     """`TransferAgent` keyword arguments for a GPU cache: ``threads`` posting
     threads on as many UCX workers (None: `DEFAULT_PUSH_THREADS`), which take a
-    WRITE of at least ``threads`` descriptors; a smaller one is posted on the
-    calling thread. 0: one thread with UCX scatter-gather offload.
+    WRITE of two or more descriptors; one of a single descriptor is posted on
+    the calling thread. 0: one thread with UCX scatter-gather offload.
 
     ``pushes``: the agent posts WRITEs (a prefill replica's). It then runs
     without NIXL's progress thread: that thread spins over the calling
@@ -48,9 +47,11 @@ def gpu_push_tuning(threads: int | None = None, pushes: bool = False) -> dict:
     progress = {"progress_thread": False} if pushes else {}
     if threads == 0:
         return {"ucx_sgl": True, **progress}
+    # NIXL's split_batch_size is also the fewest descriptors per thread: 2 still spreads a
+    # fragmented 8k request (~30 runs) over all 8 threads; 8 gave it 4 (H100 streams 0.46 vs 0.71).
     return {"ucx_sgl": False, **progress,
             "backend_params": {"num_threads": str(threads), "num_workers": str(threads),
-                               "split_batch_size": str(threads)}}
+                               "split_batch_size": "2"}}
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from workers.push_tuning import DEFAULT_DESCRIPTOR_PAGES, DEFAULT_PUSH_THREADS, 
 def test_push_threads_map_to_nixl_settings():
     assert gpu_push_tuning() == gpu_push_tuning(DEFAULT_PUSH_THREADS)
     four = gpu_push_tuning(4)
-    # one UCX worker (one CUDA stream) per posting thread; a WRITE of at least 4 descriptors is split
-    # over them, a smaller one posted on the calling thread; scatter-gather off
-    assert four["backend_params"] == {"num_threads": "4", "num_workers": "4", "split_batch_size": "4"}
+    # one UCX worker (one CUDA stream) per posting thread; a WRITE of two or more descriptors is split
+    # over them, one of a single descriptor posted on the calling thread; scatter-gather off
+    assert four["backend_params"] == {"num_threads": "4", "num_workers": "4", "split_batch_size": "2"}
     assert four["ucx_sgl"] is False and "progress_thread" not in four  # NIXL's default: on
     assert gpu_push_tuning(0) == {"ucx_sgl": True}  # the previous setting: one thread, scatter-gather offload
     # A pushing agent runs without NIXL's progress thread (it would hold the calling thread's worker).

@@ -19,11 +19,13 @@ DEFAULT_PUSH_THREADS = 8
 # A cross_layer cache pushes a request's run of pages as one descriptor (None:
 # runs are not cut). A WRITE of one descriptor (a request on contiguous pages)
 # is posted on the calling thread, one copy with no thread to wake; a
-# fragmented one (many runs) is spread over the threads. Session 7 (docs/perf.md), same calls, vs 16-page descriptors spread
-# over the threads (the session-5 setting): one H100, 8k alone 0.68-0.71 vs
-# 0.53-0.66, 8k streams 0.99-1.07 vs 0.54-0.87; 2 x H200, 8k alone 0.87-0.89 vs
-# 0.84-0.87, first request 0.86-0.88 vs 0.78-0.83, streams 1.01-1.06 vs 0.99-1.00;
-# fragmented pages alike (runs are shorter than 16 pages there anyway).
+# fragmented one (many runs) is spread over the threads. Against 16-page
+# descriptors spread over the threads (the session-5 setting), same calls
+# (docs/perf.md, session 7), contiguous pages: one H100, 8k streams 1.02-1.03
+# vs 0.77-0.78, first request 0.64-0.69 vs 0.54-0.56, 8k alone 0.65-0.74 vs
+# 0.67-0.68; 2 x H200, first request 0.83-0.91 vs 0.62-0.80, 32k alone
+# 0.96-0.98 vs 0.93-0.95, streams 1.00-1.07 vs 0.98-1.01. Fragmented pages:
+# alike, except an 8k request alone on the H100 (0.46-0.50 vs 0.52-0.57).
 DEFAULT_DESCRIPTOR_PAGES: int | None = None
 
 

@@ -123,6 +123,15 @@ def free_pages(server) -> tuple[int, int]:
     return s["prefill"][0]["stats"]["free_pages"], s["decode"][0]["stats"]["free_pages"]
 
 
+def whole_pools(server, timeout_s: float = 20.0) -> tuple[int, int]:
+    """(prefill, decode) free pages once every earlier request has ended: every page but decode's
+    warm-up page. A client's call returns before its pages are back (decode frees them after the
+    last token), so a count taken right after another test would not be the idle one."""
+    whole = (ARGS.prefill.num_pages, ARGS.decode.num_pages - 1)
+    wait_until(lambda: free_pages(server) == whole, timeout_s, "pools at their start counts")
+    return whole
+
+
 # --------------------------------------------------------------------------- happy paths
 
 
@@ -283,7 +292,7 @@ def test_token_ids_outside_the_vocabulary_are_400(client):
 
 
 def test_client_disconnect_mid_stream_frees_pages_on_both_sides(ready):
-    base = free_pages(ready)
+    base = whole_pools(ready)
     body = {"model": MODEL, "prompt": prompt_ids(200, seed=9), "max_tokens": 1500, "temperature": 0,
             "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=60) as http:
@@ -305,7 +314,7 @@ def test_client_disconnect_mid_stream_frees_pages_on_both_sides(ready):
 def test_client_timeout_of_a_non_streamed_request_frees_pages(ready, prompt_len, max_tokens, timeout):
     # 3 s: the client leaves while decode streams; 0.5 s with a long prompt: while
     # prefill computes and pushes (the decode replica cancels its prefill call).
-    base = free_pages(ready)
+    base = whole_pools(ready)
     body = {"model": MODEL, "prompt": prompt_ids(prompt_len, seed=11), "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
@@ -316,8 +325,7 @@ def test_client_timeout_of_a_non_streamed_request_frees_pages(ready, prompt_len,
 def test_pools_end_where_they_started(ready, client):
     # After every test above (finishes, stops, disconnects, refusals) both pools are whole again.
     client.completions.create(model=MODEL, prompt="last", max_tokens=3)
-    wait_until(lambda: free_pages(ready) == (ARGS.prefill.num_pages, ARGS.decode.num_pages - 1), 10,
-               "pools at their start counts")
+    whole_pools(ready, timeout_s=10)
     s = stats(ready)["decode"][0]["stats"]
     assert s["decode_tokens"] > 0 and s["awaiting_kv"] == 0 and s["queued"] == 0
 

@@ -286,8 +286,9 @@ class TransferConfig(_Strict):
         None, ge=0, le=64,
         description="GPU caches only: NIXL posting threads per agent, each on its own UCX worker (a CUDA stream "
         "of its own): a WRITE of two or more descriptors is split over them, one of a single descriptor "
-        "(a request on contiguous pages) is posted on the calling thread. None = the link's default (workers.push_tuning.DEFAULT_PUSH_THREADS); 0 = one "
-        "thread with UCX scatter-gather offload (the old setting). Fewer suit small hosts (docs/serving.md).",
+        "(a request on contiguous pages) is posted on the calling thread. None = the link's default "
+        "(workers.push_tuning.DEFAULT_PUSH_THREADS); 0 = one thread with UCX scatter-gather offload (the old "
+        "setting). Fewer suit small hosts (docs/serving.md).",
     )
     descriptor_pages: int | None = Field(
         DEFAULT_DESCRIPTOR_PAGES, ge=1,

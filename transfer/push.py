@@ -414,8 +414,7 @@ class Pusher:
         self._selection(peer).check([local_page], [remote_page])
         t0 = self.clock()
         self.agent.connect(peer.agent_name)
-        sizes = [repeat, 1] if repeat > 1 else [1]
-        for _, n in ((r, n) for r in range(rounds) for n in sizes):
+        for n in ([repeat, 1] if repeat > 1 else [1]) * rounds:
             pages = np.full(n, local_page, dtype=np.int64), np.full(n, remote_page, dtype=np.int64)
             xfer = self._write(peer, *pages, encode(WarmUp()) if notify else b"")
             try:

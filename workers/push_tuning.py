@@ -38,8 +38,8 @@ def gpu_push_tuning(threads: int | None = None, pushes: bool = False) -> dict:
     ``pushes``: the agent posts WRITEs (a prefill replica's). It then runs
     without NIXL's progress thread: that thread spins over the calling
     thread's UCX worker under its lock, and a WRITE posted there waited for it
-    (one H100: a single-descriptor WRITE at 0.63-0.69 of a device copy with
-    the thread, 0.97-1.01 without). The pusher's own polls progress the worker
+    (one H100: a single-descriptor WRITE at 0.63-0.67 of a device copy with
+    the thread, 0.96-1.01 without). The pusher's own polls progress the worker
     (each prefill round; a finished prompt's push is spun on). A receiving
     agent keeps the thread: decode must take notifications while it computes.
     """

@@ -102,6 +102,7 @@ class BenchConfig:
     run_pages: Optional[int] = None  # `Pusher(run_pages=...)`: the most pages per descriptor
     prefill_progress_thread: bool = True  # False: only the decode agent runs NIXL's progress thread
     forward_ms: float = 0.0  # device work run just before each request alone, as the forward that wrote its pages
+    lone_parts: bool = False  # a request alone is also timed in parts (push call, copies, reporting poll)
 
     @property
     def bytes_per_page(self) -> int:
@@ -489,6 +490,11 @@ class Side:
             done = min(done + chunk, tokens)
             pusher.push(rid, done)
         t_posted = time.perf_counter()
+        t_copied = None
+        if self.cfg.lone_parts:  # the copies alone: the WRITEs' states in a tight loop, then the poll
+            while pusher.writes_in_flight():
+                pass
+            t_copied = time.perf_counter()
         while True:
             results = pusher.poll(spin_s=0.01)  # as a prefill round waits for the prompts it finished
             if results:
@@ -496,7 +502,9 @@ class Side:
         t1 = time.perf_counter()
         (r,) = results
         st = pusher.stats.since(before)
-        return {"status": r.status.value, "reason": r.reason, "seconds": t1 - t0, "post_seconds": t_posted - t0,
+        parts = {} if t_copied is None else {"push_call_seconds": t_posted - t_begun,
+                                             "copies_seconds": t_copied - t_posted, "report_seconds": t1 - t_copied}
+        return {**parts, "status": r.status.value, "reason": r.reason, "seconds": t1 - t0, "post_seconds": t_posted - t0,
                 "from_push_seconds": t1 - t_begun, "push_at": t_begun,
                 "plan_seconds": st.plan_s, "make_seconds": st.make_s, "nixl_post_seconds": st.post_s,
                 "nbytes": r.nbytes, "descriptors": st.descriptors, "chunks": r.chunks}
@@ -771,7 +779,15 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                       f"{ms(med['post_seconds']):>8} {ms(med['seconds']):>9} {bw:>8.1f} {frac:>16.3f} "
                       f"{ms(med['from_push_seconds']):>12} {copy_s[t] / med['from_push_seconds']:>8.3f} "
                       f"{ms(med['to_decode_seconds']):>12} {copy_s[t] / med['to_decode_seconds']:>8.3f}")
-                rows.append({"tokens": t, "path": name, "merge": merge, "ucx_sgl": cfg.ucx_sgl,
+                if cfg.lone_parts:
+                    part = {k: statistics.median(r[k] for r in runs)
+                            for k in ("push_call_seconds", "copies_seconds", "report_seconds")}
+                    print(f"  parts of {t} alone (median): push call {ms(part['push_call_seconds'])} ms, copies "
+                          f"{ms(part['copies_seconds'])} ms, reporting poll {ms(part['report_seconds'])} ms")
+                    med.update(part)
+                rows.append({**{k: v for k, v in med.items() if k.endswith("_seconds") and k.startswith(("push_call",
+                                                                                                 "copies", "report"))},
+                             "tokens": t, "path": name, "merge": merge, "ucx_sgl": cfg.ucx_sgl,
                              "descriptors": runs[0]["descriptors"], "nbytes": nb, "push_seconds": med["seconds"],
                              "post_seconds": med["post_seconds"], "plan_seconds": med["plan_seconds"],
                              "make_seconds": med["make_seconds"], "nixl_post_seconds": med["nixl_post_seconds"],
@@ -894,6 +910,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="before each request alone (and the first), keep the prefill device busy this long (copies "
                          "of a scratch buffer), as the forward that wrote the pages would; default 0: idle since "
                          "the last request")
+    ap.add_argument("--lone-parts", action="store_true",
+                    help="time each request alone in parts too: the push call, the copies (the WRITEs' states "
+                         "polled alone), the poll that reports the end")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
@@ -913,7 +932,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                        cache_layout=args.cache_layout, run_pages=args.run_pages,
                        backend_params=tuple(tuple(kv.split("=", 1)) for kv in args.ucx_param),
                        receiver_defaults=args.receiver_defaults,
-                       prefill_progress_thread=not args.no_prefill_progress_thread, forward_ms=args.forward_ms)
+                       prefill_progress_thread=not args.no_prefill_progress_thread, forward_ms=args.forward_ms,
+                       lone_parts=args.lone_parts)
     verify = not args.no_verify
     sgl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.ucx_sgl]
 

@@ -103,7 +103,6 @@ class BenchConfig:
     prefill_progress_thread: bool = True  # False: only the decode agent runs NIXL's progress thread
     forward_ms: float = 0.0  # device work run just before each request alone, as the forward that wrote its pages
     lone_parts: bool = False  # a request alone is also timed in parts (push call, copies, reporting poll)
-    pin_prefill_cpu: Optional[int] = None  # pin the prefill process's main thread (only it) to this CPU
 
     @property
     def bytes_per_page(self) -> int:
@@ -190,10 +189,6 @@ class Side:
                         for row in ROWS.values()}
         # The bench picks page ids itself (no pool): nothing to give back.
         self.receiver = Receiver(self.agent, self.book, release_pages=lambda pages: None)
-        if role == "prefill" and cfg.pin_prefill_cpu is not None:
-            # After the agent made its threads (they would inherit the mask): only the thread that
-            # posts and polls stays on one CPU, whose caches then still hold its code between requests.
-            os.sched_setaffinity(0, {cfg.pin_prefill_cpu})
 
     def _calibrate_forward(self, ms: float) -> None:
         """Size `_forward`: copies of a 64 MB scratch buffer that take ``ms`` on this device."""
@@ -918,8 +913,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--lone-parts", action="store_true",
                     help="time each request alone in parts too: the push call, the copies (the WRITEs' states "
                          "polled alone), the poll that reports the end")
-    ap.add_argument("--pin-prefill-cpu", type=int, default=None, metavar="CPU",
-                    help="pin the prefill process's posting thread to this CPU once its agent's threads exist")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
@@ -940,7 +933,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        backend_params=tuple(tuple(kv.split("=", 1)) for kv in args.ucx_param),
                        receiver_defaults=args.receiver_defaults,
                        prefill_progress_thread=not args.no_prefill_progress_thread, forward_ms=args.forward_ms,
-                       lone_parts=args.lone_parts, pin_prefill_cpu=args.pin_prefill_cpu)
+                       lone_parts=args.lone_parts)
     verify = not args.no_verify
     sgl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.ucx_sgl]
 

@@ -31,6 +31,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from attention.cache import ALL_LAYERS
 from attention.formats import PAGE_SIZE, pages_for_tokens
 from transfer.errors import PlanError
 from transfer.regions import RegionKey, RegionTable
@@ -92,6 +93,10 @@ def select_regions(
     want_k = None if kinds is None else set(kinds)
     keys = [k for k in table.keys() if (want_l is None or k[0] in want_l) and (want_k is None or k[1] in want_k)]
     if want_l is not None and (missing := want_l - {k[0] for k in keys}):
+        if any(k[0] == ALL_LAYERS for k in table.keys()):
+            raise PlanError(f"no region for layers {sorted(missing)}: a cross_layer cache has one region per "
+                            f"kind whose page carries every layer (layer {ALL_LAYERS}); push every layer "
+                            f"(layers=None)")
         raise PlanError(f"no region for layers {sorted(missing)}")
     if want_k is not None and (missing := want_k - {k[1] for k in keys}):
         raise PlanError(f"no region of kinds {sorted(missing)}")

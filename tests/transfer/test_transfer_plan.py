@@ -152,6 +152,15 @@ def test_plan_layer_and_kind_selection():
         build_plan(local, remote, [1], [2], kinds=["swa"])
 
 
+def test_a_layer_subset_of_a_cross_layer_cache_is_refused_with_the_reason():
+    from attention.cache import ALL_LAYERS
+
+    cross = RegionTable((RegionEntry(ALL_LAYERS, "kv", 1 << 20, 500, 8, "DRAM", 0),))
+    with pytest.raises(PlanError, match=r"no region for layers \[3\]: a cross_layer cache .*\(layers=None\)"):
+        build_plan(cross, cross, [1], [2], layers=[3])
+    assert build_plan(cross, cross, [1], [2]).num_descriptors == 1  # every layer: the one region
+
+
 @pytest.mark.parametrize(
     "lp, rp, match",
     [([0, 1], [0], "2 local pages but 1"), ([8], [0], "local page 8 out of range"), ([0], [12], "remote page 12"),

@@ -17,7 +17,7 @@
 #     on contiguous and on fragmented page ids (--layout runs), interleaved, twice.
 #   layout: requests alone (8k, 32k) on the serving path, the
 #     re-posted WRITE (the transport alone), the first request after start,
-#     streams of 8 in flight; the served setting (cross-layer cache: one
+#     streams of 8 in flight; session 5's setting (cross-layer cache: one
 #     region, runs cut into 16-page descriptors, split_batch_size 1) vs the
 #     per-layer cache as served before (a region per layer: 61 descriptors
 #     per run, split_batch_size 8) and cross-layer with 8-page descriptors,
@@ -25,7 +25,7 @@
 #   anatomy: one 8k request timed with one thing changed at a time (re-posted or
 #     fresh handle, notification, new pages, the Pusher; decode idle or polling)
 #     for 16-, 8-page and whole-run descriptors, with NIXL posting on its threads
-#     (split_batch_size 1, served) and on the calling thread (1024), twice.
+#     (split_batch_size 1, session 5's) and on the calling thread (1024), twice.
 #   sweep: the same measurements for RUNS="name:bench args;..." (a name ending
 #     in _sbsN sets split_batch_size N, else 8), interleaved, twice. Session 4's
 #     `single` (per-layer vs layer-major) is RUNS="per_layer:;layer_major:--cache-layout layer-major".

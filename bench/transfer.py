@@ -492,7 +492,7 @@ class Side:
         t_posted = time.perf_counter()
         t_copied = None
         if self.cfg.lone_parts:  # the copies alone: the WRITEs' states in a tight loop, then the poll
-            while pusher.writes_in_flight():
+            while pusher.writes_in_flight() and time.perf_counter() - t0 < self.cfg.deadline_s:
                 pass
             t_copied = time.perf_counter()
         while True:
@@ -779,15 +779,13 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                       f"{ms(med['post_seconds']):>8} {ms(med['seconds']):>9} {bw:>8.1f} {frac:>16.3f} "
                       f"{ms(med['from_push_seconds']):>12} {copy_s[t] / med['from_push_seconds']:>8.3f} "
                       f"{ms(med['to_decode_seconds']):>12} {copy_s[t] / med['to_decode_seconds']:>8.3f}")
+                part = {}
                 if cfg.lone_parts:
                     part = {k: statistics.median(r[k] for r in runs)
                             for k in ("push_call_seconds", "copies_seconds", "report_seconds")}
                     print(f"  parts of {t} alone (median): push call {ms(part['push_call_seconds'])} ms, copies "
                           f"{ms(part['copies_seconds'])} ms, reporting poll {ms(part['report_seconds'])} ms")
-                    med.update(part)
-                rows.append({**{k: v for k, v in med.items() if k.endswith("_seconds") and k.startswith(("push_call",
-                                                                                                 "copies", "report"))},
-                             "tokens": t, "path": name, "merge": merge, "ucx_sgl": cfg.ucx_sgl,
+                rows.append({**part, "tokens": t, "path": name, "merge": merge, "ucx_sgl": cfg.ucx_sgl,
                              "descriptors": runs[0]["descriptors"], "nbytes": nb, "push_seconds": med["seconds"],
                              "post_seconds": med["post_seconds"], "plan_seconds": med["plan_seconds"],
                              "make_seconds": med["make_seconds"], "nixl_post_seconds": med["nixl_post_seconds"],

@@ -101,7 +101,8 @@ class TransferAgent:
     registered with NIXL here and stay registered until `close`; the
     tensors are kept referenced so their memory outlives the registration.
     ``progress_thread``: NIXL's background progress thread (its default;
-    keep it). It costs about half a core spinning, but without it a WRITE
+    keep it, except on a GPU agent that pushes: `workers.push_tuning`). It
+    costs about half a core spinning, but without it a WRITE
     over a transport that needs the target's CPU (TCP, shared memory) only
     advances while *both* processes are inside `state` / `take`: a busy or
     blocked peer stalls the transfer (seen in the two-process DRAM tests).

@@ -17,10 +17,10 @@ class PagePool:
     Why contiguity: a request's pages move prefill -> decode as NIXL
     descriptors per (region, run of pages contiguous on both sides), and
     posting costs per descriptor whatever its size (docs/perf.md): a
-    32k-token DeepSeek-V3.2 request in one run is 32 descriptors on the
-    cross-layer cache (16 pages each: 0.89-0.92 of the H100's copy bandwidth
-    alone, 0.99-1.04 streamed); in runs of 1-16 it would be thousands
-    (0.065 on the per-layer cache, ~7,000 descriptors).
+    32k-token DeepSeek-V3.2 request in one run is one descriptor on the
+    cross-layer cache, one copy (0.88 of the H100's copy bandwidth alone,
+    1.02 streamed; docs/perf.md, session 7); in runs of 1-16 pages it is
+    ~115 (0.78 / 0.94), and on the per-layer cache thousands (~7,000: 0.065).
 
     The free pages are kept as maximal runs ``[start, start + length)``.
     `allocate(n)` takes the smallest run that holds all ``n`` pages (lowest

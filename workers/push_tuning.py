@@ -1,5 +1,6 @@
-"""How a KV link pushes: NIXL posting threads and descriptor size (``transfer`` in a serve
-config). Plain values, no torch: the serve config reads its defaults from here."""
+"""How a KV link pushes: NIXL posting threads, descriptor size (``transfer`` in a serve config),
+and, for a link that pushes, no NIXL progress thread. Plain values, no torch: the serve config
+reads its defaults from here."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def gpu_push_tuning(threads: int | None = None, pushes: bool = False) -> dict:
     if threads == 0:
         return {"ucx_sgl": True, **progress}
     # NIXL's split_batch_size is also the fewest descriptors per thread: 2 still spreads a
-    # fragmented 8k request (~30 runs) over all 8 threads; 8 gave it 4 (H100 streams 0.46 vs 0.71).
+    # fragmented 8k request (~30 runs) over all 8 threads; 8 gave it 4 (H100 fragmented 8k
+    # streams: 0.46-0.47 with 8, 0.60-0.81 with 2, 0.70-0.72 with session 5's 1).
     return {"ucx_sgl": False, **progress,
             "backend_params": {"num_threads": str(threads), "num_workers": str(threads),
                                "split_batch_size": "2"}}

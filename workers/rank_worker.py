@@ -51,7 +51,7 @@ class RankSpec:
     num_pages: int = 512
     hadamard: bool = False
     with_mtp: bool = True
-    push: PushTuning = PushTuning()  # how the KV link pushes (posting threads, descriptor size)
+    push: PushTuning = PushTuning()  # the KV link's posting threads, descriptor size, whether it pushes
     page_layout: str = "cross_layer"  # attention.cache.CacheSpec.page_layout
 
 

@@ -86,3 +86,13 @@ def test_bench_transfer_cpu_cross_layer_run_pages(tmp_path):
     # 16 pages in one run, cut into 5 + 5 + 5 + 1: four descriptors of whole pages of every layer.
     assert [r["descriptors"] for r in report["rows"]] == [4, 4]
     assert all(r["nbytes"] == 16 * 3 * (41_984 + 8_448) for r in report["rows"])
+
+
+def test_bench_transfer_cpu_lone_parts_after_device_work(tmp_path):
+    stdout, report = run_bench(tmp_path, "--tokens", "1000", "--reps", "2", "--ucx-sgl", "off", "--paths", "auto",
+                               "--cache-layout", "cross-layer", "--forward-ms", "1", "--lone-parts")
+    assert "verified" in stdout and "device busy before a lone push 1.0 ms" in stdout
+    assert "parts of 1000 alone (median): push call" in stdout
+    (row,) = report["rows"]
+    parts = [row["push_call_seconds"], row["copies_seconds"], row["report_seconds"]]
+    assert all(p >= 0 for p in parts) and sum(parts) <= row["push_seconds"]

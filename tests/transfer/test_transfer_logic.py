@@ -380,7 +380,7 @@ def test_auto_path_switches_to_prepared_lists_above_the_descriptor_limit(monkeyp
 
 
 @pytest.mark.parametrize("path", ["prepared", "explicit"])
-def test_warm_up_writes_one_page_per_region_repeatedly(path):
+def test_warm_up_writes_one_page_per_region_repeatedly_and_once(path):
     agent, clock = FakeAgent("pre@1", done_on_write=True), Clock()
     pusher = Pusher(agent, FakeBook(DEC), path=path, clock=clock)
     pusher.warm_up("dec@1", local_page=3, remote_page=47, repeat=5)

@@ -148,8 +148,8 @@ def test_prefill_deadline_expiry_aborts_decode(pair, pools_restored):
 
 
 def test_prefill_killed_mid_transfer_decode_expires_and_frees(pair, pools_restored):
-    dec, _ = pair
-    victim = WorkerProc("pre-victim", GEOM, PRE_PAGES, seed=3)
+    dec, pre = pair
+    victim = WorkerProc("pre-victim", GEOM, PRE_PAGES, seed=3, progress_thread=pre.progress_thread)
     try:
         victim.ready()
         handshake(dec, victim)

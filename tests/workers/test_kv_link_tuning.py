@@ -63,3 +63,27 @@ def test_link_pusher_cuts_runs_to_descriptor_pages(tmp_path):
         assert link.pusher().run_pages == 3 and link.agent.compat.kv_format == "fp32_mla_40+index/cross_layer"
     finally:
         link.close()
+
+
+def test_only_prefill_replicas_build_a_link_that_pushes(monkeypatch):
+    """A prefill replica's link pushes (on a GPU: no NIXL progress thread); a decode replica's does not."""
+    from deployments import replica_build
+    from deployments.app_config import AppConfig
+    from tests.deployments.app_fixtures import yaml_args
+
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def build_parts(pool_cfg, model_dir, worker_id, place, push=PushTuning()):
+        seen[worker_id] = push
+        raise Built  # the tuning is all this test needs
+
+    monkeypatch.setattr(replica_build, "build_parts", build_parts)
+    cfg = AppConfig.model_validate(yaml_args("tiny_pd.yaml"))
+    for build, worker_id in ((replica_build.build_prefill_worker, "p"), (replica_build.build_decode_worker, "d")):
+        with pytest.raises(Built):
+            build(cfg, "unused", worker_id)
+    assert seen == {"p": cfg.transfer.push_tuning().for_prefill(), "d": cfg.transfer.push_tuning()}
+    assert seen["p"].pushes and not seen["d"].pushes

@@ -343,8 +343,8 @@ class Pusher:
         for name in [n for n in self._selections if not self.peers.knows(n)]:
             del self._selections[name]  # the peer was forgotten or superseded
         for job in list(self._jobs.values()):
-            if self._ended_by_gone_peer(job) or not self._post_ready(job):
-                continue
+            if not self._post_ready(job):
+                continue  # its peer is gone, or a post failed: the request ended
             states = [self.agent.state(x) for x in job.inflight]
             if "ERR" in states:
                 self._results.append(self._finish(job, PushStatus.FAILED, "WRITE failed", tell_peer=True))
@@ -454,9 +454,9 @@ class Pusher:
         return True
 
     def _post_ready(self, job: _Job) -> bool:
-        """Post ``job``'s waiting chunks whose pages are written, in order; False if the request
-        ended instead (a post failed, or its peer is gone: nothing is posted to a gone peer)."""
-        if job.waiting and self._ended_by_gone_peer(job):
+        """End ``job`` if its peer is gone (nothing is posted to a gone peer); else post its waiting
+        chunks whose pages are written, in order. False if the request ended (gone peer, failed post)."""
+        if self._ended_by_gone_peer(job):
             return False
         while job.waiting and (job.waiting[0].written is None or job.waiting[0].written()):
             chunk = job.waiting.pop(0)

@@ -30,6 +30,16 @@ Reported, all from one run:
   (`Pusher.poll` spinning on the WRITE's state); ``to_decode_ms`` from the
   push call until the decode process saw the request complete (both
   processes' ``perf_counter``, one system-wide monotonic clock on Linux);
+- with ``--fenced``: every push as served, fenced by a CUDA event (the WRITE
+  is posted by the poll that sees the event pass), and with ``--forward-ms``
+  called while that device work still runs (serving pushes after the MTP
+  layer's forward is enqueued); a request alone is also timed from the fence
+  passing (``from_fence``: the part on the critical path once the pages are
+  written);
+- with ``--copy-alone``: before each request alone, a torch copy of its
+  bytes timed the same way (the prefill process comes out of a pipe read,
+  copies, waits): what the device gives a lone copy, next to the copy timed
+  back to back that every fraction above is of;
 - with ``--raw-reps N``: one request's WRITE posted again N times (no plan,
   no request creation, no notification): the transport's own time;
 - with ``--inflight N``: a stream of ``--stream`` requests (default 4N) pushed
@@ -103,6 +113,8 @@ class BenchConfig:
     prefill_progress_thread: bool = True  # False: only the decode agent runs NIXL's progress thread
     forward_ms: float = 0.0  # device work run just before each request alone, as the forward that wrote its pages
     lone_parts: bool = False  # a request alone is also timed in parts (push call, copies, reporting poll)
+    fenced: bool = False  # pushes are fenced (serving's CUDA event); with forward_ms the device work is still running
+    copy_alone: bool = False  # each request alone is preceded by a torch copy of its bytes, timed alone the same way
 
     @property
     def bytes_per_page(self) -> int:
@@ -185,8 +197,12 @@ class Side:
         self.agent = TransferAgent(f"bench-{role}", self.regions, compat, progress_thread=cfg.progress_thread and (role == "decode" or cfg.prefill_progress_thread),
                                    **tuning)
         self.book = PeerBook(self.agent)
-        self.pushers = {row: Pusher(self.agent, self.book, merge=row[1], path=row[0], run_pages=cfg.run_pages)
+        self._fence_passed_at: Optional[float] = None
+        fence = self._timed_fence() if cfg.fenced and role == "prefill" else None
+        self.pushers = {row: Pusher(self.agent, self.book, merge=row[1], path=row[0], run_pages=cfg.run_pages,
+                                    fence=fence)
                         for row in ROWS.values()}
+        self._copy_bufs: dict[int, tuple[Any, Any]] = {}
         # The bench picks page ids itself (no pool): nothing to give back.
         self.receiver = Receiver(self.agent, self.book, release_pages=lambda pages: None)
 
@@ -204,16 +220,65 @@ class Side:
         per_copy = (time.perf_counter() - t0) / 10
         self._forward_copies = max(1, round(ms * 1e-3 / per_copy))
 
-    def _forward(self) -> None:
+    def _forward(self, wait: bool = True) -> None:
         """Keep the device busy, as the prefill forward that wrote a request's pages does right before
-        its push (a GPU left idle between requests clocks down: the copies after it are slower)."""
+        its push (a GPU left idle between requests clocks down: the copies after it are slower).
+        ``wait``: return once the device work ran (as a forward that samples the first token does);
+        else right after enqueueing it (as serving's push after the MTP layer's forward)."""
         import torch
 
         src, dst = self._forward_bufs
         for _ in range(self._forward_copies):
             dst.copy_(src)
+        if wait and self.cfg.device == "cuda":
+            torch.cuda.synchronize()
+
+    def _timed_fence(self):
+        """Serving's fence (`workers.kv_link.cuda_event_fence`; on CPU the pages are written when the
+        forward returns), noting when its query first says the pages are written: the moment a
+        fenced push can be posted."""
+        if self.cfg.device == "cuda":
+            from workers.kv_link import cuda_event_fence
+
+            fence = cuda_event_fence(self.dev)
+        else:
+            fence = lambda: lambda: True  # noqa: E731
+
+        def timed():
+            query = fence()
+
+            def written() -> bool:
+                if not query():
+                    return False
+                if self._fence_passed_at is None:
+                    self._fence_passed_at = time.perf_counter()
+                return True
+
+            return written
+
+        return timed
+
+    def copy_alone(self, nbytes: int) -> float:
+        """Seconds of one torch copy of ``nbytes`` (prefill device -> decode device) from the call until
+        it ended: the reference copy timed as a request alone is (the process comes out of a pipe read)."""
+        import torch
+
+        if nbytes not in self._copy_bufs:
+            if self.cfg.device == "cuda":
+                bufs = (torch.ones(nbytes, dtype=torch.uint8, device=self.dev),
+                        torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", self.cfg.decode_device)))
+            else:
+                bufs = (torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8))
+            bufs[1].copy_(bufs[0])  # first touch, not timed
+            self._copy_bufs[nbytes] = bufs
+        src, dst = self._copy_bufs[nbytes]
         if self.cfg.device == "cuda":
             torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if self.cfg.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     def name(self) -> str:
         return self.agent.name
@@ -480,10 +545,17 @@ class Side:
         pusher = self.pushers[(path, merge)]
         before = pusher.stats.copy()
         chunk = chunk_tokens or tokens
-        if self._forward_copies:
+        fenced = self.cfg.fenced
+        if self._forward_copies and not fenced:
             self._forward()
         t0 = time.perf_counter()
         pusher.begin(rid, peer, tokens, local, remote, self.cfg.deadline_s)
+        if fenced:
+            # As served: begin at admission, then the forward that writes the pages, then the fenced push
+            # while the device still runs it; the WRITE is posted by the poll that sees the fence pass.
+            if self._forward_copies:
+                self._forward(wait=False)
+            self._fence_passed_at = None
         t_begun = time.perf_counter()
         done = 0
         while done < tokens:
@@ -504,6 +576,8 @@ class Side:
         st = pusher.stats.since(before)
         parts = {} if t_copied is None else {"push_call_seconds": t_posted - t_begun,
                                              "copies_seconds": t_copied - t_posted, "report_seconds": t1 - t_copied}
+        if fenced:
+            parts["from_fence_seconds"] = t1 - self._fence_passed_at
         return {**parts, "status": r.status.value, "reason": r.reason, "seconds": t1 - t0, "post_seconds": t_posted - t0,
                 "from_push_seconds": t1 - t_begun, "push_at": t_begun,
                 "plan_seconds": st.plan_s, "make_seconds": st.make_s, "nixl_post_seconds": st.post_s,
@@ -619,6 +693,7 @@ class Pair:
         remote = page_ids(self.cfg.layout, n, self.cfg.pool_pages, self.rng)
         rid = f"req{self.n}"
         self.n += 1
+        copy_alone = self.pre.call("copy_alone", n * self.cfg.bytes_per_page) if self.cfg.copy_alone else None
         self.dec.call("reserve", rid, self.pre_name, tokens, remote)
         self.dec.send("wait")
         res = self.pre.call("push", rid, self.dec_name, tokens, local, remote, path, merge, chunk_tokens)
@@ -627,6 +702,8 @@ class Pair:
             raise RuntimeError(f"request {rid} failed: push {res}, receive {got}")
         if verify and self.pre.call("checksum", local) != self.dec.call("checksum", remote):
             raise RuntimeError(f"request {rid}: decode pages differ from prefill pages")
+        if copy_alone is not None:
+            res["copy_alone_seconds"] = copy_alone
         res["receive_seconds"] = got["seconds"]
         res["to_decode_seconds"] = got["at"] - res["push_at"]
         return res
@@ -699,6 +776,25 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
 
+LONE_EXTRAS = ("from_fence_seconds", "copy_alone_seconds")
+"""What `--fenced` / `--copy-alone` add to a request alone."""
+
+
+def lone_extras(r: dict[str, Any], copy_s: float) -> str:
+    """`--fenced`: the push from its fence passing; `--copy-alone`: the torch copy timed alone, and
+    the push (from the push call, or the fence) as a fraction of it. Empty if neither was run."""
+    out = []
+    if "from_fence_seconds" in r:
+        out.append(f"from the fence passing {ms(r['from_fence_seconds'])} ms = "
+                   f"{copy_s / r['from_fence_seconds']:.3f} of copy")
+    if "copy_alone_seconds" in r:
+        lone = r["copy_alone_seconds"]
+        push = r.get("from_fence_seconds", r["from_push_seconds"])
+        out.append(f"torch copy alone {ms(lone)} ms = {copy_s / lone:.3f} of the copy back to back; the push = "
+                   f"{lone / push:.3f} of the copy alone")
+    return "; ".join(out)
+
+
 def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[int, float]], verify: bool,
              header: bool) -> tuple[dict[str, Any], dict[int, float]]:
     """One pair of processes with ``cfg.ucx_sgl``: reference copy (if not given), warm-up, first request, rows."""
@@ -722,7 +818,8 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                   f"run pages {cfg.run_pages or 'whole runs'}); "
                   f"pool {cfg.pool_pages} pages/side; page ids {cfg.layout}; "
                   f"chunk {args.chunk_tokens or 'whole prompt'}; device busy before a lone push "
-                  f"{cfg.forward_ms or 'no'} ms; NIXL progress thread "
+                  f"{cfg.forward_ms or 'no'} ms{' (still running at the fenced push)' if cfg.fenced else ''}; "
+                  f"NIXL progress thread "
                   f"{('on' if cfg.prefill_progress_thread else 'decode only') if cfg.progress_thread else 'off'}; UCX threads {cfg.ucx_threads}; UCX backend params "
                   f"{dict(cfg.backend_params) or 'default'}; UCX env "
                   f"{ {k: v for k, v in os.environ.items() if k.startswith('UCX_')} or 'default'}")
@@ -755,6 +852,9 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
               f"{ms(first['make_seconds'])}, nixl_post {ms(first['nixl_post_seconds'])}); from the push call "
               f"{ms(first['from_push_seconds'])} ms = {copy_s[tokens[0]] / first['from_push_seconds']:.3f} of copy; "
               f"to decode {ms(first['to_decode_seconds'])} ms = {copy_s[tokens[0]] / first['to_decode_seconds']:.3f}")
+        extra = lone_extras(first, copy_s[tokens[0]])
+        if extra:
+            print(f"  first request: {extra}")
         first["fraction_of_copy"] = f_bw / gbps(first["nbytes"], copy_s[tokens[0]])
         first["fraction_from_push"] = copy_s[tokens[0]] / first["from_push_seconds"]
         first["fraction_to_decode"] = copy_s[tokens[0]] / first["to_decode_seconds"]
@@ -779,10 +879,14 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                       f"{ms(med['post_seconds']):>8} {ms(med['seconds']):>9} {bw:>8.1f} {frac:>16.3f} "
                       f"{ms(med['from_push_seconds']):>12} {copy_s[t] / med['from_push_seconds']:>8.3f} "
                       f"{ms(med['to_decode_seconds']):>12} {copy_s[t] / med['to_decode_seconds']:>8.3f}")
-                part = {}
+                extra = {k: statistics.median(r[k] for r in runs) for k in LONE_EXTRAS if k in runs[0]}
+                if extra:
+                    print(f"  {t} alone (median): "
+                          f"{lone_extras({**extra, 'from_push_seconds': med['from_push_seconds']}, copy_s[t])}")
+                part = dict(extra)
                 if cfg.lone_parts:
-                    part = {k: statistics.median(r[k] for r in runs)
-                            for k in ("push_call_seconds", "copies_seconds", "report_seconds")}
+                    part.update({k: statistics.median(r[k] for r in runs)
+                                 for k in ("push_call_seconds", "copies_seconds", "report_seconds")})
                     print(f"  parts of {t} alone (median): push call {ms(part['push_call_seconds'])} ms, copies "
                           f"{ms(part['copies_seconds'])} ms, reporting poll {ms(part['report_seconds'])} ms")
                 rows.append({**part, "tokens": t, "path": name, "merge": merge, "ucx_sgl": cfg.ucx_sgl,
@@ -911,6 +1015,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--lone-parts", action="store_true",
                     help="time each request alone in parts too: the push call, the copies (the WRITEs' states "
                          "polled alone), the poll that reports the end")
+    ap.add_argument("--fenced", action="store_true",
+                    help="push as served: each push is fenced (a CUDA event; the WRITE is posted by the poll that "
+                         "sees it pass) and, with --forward-ms, called while that device work still runs; a "
+                         "request alone is then also timed from the fence passing")
+    ap.add_argument("--copy-alone", action="store_true",
+                    help="before each request alone, time a torch copy of its bytes alone the same way (the "
+                         "prefill process comes out of a pipe read): the reference for a lone request")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
@@ -920,6 +1031,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.row_names = [p for p in args.paths.split(",") if p]
     if unknown := [p for p in args.row_names if p not in ROWS]:
         ap.error(f"--paths: unknown {unknown}; known: {', '.join(ROWS)}")
+    if args.fenced and args.lone_parts:
+        ap.error("--lone-parts times the push call's own post: not with --fenced (the poll posts)")
     if args.inflight < 0 or args.stream < 0:
         ap.error("--inflight and --stream must be >= 0")
     # Every outstanding request of a stream has its own pages.
@@ -931,7 +1044,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        backend_params=tuple(tuple(kv.split("=", 1)) for kv in args.ucx_param),
                        receiver_defaults=args.receiver_defaults,
                        prefill_progress_thread=not args.no_prefill_progress_thread, forward_ms=args.forward_ms,
-                       lone_parts=args.lone_parts)
+                       lone_parts=args.lone_parts, fenced=args.fenced, copy_alone=args.copy_alone)
     verify = not args.no_verify
     sgl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.ucx_sgl]
 

@@ -28,15 +28,17 @@ def compat_info(model_dir: str | Path, cache: PagedKVCache, has_mtp: bool) -> Co
 
 
 def device_fence(cache: PagedKVCache) -> Callable[[], Callable[[], bool]] | None:
-    """`transfer.Pusher`'s ``fence`` for pages of ``cache``: on a CUDA cache, record an event on the
-    current stream (where the forwards write the pages) and return its ``query``. NIXL copies on
-    UCX's own stream, which would otherwise read pages still being written; the pusher posts once
-    the event has passed, so no thread waits for the device. None on CPU, where a forward has
-    written its pages when it returns."""
+    """`transfer.Pusher`'s ``fence`` for pages of ``cache``: `cuda_event_fence` of its device on a
+    CUDA cache; None on CPU, where a forward has written its pages when it returns."""
     tensor = cache.regions()[0].tensor
-    if not tensor.is_cuda:
-        return None
-    device = tensor.device
+    return cuda_event_fence(tensor.device) if tensor.is_cuda else None
+
+
+def cuda_event_fence(device: torch.device) -> Callable[[], Callable[[], bool]]:
+    """A fence for pages written on ``device``: record an event on its current stream (where the
+    forwards write the pages) and return its ``query``. NIXL copies on UCX's own stream, which would
+    otherwise read pages still being written; the pusher posts once the event has passed, so no
+    thread waits for the device."""
 
     def fence() -> Callable[[], bool]:
         event = torch.cuda.Event()

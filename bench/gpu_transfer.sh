@@ -16,9 +16,9 @@
 #     16-page descriptors, every WRITE split over the threads, progress thread on),
 #     on contiguous and on fragmented page ids (--layout runs), interleaved, twice.
 #   lone: a request alone and the torch copy of its bytes timed alone the same way, served
-#     setting: after a pipe read (the push in parts), after 3 ms of device work waited for,
-#     and fenced as served (posted when the CUDA event recorded after 3 ms of still-running
-#     device work passes; or with none), interleaved, twice.
+#     setting: after a pipe read and after 3 ms of device work waited for (each unfenced, in
+#     parts, and fenced as served), and fenced while that work still runs (posted when the
+#     CUDA event recorded after it passes), interleaved, twice.
 #   layout: requests alone (8k, 32k) on the serving path, the
 #     re-posted WRITE (the transport alone), the first request after start,
 #     streams of 8 in flight; session 5's setting (cross-layer cache: one
@@ -97,16 +97,18 @@ case "${CASES:-served}" in
     done
     ;;
   lone)  # a request alone next to the same bytes copied alone (--copy-alone), served setting:
-          # pushed after the process sat in a pipe read (in parts), after device work it waited for
-          # (a forward that samples), and fenced while device work still runs (serving's push after
-          # the MTP layer's forward: posted by the poll that sees the event pass), interleaved, twice
+          # pushed after the process sat in a pipe read (unfenced, in parts; fenced as served),
+          # after 3 ms of device work it waited for (a forward that samples; unfenced, in parts;
+          # fenced as served), and fenced while that work still runs (serving's push after the MTP
+          # layer's forward: posted by the poll that sees the event pass), interleaved, twice
     S=(--warmup --reps 7 --tokens 8192,32768 --layout contiguous --raw-reps 5 --paths auto --inflight 8
        --copy-alone "${SERVED[@]}")
     for rep in 1 2; do
       run_case lone${rep}_idle 90 "${S[@]}" --lone-parts "$@"
+      run_case lone${rep}_idle_fenced 90 "${S[@]}" --fenced "$@"
       run_case lone${rep}_forward 90 "${S[@]}" --forward-ms 3 --lone-parts "$@"
-      run_case lone${rep}_fenced 90 "${S[@]}" --forward-ms 3 --fenced "$@"
-      run_case lone${rep}_fenced_idle 90 "${S[@]}" --fenced "$@"
+      run_case lone${rep}_forward_fenced 90 "${S[@]}" --forward-ms 3 --fenced "$@"
+      run_case lone${rep}_running_fenced 90 "${S[@]}" --forward-ms 3 --fenced --forward-running "$@"
     done
     ;;
   *) echo "unknown CASES=${CASES}: served, lone, layout, sweep or anatomy" >&2; exit 2 ;;

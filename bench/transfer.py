@@ -30,10 +30,11 @@ Reported, all from one run:
   (`Pusher.poll` spinning on the WRITE's state); ``to_decode_ms`` from the
   push call until the decode process saw the request complete (both
   processes' ``perf_counter``, one system-wide monotonic clock on Linux);
-- with ``--fenced``: every push as served, fenced by a CUDA event (the WRITE
-  is posted by the poll that sees the event pass), and with ``--forward-ms``
-  called while that device work still runs (serving pushes after the MTP
-  layer's forward is enqueued); a request alone is also timed from the fence
+- with ``--fenced``: every push fenced as served (passed at once on an idle
+  device stream, else a CUDA event; the WRITE is posted by the poll that sees
+  it pass); with ``--forward-running`` too, the push is called while the
+  ``--forward-ms`` device work still runs (serving pushes after the MTP
+  layer's forward is enqueued). A request alone is also timed from the fence
   passing (``from_fence``: the part on the critical path once the pages are
   written);
 - with ``--copy-alone``: before each request alone, a torch copy of its
@@ -113,7 +114,8 @@ class BenchConfig:
     prefill_progress_thread: bool = True  # False: only the decode agent runs NIXL's progress thread
     forward_ms: float = 0.0  # device work run just before each request alone, as the forward that wrote its pages
     lone_parts: bool = False  # a request alone is also timed in parts (push call, copies, reporting poll)
-    fenced: bool = False  # pushes are fenced (serving's CUDA event); with forward_ms the device work is still running
+    fenced: bool = False  # pushes are fenced as served (`workers.kv_link.cuda_event_fence`)
+    forward_running: bool = False  # the device work of forward_ms is still running at the (fenced) push
     copy_alone: bool = False  # each request alone is preceded by a torch copy of its bytes, timed alone the same way
 
     @property
@@ -546,16 +548,17 @@ class Side:
         before = pusher.stats.copy()
         chunk = chunk_tokens or tokens
         fenced = self.cfg.fenced
-        if self._forward_copies and not fenced:
+        running = self.cfg.forward_running
+        if self._forward_copies and not running:
             self._forward()
         t0 = time.perf_counter()
         pusher.begin(rid, peer, tokens, local, remote, self.cfg.deadline_s)
-        if fenced:
-            # As served: begin at admission, then the forward that writes the pages, then the fenced push
-            # while the device still runs it; the WRITE is posted by the poll that sees the fence pass.
-            if self._forward_copies:
-                self._forward(wait=False)
-            self._fence_passed_at = None
+        if running:
+            # As served with an MTP layer: begin at admission, then the forward that writes the pages
+            # (the MTP layer's, not waited for), then the fenced push while the device still runs it;
+            # the WRITE is posted by the poll that sees the fence pass.
+            self._forward(wait=False)
+        self._fence_passed_at = None
         t_begun = time.perf_counter()
         done = 0
         while done < tokens:
@@ -818,7 +821,8 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                   f"run pages {cfg.run_pages or 'whole runs'}); "
                   f"pool {cfg.pool_pages} pages/side; page ids {cfg.layout}; "
                   f"chunk {args.chunk_tokens or 'whole prompt'}; device busy before a lone push "
-                  f"{cfg.forward_ms or 'no'} ms{' (still running at the fenced push)' if cfg.fenced else ''}; "
+                  f"{cfg.forward_ms or 'no'} ms{' (still running at the push)' if cfg.forward_running else ''}; "
+                  f"push {'fenced' if cfg.fenced else 'not fenced'}; "
                   f"NIXL progress thread "
                   f"{('on' if cfg.prefill_progress_thread else 'decode only') if cfg.progress_thread else 'off'}; UCX threads {cfg.ucx_threads}; UCX backend params "
                   f"{dict(cfg.backend_params) or 'default'}; UCX env "
@@ -1016,9 +1020,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="time each request alone in parts too: the push call, the copies (the WRITEs' states "
                          "polled alone), the poll that reports the end")
     ap.add_argument("--fenced", action="store_true",
-                    help="push as served: each push is fenced (a CUDA event; the WRITE is posted by the poll that "
-                         "sees it pass) and, with --forward-ms, called while that device work still runs; a "
-                         "request alone is then also timed from the fence passing")
+                    help="push as served: each push is fenced (workers.kv_link.cuda_event_fence: passed at once if "
+                         "the device stream is idle, else a CUDA event; the WRITE is posted by the poll that sees "
+                         "it pass); a request alone is then also timed from the fence passing")
+    ap.add_argument("--forward-running", action="store_true",
+                    help="with --fenced and --forward-ms: push while that device work still runs (as served after "
+                         "the MTP layer's forward), not once it ran")
     ap.add_argument("--copy-alone", action="store_true",
                     help="before each request alone, time a torch copy of its bytes alone the same way (the "
                          "prefill process comes out of a pipe read): the reference for a lone request")
@@ -1032,7 +1039,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown := [p for p in args.row_names if p not in ROWS]:
         ap.error(f"--paths: unknown {unknown}; known: {', '.join(ROWS)}")
     if args.fenced and args.lone_parts:
-        ap.error("--lone-parts times the push call's own post: not with --fenced (the poll posts)")
+        ap.error("--lone-parts times the push call's own post: not with --fenced (the poll may post)")
+    if args.forward_running and not (args.fenced and args.forward_ms > 0):
+        ap.error("--forward-running needs --fenced and --forward-ms (an unfenced push would read pages "
+                 "still being written)")
     if args.inflight < 0 or args.stream < 0:
         ap.error("--inflight and --stream must be >= 0")
     # Every outstanding request of a stream has its own pages.
@@ -1044,7 +1054,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                        backend_params=tuple(tuple(kv.split("=", 1)) for kv in args.ucx_param),
                        receiver_defaults=args.receiver_defaults,
                        prefill_progress_thread=not args.no_prefill_progress_thread, forward_ms=args.forward_ms,
-                       lone_parts=args.lone_parts, fenced=args.fenced, copy_alone=args.copy_alone)
+                       lone_parts=args.lone_parts, fenced=args.fenced,
+                       forward_running=args.forward_running, copy_alone=args.copy_alone)
     verify = not args.no_verify
     sgl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.ucx_sgl]
 

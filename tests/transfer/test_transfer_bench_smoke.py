@@ -102,10 +102,11 @@ def test_bench_transfer_cpu_fenced_push_and_copy_alone(tmp_path):
     """--fenced pushes through serving's fence path (posted by the poll); --copy-alone times the reference
     copy as a request alone. Both land in the report of every request alone and the first request."""
     stdout, report = run_bench(tmp_path, "--tokens", "1000", "--reps", "2", "--ucx-sgl", "off", "--paths", "auto",
-                               "--cache-layout", "cross-layer", "--forward-ms", "1", "--fenced", "--copy-alone",
+                               "--cache-layout", "cross-layer", "--forward-ms", "1", "--fenced", "--forward-running",
+                               "--copy-alone",
                                "--warmup", "--warmup-repeat", "2", "--inflight", "2", "--stream", "3",
                                "--stream-reps", "1")
-    assert "verified" in stdout and "(still running at the fenced push)" in stdout
+    assert "verified" in stdout and "1.0 ms (still running at the push); push fenced" in stdout
     assert "1000 alone (median): from the fence passing" in stdout and "first request: from the fence" in stdout
     (row,) = report["rows"]
     first = report["modes"][0]["first"]
@@ -115,7 +116,9 @@ def test_bench_transfer_cpu_fenced_push_and_copy_alone(tmp_path):
     assert report["streams"][0]["requests"] == 3  # fenced pushes of a stream post and complete too
 
 
-def test_bench_transfer_refuses_lone_parts_with_fenced(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "transfer.py"), "--device", "cpu", "--fenced", "--lone-parts"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "not with --fenced" in proc.stderr
+def test_bench_transfer_refuses_lone_parts_with_fenced_and_an_unfenced_running_forward(tmp_path):
+    for args, message in ((["--fenced", "--lone-parts"], "not with --fenced"),
+                          (["--forward-ms", "1", "--forward-running"], "--forward-running needs --fenced")):
+        cmd = [sys.executable, os.path.join(ROOT, "bench", "transfer.py"), "--device", "cpu", *args]
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -30,9 +30,8 @@ Reported, all from one run:
   (`Pusher.poll` spinning on the WRITE's state); ``to_decode_ms`` from the
   push call until the decode process saw the request complete (both
   processes' ``perf_counter``, one system-wide monotonic clock on Linux);
-- with ``--fenced``: every push fenced as served (passed at once on an idle
-  device stream, else a CUDA event; the WRITE is posted by the poll that sees
-  it pass); with ``--forward-running`` too, the push is called while the
+- with ``--fenced``: every push fenced as served (a CUDA event; the WRITE is
+  posted by the poll that sees it pass); with ``--forward-running`` too, the push is called while the
   ``--forward-ms`` device work still runs (serving pushes after the MTP
   layer's forward is enqueued). A request alone is also timed from the fence
   passing (``from_fence``: the part on the critical path once the pages are
@@ -1020,9 +1019,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="time each request alone in parts too: the push call, the copies (the WRITEs' states "
                          "polled alone), the poll that reports the end")
     ap.add_argument("--fenced", action="store_true",
-                    help="push as served: each push is fenced (workers.kv_link.cuda_event_fence: passed at once if "
-                         "the device stream is idle, else a CUDA event; the WRITE is posted by the poll that sees "
-                         "it pass); a request alone is then also timed from the fence passing")
+                    help="push as served: each push is fenced (workers.kv_link.cuda_event_fence: a CUDA event; the "
+                         "WRITE is posted by the poll that sees it pass); a request alone is then also timed from "
+                         "the fence passing")
     ap.add_argument("--forward-running", action="store_true",
                     help="with --fenced and --forward-ms: push while that device work still runs (as served after "
                          "the MTP layer's forward), not once it ran")

@@ -115,6 +115,7 @@ class BenchConfig:
     lone_parts: bool = False  # a request alone is also timed in parts (push call, copies, reporting poll)
     fenced: bool = False  # pushes are fenced as served (`workers.kv_link.cuda_event_fence`)
     forward_running: bool = False  # the device work of forward_ms is still running at the (fenced) push
+    fence_kind: str = "event"  # "event" (served), "query" (none if the stream is idle), "sync" (wait for it)
     copy_alone: bool = False  # each request alone is preceded by a torch copy of its bytes, timed alone the same way
 
     @property
@@ -235,15 +236,29 @@ class Side:
             torch.cuda.synchronize()
 
     def _timed_fence(self):
-        """Serving's fence (`workers.kv_link.cuda_event_fence`; on CPU the pages are written when the
-        forward returns), noting when its query first says the pages are written: the moment a
-        fenced push can be posted."""
-        if self.cfg.device == "cuda":
+        """The push's fence per ``--fence-kind`` (``event``: serving's, `workers.kv_link.cuda_event_fence`;
+        on CPU the pages are written when the forward returns), noting when its query first says the
+        pages are written: the moment a fenced push can be posted."""
+        import torch
+
+        def written_now() -> bool:
+            return True
+
+        if self.cfg.device != "cuda":
+            fence = lambda: written_now  # noqa: E731
+        else:
             from workers.kv_link import cuda_event_fence
 
-            fence = cuda_event_fence(self.dev)
-        else:
-            fence = lambda: lambda: True  # noqa: E731
+            event_fence = cuda_event_fence(self.dev)
+
+            def fence():
+                if self.cfg.fence_kind == "event":
+                    return event_fence()
+                stream = torch.cuda.current_stream(self.dev)
+                if self.cfg.fence_kind == "sync":
+                    stream.synchronize()  # the caller waits until the pages are written
+                    return written_now
+                return written_now if stream.query() else event_fence()
 
         def timed():
             query = fence()
@@ -821,7 +836,7 @@ def run_mode(cfg: BenchConfig, args, tokens: list[int], copy_s: Optional[dict[in
                   f"pool {cfg.pool_pages} pages/side; page ids {cfg.layout}; "
                   f"chunk {args.chunk_tokens or 'whole prompt'}; device busy before a lone push "
                   f"{cfg.forward_ms or 'no'} ms{' (still running at the push)' if cfg.forward_running else ''}; "
-                  f"push {'fenced' if cfg.fenced else 'not fenced'}; "
+                  f"push {f'fenced ({cfg.fence_kind})' if cfg.fenced else 'not fenced'}; "
                   f"NIXL progress thread "
                   f"{('on' if cfg.prefill_progress_thread else 'decode only') if cfg.progress_thread else 'off'}; UCX threads {cfg.ucx_threads}; UCX backend params "
                   f"{dict(cfg.backend_params) or 'default'}; UCX env "
@@ -1022,6 +1037,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="push as served: each push is fenced (workers.kv_link.cuda_event_fence: a CUDA event; the "
                          "WRITE is posted by the poll that sees it pass); a request alone is then also timed from "
                          "the fence passing")
+    ap.add_argument("--fence-kind", choices=("event", "query", "sync"), default="event",
+                    help="with --fenced: event (as served: a CUDA event recorded at the push), query (no event "
+                         "if the stream is idle: the pages are written), sync (the push waits for the stream)")
     ap.add_argument("--forward-running", action="store_true",
                     help="with --fenced and --forward-ms: push while that device work still runs (as served after "
                          "the MTP layer's forward), not once it ran")
@@ -1054,7 +1072,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                        receiver_defaults=args.receiver_defaults,
                        prefill_progress_thread=not args.no_prefill_progress_thread, forward_ms=args.forward_ms,
                        lone_parts=args.lone_parts, fenced=args.fenced,
-                       forward_running=args.forward_running, copy_alone=args.copy_alone)
+                       forward_running=args.forward_running, copy_alone=args.copy_alone,
+                       fence_kind=args.fence_kind)
     verify = not args.no_verify
     sgl_modes = {"off": [False], "on": [True], "both": [False, True]}[args.ucx_sgl]
 

@@ -20,7 +20,7 @@
 #     parts, and fenced as served), and fenced while that work still runs (posted when the
 #     CUDA event recorded after it passes), interleaved, twice.
 #   fence: a request alone after a pipe read, unfenced and fenced three ways (--fence-kind:
-#     the served event; none if the stream is idle; waiting for the stream), interleaved, twice.
+#     served, none if the stream is idle; always an event; waiting for the stream), interleaved, twice.
 #   layout: requests alone (8k, 32k) on the serving path, the
 #     re-posted WRITE (the transport alone), the first request after start,
 #     streams of 8 in flight; session 5's setting (cross-layer cache: one
@@ -114,12 +114,13 @@ case "${CASES:-served}" in
     done
     ;;
   fence)  # a request alone pushed after a pipe read: unfenced, and fenced three ways (--fence-kind:
-           # the served event, no event if the stream is idle, waiting for the stream), interleaved, twice
+           # served (no event if the stream is idle), always an event (served before session 8),
+           # waiting for the stream), interleaved, twice
     S=(--warmup --reps 7 --tokens 8192,32768 --layout contiguous --raw-reps 5 --paths auto --inflight 8
        --copy-alone "${SERVED[@]}")
     for rep in 1 2; do
       run_case fence${rep}_none 90 "${S[@]}" "$@"
-      for kind in event query sync; do
+      for kind in served event sync; do
         run_case fence${rep}_${kind} 90 "${S[@]}" --fenced --fence-kind $kind "$@"
       done
     done

@@ -115,7 +115,7 @@ class BenchConfig:
     lone_parts: bool = False  # a request alone is also timed in parts (push call, copies, reporting poll)
     fenced: bool = False  # pushes are fenced as served (`workers.kv_link.cuda_event_fence`)
     forward_running: bool = False  # the device work of forward_ms is still running at the (fenced) push
-    fence_kind: str = "event"  # "event" (served), "query" (none if the stream is idle), "sync" (wait for it)
+    fence_kind: str = "served"  # or "event" (always one), "query" (none if the stream is idle), "sync" (wait)
     copy_alone: bool = False  # each request alone is preceded by a torch copy of its bytes, timed alone the same way
 
     @property
@@ -236,8 +236,8 @@ class Side:
             torch.cuda.synchronize()
 
     def _timed_fence(self):
-        """The push's fence per ``--fence-kind`` (``event``: serving's, `workers.kv_link.cuda_event_fence`;
-        on CPU the pages are written when the forward returns), noting when its query first says the
+        """The push's fence per ``--fence-kind`` (``served``: `workers.kv_link.cuda_event_fence`; on CPU
+        the pages are written when the forward returns), noting when its query first says the
         pages are written: the moment a fenced push can be posted."""
         import torch
 
@@ -245,13 +245,20 @@ class Side:
             return True
 
         if self.cfg.device != "cuda":
-            fence = lambda: written_now  # noqa: E731
+            fence = lambda: written_now  # noqa: E731 - pages are written when the forward returns
         else:
             from workers.kv_link import cuda_event_fence
 
-            event_fence = cuda_event_fence(self.dev)
+            served = cuda_event_fence(self.dev)
+
+            def event_fence():
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.dev))
+                return event.query
 
             def fence():
+                if self.cfg.fence_kind == "served":
+                    return served()
                 if self.cfg.fence_kind == "event":
                     return event_fence()
                 stream = torch.cuda.current_stream(self.dev)
@@ -1037,9 +1044,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="push as served: each push is fenced (workers.kv_link.cuda_event_fence: a CUDA event; the "
                          "WRITE is posted by the poll that sees it pass); a request alone is then also timed from "
                          "the fence passing")
-    ap.add_argument("--fence-kind", choices=("event", "query", "sync"), default="event",
-                    help="with --fenced: event (as served: a CUDA event recorded at the push), query (no event "
-                         "if the stream is idle: the pages are written), sync (the push waits for the stream)")
+    ap.add_argument("--fence-kind", choices=("served", "event", "query", "sync"), default="served",
+                    help="with --fenced: served (workers.kv_link.cuda_event_fence), event (always a CUDA event "
+                         "recorded at the push, as served before session 8), query (no event if the stream is "
+                         "idle, else an event), sync (the push waits for the stream)")
     ap.add_argument("--forward-running", action="store_true",
                     help="with --fenced and --forward-ms: push while that device work still runs (as served after "
                          "the MTP layer's forward), not once it ran")

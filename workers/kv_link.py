@@ -35,21 +35,30 @@ def device_fence(cache: PagedKVCache) -> Callable[[], Callable[[], bool]] | None
 
 
 def cuda_event_fence(device: torch.device) -> Callable[[], Callable[[], bool]]:
-    """A fence for pages written on ``device``: record an event on its current stream (where the
-    forwards write the pages) and return its ``query``. NIXL copies on UCX's own stream, which would
-    otherwise read pages still being written; the pusher posts once the event has passed, so no
-    thread waits for the device.
+    """A fence for pages written on ``device``'s current stream (where the forwards write them).
+    NIXL copies on UCX's own stream, which would otherwise read pages still being written; the
+    pusher posts once the fence passes, so no thread waits for the device.
 
-    Always an event, even on an idle stream, where it passed 0.03-0.04 ms after the push call on the
-    H100: asking the stream instead (``stream.query()``, and no event if it is idle) made a lone
-    8k-token push 0.1 ms slower there (docs/perf.md, session 8)."""
+    If the stream has nothing left to run, the pages are written and the fence has passed: a
+    prompt's last chunk, whose forward the first token's sampling waited for. Else it records an
+    event and returns its ``query`` (a chunk whose forward, or the MTP layer's, still runs). An event
+    on an idle stream would pass only once the device reached it: on the H100 a lone 8k-token push
+    from the push call reached 0.58-0.62 of a device copy fenced that way, 0.62-0.72 asking the
+    stream first, 0.68-0.82 unfenced (interleaved in one call; docs/perf.md, session 8)."""
 
     def fence() -> Callable[[], bool]:
+        stream = torch.cuda.current_stream(device)
+        if stream.query():
+            return _written
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
+        event.record(stream)
         return event.query
 
     return fence
+
+
+def _written() -> bool:
+    return True
 
 
 @dataclass

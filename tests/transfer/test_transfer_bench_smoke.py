@@ -106,7 +106,7 @@ def test_bench_transfer_cpu_fenced_push_and_copy_alone(tmp_path):
                                "--copy-alone",
                                "--warmup", "--warmup-repeat", "2", "--inflight", "2", "--stream", "3",
                                "--stream-reps", "1")
-    assert "verified" in stdout and "1.0 ms (still running at the push); push fenced (event)" in stdout
+    assert "verified" in stdout and "1.0 ms (still running at the push); push fenced (served)" in stdout
     assert "1000 alone (median): from the fence passing" in stdout and "first request: from the fence" in stdout
     (row,) = report["rows"]
     first = report["modes"][0]["first"]

@@ -66,3 +66,20 @@ def test_push_waits_for_the_kernels_that_wrote_its_pages(tmp_path):
     finally:
         pre.close()
         dec.close()
+
+
+def test_the_fence_passes_at_once_on_an_idle_stream_and_holds_on_a_busy_one():
+    """An idle stream has written every page: no event to wait for (one recorded now would still be
+    ahead of the device). With a kernel queued, the fence holds until it ran."""
+    from workers.kv_link import cuda_event_fence
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    fence = cuda_event_fence(device)
+    for _ in range(20):
+        torch.cuda.synchronize(device)
+        assert fence()(), "the fence of an idle stream did not pass at once"
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+    busy = fence()
+    assert not busy(), "the fence passed while the kernel that writes the pages was still queued"
+    torch.cuda.synchronize(device)
+    assert busy()

@@ -195,7 +195,8 @@ class Pusher:
     kernels that wrote the pages (`workers.kv_link.device_fence` records a
     CUDA event). A chunk's WRITE is posted once its check passes, in push
     order, by `push` itself or a later `poll`: the caller never waits for
-    the device, and can queue its next forward meanwhile.
+    the device, and can queue its next forward meanwhile. A caller that
+    has waited for the device since (``push(..., written=True)``) skips it.
     ``clock``: seconds, monotonic (tests may inject one).
     ``remember_cancelled``: how many cancelled request ids are kept to refuse
     a late `begin`.
@@ -303,13 +304,16 @@ class Pusher:
                 log.debug("preparing the WRITE of %s: %s", request_id, e)
         self._jobs[request_id] = job
 
-    def push(self, request_id: str, tokens_done: int) -> bool:
+    def push(self, request_id: str, tokens_done: int, written: bool = False) -> bool:
         """Push the pages that became final now that ``tokens_done`` prompt tokens are in the cache.
 
         ``tokens_done == prompt_len`` pushes the rest (the partial last page
-        included) and marks the last chunk. Returns False if the request is
-        not (or no longer) active, e.g. it already failed; transport errors
-        never raise here, they end the request (see `poll`).
+        included) and marks the last chunk. ``written``: the caller has waited
+        for the device since the kernels that wrote these pages were queued
+        (it read a result of the same stream back), so the WRITE needs no
+        ``fence``. Returns False if the request is not (or no longer) active,
+        e.g. it already failed; transport errors never raise here, they end
+        the request (see `poll`).
         """
         job = self._jobs.get(request_id)
         if job is None or job.last_pushed:
@@ -320,8 +324,9 @@ class Pusher:
             raise ValueError(f"request {request_id!r}: tokens_done went backwards ({upto} < {job.sent_pages} pages)")
         if upto == job.sent_pages and not last:
             return True  # the chunk finished no page
-        written = self.fence() if self.fence is not None and upto > job.sent_pages else None
-        job.waiting.append(_Chunk(job.chunks, job.sent_pages, upto, last, written))
+        fenced = self.fence is not None and not written and upto > job.sent_pages
+        written_yet = self.fence() if fenced else None
+        job.waiting.append(_Chunk(job.chunks, job.sent_pages, upto, last, written_yet))
         job.sent_pages = upto
         job.chunks += 1
         job.last_pushed = last

@@ -189,7 +189,9 @@ class GroupPusher:
             raise errors[0]
         self._jobs[request_id] = _Ending(tuple(local_pages))
 
-    def push(self, request_id: str, tokens_done: int) -> bool:
+    def push(self, request_id: str, tokens_done: int, written: bool = False) -> bool:
+        """``written`` is not passed on: the driver's read-back waited for rank 0's stream only (the
+        other ranks return nothing), so each rank fences its own pages."""
         if request_id not in self._jobs:
             return False
         return all(self.group.call("push", request_id, tokens_done))

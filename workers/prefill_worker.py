@@ -154,16 +154,13 @@ class PrefillWorker:
         model = self.runner.model
         batch, hidden = self.runner.forward(ForwardMode.EXTEND, items)
         ranges = batch.query_ranges()
-        mtp_items, mtp_hidden = [], []
+        if self.mtp:
+            self._run_mtp(chosen, ranges, hidden)
+        # The MTP layer ran first (it needs the prompt's tokens, not the sampled one), so reading the
+        # first token back below waits for every kernel that wrote this round's pages.
+        read_back = False
         for (a, start, end), (s0, s1) in zip(chosen, ranges):
             n = len(a.task.token_ids)
-            if self.mtp:
-                # MTP cache for positions whose next token is in the prompt;
-                # position n-1 is written by decode once token 1 is known.
-                known_end = min(end, n - 1)
-                if known_end > start:
-                    mtp_items.append(WorkItem(tuple(a.task.token_ids[start + 1:known_end + 1]), start, tuple(a.pages)))
-                    mtp_hidden.append(hidden[s0:s0 + known_end - start])
             a.done = end
             if end == n:
                 logits = model.logits(hidden[s1 - 1:s1])
@@ -175,9 +172,22 @@ class PrefillWorker:
                     state = buf.getvalue()
                 a.result = PrefillResult(a.task.request_id, True, tok, float(torch.log_softmax(logits[0], -1)[tok]),
                                          hidden[s1 - 1].float().cpu().clone(), state)
+                read_back = True
+        # A chunk's pages are final in every layer, the MTP layer's included. After a read-back they
+        # are written: a fence (a CUDA event the pusher polls) would only delay the WRITE of a prompt's
+        # last chunk, the one its first token waits for (docs/perf.md, session 8).
+        for a, _, end in chosen:
+            self.pusher.push(a.task.request_id, end, written=read_back)
+
+    def _run_mtp(self, chosen, ranges, hidden: torch.Tensor) -> None:
+        """The MTP layer's cache for this round's positions whose next token is in the prompt
+        (position n-1 is written by decode once token 1 is known). ``hidden``: [tokens, hidden]."""
+        mtp_items, mtp_hidden = [], []
+        for (a, start, end), (s0, _) in zip(chosen, ranges):
+            known_end = min(end, len(a.task.token_ids) - 1)
+            if known_end > start:
+                mtp_items.append(WorkItem(tuple(a.task.token_ids[start + 1:known_end + 1]), start, tuple(a.pages)))
+                mtp_hidden.append(hidden[s0:s0 + known_end - start])
         if mtp_items:
             mbatch = self.runner.build_batch(ForwardMode.EXTEND, mtp_items)
-            model.mtp_forward(mbatch, torch.cat(mtp_hidden), self.runner.cache, self.runner.backend)
-        # Push after the MTP layer wrote its pages too: a chunk's pages are final in every layer.
-        for a, _, end in chosen:
-            self.pusher.push(a.task.request_id, end)
+            self.runner.model.mtp_forward(mbatch, torch.cat(mtp_hidden), self.runner.cache, self.runner.backend)

@@ -641,6 +641,30 @@ def test_writes_wait_for_their_fence_in_push_order_and_never_leak():
     assert len(unposted) == 3 and all((id(x) in posted) != (id(x) in unposted) for x in agent.prepared)
 
 
+def test_a_chunk_the_caller_knows_written_takes_no_fence_and_keeps_push_order():
+    """``push(written=True)``: the caller waited for the device since its kernels were queued; no
+    fence is taken and the WRITE goes at once, unless an earlier chunk still waits for its fence."""
+    passed = {}
+
+    def fence():
+        token = len(passed)
+        passed[token] = False
+        return lambda: passed[token]
+
+    agent = FakeAgent("pre@1", done_on_write=True)
+    pusher = Pusher(agent, FakeBook(DEC), clock=Clock(), fence=fence)
+    pusher.begin("w", "dec@1", 64, [0], [1], 10.0)
+    pusher.push("w", 64, written=True)
+    assert passed == {} and len(agent.writes) == 1
+    pusher.begin("r", "dec@1", 192, [2, 3, 4], [5, 6, 7], 10.0)
+    pusher.push("r", 64)  # fenced: waits
+    pusher.push("r", 192, written=True)  # no fence of its own, but behind chunk 0
+    assert list(passed) == [0] and len(agent.writes) == 1
+    passed[0] = True
+    assert {r.request_id for r in pusher.poll()} == {"w", "r"}
+    assert [w[1].num_pages for w in agent.writes] == [1, 1, 2]
+
+
 class SlowAgent(FakeAgent):
     """A WRITE turns DONE after ``checks`` state checks (the copies take that long)."""
 

@@ -128,3 +128,40 @@ def test_prefill_round_sees_a_finished_push_end_before_the_next_forward(tiny):
         dec.on_prefill_result(res)
     _serve_to_end(pre, dec, list(reqs.values()), (p_start, d_start))
     assert all(len(r.output) == 4 for r in reqs.values())
+
+
+def test_a_prompts_last_chunk_is_pushed_unfenced_after_its_first_token_was_read_back(tiny):
+    """A round that read a first token back has waited for every kernel it queued (the MTP layer's
+    runs before the sampling), so its pushes need no fence; a round of partial chunks only is fenced.
+    (On CPU the link has no fence: a counting one stands in for the CUDA event.)"""
+    from workers.prefill_worker import PrefillTask
+    from workers.request import Request
+    from workers.sampler import SamplingParams
+
+    llm = LLM(tiny, pd=True, chunk_size=32, num_pages=32, mtp_draft_tokens=1)
+    pre, dec = llm.pd.prefill, llm.pd.decode
+    assert pre.mtp and pre.pusher.fence is None
+    taken = []  # prompt tokens done per active request, at each fence taken
+
+    def done() -> dict[str, int]:
+        return {rid: a.done for rid, a in pre.active.items()}
+
+    pre.pusher.fence = lambda: taken.append(done()) or (lambda: True)
+    p_start, d_start = pre.pool.free_count, dec.pool.free_count
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    reqs = {}
+    for rid, n in (("short", 20), ("long", 100)):
+        r = reqs[rid] = Request(rid, random_prompt(n, 300, n), params)
+        pre.submit(PrefillTask(rid, r.prompt, params, dec.link.agent.name, dec.reserve(r, pre.link.agent.name)))
+    rounds = []
+    while pre.active:
+        for res in pre.step():
+            dec.on_prefill_result(res)
+        rounds.append(len(taken))
+    # Round 1: "short" ends (read back) with 12 tokens of "long": no fence. Rounds 2-3: "long" only,
+    # partial: 44 tokens finish no 64-token page (nothing to push), 76 finish page 0: fenced.
+    # Round 4: "long" ends: no fence.
+    assert rounds == [0, 0, 1, 1]
+    assert taken == [{"long": 76}]
+    _serve_to_end(pre, dec, list(reqs.values()), (p_start, d_start))
+    assert all(len(r.output) == 2 for r in reqs.values())

@@ -39,12 +39,13 @@ def cuda_event_fence(device: torch.device) -> Callable[[], Callable[[], bool]]:
     NIXL copies on UCX's own stream, which would otherwise read pages still being written; the
     pusher posts once the fence passes, so no thread waits for the device.
 
-    If the stream has nothing left to run, the pages are written and the fence has passed: a
-    prompt's last chunk, whose forward the first token's sampling waited for. Else it records an
-    event and returns its ``query`` (a chunk whose forward, or the MTP layer's, still runs). An event
-    on an idle stream would pass only once the device reached it: on the H100 a lone 8k-token push
-    from the push call reached 0.58-0.62 of a device copy fenced that way, 0.62-0.72 asking the
-    stream first, 0.68-0.82 unfenced (interleaved in one call; docs/perf.md, session 8)."""
+    If the stream has nothing left to run, the pages are written and the fence has passed, with no
+    event. Else it records one and returns its ``query`` (a chunk whose forward still runs). An
+    event on an idle stream would pass only once the device reached it: on the H100 a lone 8k-token
+    push from the push call reached 0.58-0.62 of a device copy fenced that way, 0.62-0.72 asking the
+    stream first, 0.68-0.82 unfenced (interleaved in one call; docs/perf.md, session 8). A caller
+    that knows the pages are written (`workers.prefill_worker`, after reading a first token back)
+    takes no fence at all (``Pusher.push(..., written=True)``)."""
 
     def fence() -> Callable[[], bool]:
         stream = torch.cuda.current_stream(device)

@@ -105,22 +105,30 @@ def test_prefill_round_sees_a_lone_prompts_push_end(tiny):
     assert len(r.output) == 3
 
 
+def _submit_short_and_long(pre, dec, params) -> dict:
+    """Prompts of 20 ("short") and 100 ("long") tokens, reserved at decode and submitted to prefill;
+    with ``chunk_size=32`` the first round computes all of "short" and 12 tokens of "long"."""
+    from workers.prefill_worker import PrefillTask
+    from workers.request import Request
+
+    reqs = {}
+    for rid, n in (("short", 20), ("long", 100)):
+        r = reqs[rid] = Request(rid, random_prompt(n, 300, n), params)
+        pre.submit(PrefillTask(rid, r.prompt, params, dec.link.agent.name, dec.reserve(r, pre.link.agent.name)))
+    return reqs
+
+
 def test_prefill_round_sees_a_finished_push_end_before_the_next_forward(tiny):
     """A prompt finished in a round while another still needs forwards: the round waits for its
     WRITE (decode's notification goes out on that poll), so its result comes from this round,
     not after the next forward; both pools come back whole."""
-    from workers.prefill_worker import PrefillTask
-    from workers.request import Request
     from workers.sampler import SamplingParams
 
     llm = LLM(tiny, pd=True, chunk_size=32, num_pages=32)
     pre, dec = llm.pd.prefill, llm.pd.decode
     p_start, d_start = pre.pool.free_count, dec.pool.free_count
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    reqs = {}
-    for rid, n in (("short", 20), ("long", 100)):
-        r = reqs[rid] = Request(rid, random_prompt(n, 300, n), params)
-        pre.submit(PrefillTask(rid, r.prompt, params, dec.link.agent.name, dec.reserve(r, pre.link.agent.name)))
+    reqs = _submit_short_and_long(pre, dec, params)
     results = pre.step()  # 20 tokens of "short" (its last chunk) and 12 of "long"
     assert [r.request_id for r in results] == ["short"] and results[0].ok
     assert pre.pusher.active == ["long"] and 0 < pre.active["long"].done < 100
@@ -134,8 +142,6 @@ def test_a_prompts_last_chunk_is_pushed_unfenced_after_its_first_token_was_read_
     """A round that read a first token back has waited for every kernel it queued (the MTP layer's
     runs before the sampling), so its pushes need no fence; a round of partial chunks only is fenced.
     (On CPU the link has no fence: a counting one stands in for the CUDA event.)"""
-    from workers.prefill_worker import PrefillTask
-    from workers.request import Request
     from workers.sampler import SamplingParams
 
     llm = LLM(tiny, pd=True, chunk_size=32, num_pages=32, mtp_draft_tokens=1)
@@ -149,10 +155,7 @@ def test_a_prompts_last_chunk_is_pushed_unfenced_after_its_first_token_was_read_
     pre.pusher.fence = lambda: taken.append(done()) or (lambda: True)
     p_start, d_start = pre.pool.free_count, dec.pool.free_count
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
-    reqs = {}
-    for rid, n in (("short", 20), ("long", 100)):
-        r = reqs[rid] = Request(rid, random_prompt(n, 300, n), params)
-        pre.submit(PrefillTask(rid, r.prompt, params, dec.link.agent.name, dec.reserve(r, pre.link.agent.name)))
+    reqs = _submit_short_and_long(pre, dec, params)
     rounds = []
     while pre.active:
         for res in pre.step():

@@ -87,15 +87,22 @@ class DsaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def mtp_forward(self, batch: ForwardBatch, prev_hidden: torch.Tensor, cache, backend, depth: int = 0,
-                    reuse: SelectedTokens | None = None) -> tuple[torch.Tensor, torch.Tensor, SelectedTokens]:
+                    reuse: SelectedTokens | None = None, draft: bool = True,
+                    ) -> tuple[torch.Tensor | None, torch.Tensor, SelectedTokens]:
         """One MTP step over ``batch``, whose ``input_ids`` are the tokens *after*
         each position (shifted by one) and ``prev_hidden`` ``[T, hidden]`` the
         target's (or the previous draft step's) hidden states at the same
         positions. Returns (fp32 draft logits ``[T, vocab]``, MTP hidden
-        ``[T, hidden]`` for chained drafts, the top-k selection used)."""
+        ``[T, hidden]`` for chained drafts, the top-k selection used).
+
+        ``draft=False``: only the MTP layer's cache pages are wanted (a prompt's
+        prefill): no head, and None for the logits. Over an 8k-token chunk of
+        DeepSeek-V3.2 the head is 15 TFLOP and a [8192, 129280] fp32 tensor
+        (4.2 GB) that prefill would throw away."""
         mtp = self.mtp[depth]
         emb = mtp.embed_tokens(batch.input_ids)
         x = mtp.eh_proj(torch.cat([mtp.enorm(emb), mtp.hnorm(prev_hidden.to(emb.dtype))], dim=-1))
         cos, sin = self.rotary(batch.positions, x.dtype)
         x, selected = mtp.decoder(x, cos, sin, batch, cache, self.cfg.num_hidden_layers + depth, backend, None, reuse)
-        return mtp.shared_head.head(mtp.shared_head.norm(x)).float(), x, selected
+        logits = mtp.shared_head.head(mtp.shared_head.norm(x)).float() if draft else None
+        return logits, x, selected

@@ -201,7 +201,8 @@ class Engine:
                 finishing.append((req, s1 - 1))
         if mtp_items:
             mbatch = self.runner.build_batch(ForwardMode.EXTEND, mtp_items)
-            self.model.mtp_forward(mbatch, torch.cat(mtp_hidden), self.runner.cache, self.runner.backend)
+            self.model.mtp_forward(mbatch, torch.cat(mtp_hidden), self.runner.cache, self.runner.backend,
+                                   draft=False)
         for req, row in finishing:
             self.scheduler.prefill_done(req)
             if req.output:  # resumed after preemption: its next input is known

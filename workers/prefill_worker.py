@@ -190,4 +190,5 @@ class PrefillWorker:
                 mtp_hidden.append(hidden[s0:s0 + known_end - start])
         if mtp_items:
             mbatch = self.runner.build_batch(ForwardMode.EXTEND, mtp_items)
-            self.runner.model.mtp_forward(mbatch, torch.cat(mtp_hidden), self.runner.cache, self.runner.backend)
+            self.runner.model.mtp_forward(mbatch, torch.cat(mtp_hidden), self.runner.cache, self.runner.backend,
+                                          draft=False)

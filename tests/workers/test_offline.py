@@ -144,9 +144,17 @@ def test_mtp_layer_loaded_and_runnable(tiny):
         # MTP input at position i: token i + 1 with the target hidden at i.
         shifted = llm.runner.build_batch(ForwardMode.EXTEND, [WorkItem(tuple(ids[1:]) + (0,), 0, pages)])
         with torch.inference_mode():
-            draft, _, _ = llm.model.mtp_forward(shifted, hidden, llm.cache, llm.runner.backend)
+            before = llm.cache.storage.clone()
+            # A prompt's prefill wants only the MTP layer's cache pages: no head.
+            none, cache_hidden, _ = llm.model.mtp_forward(shifted, hidden, llm.cache, llm.runner.backend,
+                                                          draft=False)
+            written = llm.cache.storage.clone()
+            draft, draft_hidden, _ = llm.model.mtp_forward(shifted, hidden, llm.cache, llm.runner.backend)
     finally:
         llm.pool.free(list(pages))
+    assert none is None and torch.equal(cache_hidden, draft_hidden)
+    # The cache-only pass wrote the MTP layer's pages, the very bytes the drafting pass writes.
+    assert not torch.equal(written, before) and torch.equal(llm.cache.storage, written)
     assert draft.shape == (40, llm.cfg.vocab_size) and torch.isfinite(draft).all()
     main = llm.model.logits(hidden)
     assert not torch.allclose(draft, main)

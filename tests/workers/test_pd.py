@@ -138,7 +138,7 @@ def test_prefill_round_sees_a_finished_push_end_before_the_next_forward(tiny):
     assert all(len(r.output) == 4 for r in reqs.values())
 
 
-def test_a_prompts_last_chunk_is_pushed_unfenced_after_its_first_token_was_read_back(tiny):
+def test_a_prompts_last_chunk_is_pushed_unfenced_after_its_first_token_was_read_back(tiny, monkeypatch):
     """A round that read a first token back has waited for every kernel it queued (the MTP layer's
     runs before the sampling), so its pushes need no fence; a round of partial chunks only is fenced.
     (On CPU the link has no fence: a counting one stands in for the CUDA event.)"""
@@ -153,18 +153,29 @@ def test_a_prompts_last_chunk_is_pushed_unfenced_after_its_first_token_was_read_
         return {rid: a.done for rid, a in pre.active.items()}
 
     pre.pusher.fence = lambda: taken.append(done()) or (lambda: True)
+    # What makes the read-back a fence: the MTP layer's forward is queued before any sampling.
+    calls = []
+    import workers.prefill_worker as prefill_worker
+
+    real_sample, real_mtp = prefill_worker.sample, pre.runner.model.mtp_forward
+    monkeypatch.setattr(prefill_worker, "sample", lambda *a, **k: calls.append("sample") or real_sample(*a, **k))
+    monkeypatch.setattr(pre.runner.model, "mtp_forward",
+                        lambda *a, **k: calls.append("mtp") or real_mtp(*a, **k))
     p_start, d_start = pre.pool.free_count, dec.pool.free_count
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     reqs = _submit_short_and_long(pre, dec, params)
-    rounds = []
+    rounds, orders = [], []
     while pre.active:
+        calls.clear()
         for res in pre.step():
             dec.on_prefill_result(res)
         rounds.append(len(taken))
+        orders.append(list(calls))
     # Round 1: "short" ends (read back) with 12 tokens of "long": no fence. Rounds 2-3: "long" only,
     # partial: 44 tokens finish no 64-token page (nothing to push), 76 finish page 0: fenced.
     # Round 4: "long" ends: no fence.
     assert rounds == [0, 0, 1, 1]
-    assert taken == [{"long": 76}]
+    assert [t["long"] for t in taken] == [76]
+    assert orders == [["mtp", "sample"], ["mtp"], ["mtp"], ["mtp", "sample"]]
     _serve_to_end(pre, dec, list(reqs.values()), (p_start, d_start))
     assert all(len(r.output) == 2 for r in reqs.values())

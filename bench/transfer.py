@@ -257,15 +257,12 @@ class Side:
                 return event.query
 
             def fence():
-                if self.cfg.fence_kind == "served":
-                    return served()
                 if self.cfg.fence_kind == "event":
                     return event_fence()
-                stream = torch.cuda.current_stream(self.dev)
                 if self.cfg.fence_kind == "sync":
-                    stream.synchronize()  # the caller waits until the pages are written
+                    torch.cuda.current_stream(self.dev).synchronize()  # the caller waits for the pages
                     return written_now
-                return written_now if stream.query() else event_fence()
+                return served()  # "served", and "query" (what is served since session 8)
 
         def timed():
             query = fence()
@@ -280,28 +277,6 @@ class Side:
             return written
 
         return timed
-
-    def copy_alone(self, nbytes: int) -> float:
-        """Seconds of one torch copy of ``nbytes`` (prefill device -> decode device) from the call until
-        it ended: the reference copy timed as a request alone is (the process comes out of a pipe read)."""
-        import torch
-
-        if nbytes not in self._copy_bufs:
-            if self.cfg.device == "cuda":
-                bufs = (torch.ones(nbytes, dtype=torch.uint8, device=self.dev),
-                        torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", self.cfg.decode_device)))
-            else:
-                bufs = (torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8))
-            bufs[1].copy_(bufs[0])  # first touch, not timed
-            self._copy_bufs[nbytes] = bufs
-        src, dst = self._copy_bufs[nbytes]
-        if self.cfg.device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if self.cfg.device == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
 
     def name(self) -> str:
         return self.agent.name
@@ -379,27 +354,40 @@ class Side:
     # prefill side
     def copy_reference(self, nbytes: int, reps: int) -> float:
         """Median seconds of a torch copy of ``nbytes``, prefill device -> decode device."""
+        src, dst = self._copy_buffers(nbytes)
+        times = [self._timed_copy(src, dst) for _ in range(reps)]
+        del src, dst
+        return statistics.median(times)
+
+    def copy_alone(self, nbytes: int) -> float:
+        """Seconds of one torch copy of ``nbytes`` (prefill device -> decode device) from the call until
+        it ended: the reference copy timed as a request alone is (the process comes out of a pipe read)."""
+        if nbytes not in self._copy_bufs:
+            self._copy_bufs[nbytes] = self._copy_buffers(nbytes)
+        return self._timed_copy(*self._copy_bufs[nbytes])
+
+    def _copy_buffers(self, nbytes: int):
+        """(src on the prefill device, dst on the decode device) of ``nbytes``, copied once (first
+        touch, peer-access setup) and synchronized."""
         import torch
 
         if self.cfg.device == "cuda":
-            src = torch.empty(nbytes, dtype=torch.uint8, device=self.dev)
+            src = torch.ones(nbytes, dtype=torch.uint8, device=self.dev)
             dst = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", self.cfg.decode_device))
-            sync = torch.cuda.synchronize
         else:
-            src = torch.empty(nbytes, dtype=torch.uint8)
-            dst = torch.empty(nbytes, dtype=torch.uint8)
-            sync = lambda: None  # noqa: E731
-        src.fill_(1)
-        dst.copy_(src)  # first touch / peer-access setup, not timed
-        sync()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            sync()
-            times.append(time.perf_counter() - t0)
-        del src, dst
-        return statistics.median(times)
+            src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        self._timed_copy(src, dst)
+        return src, dst
+
+    def _timed_copy(self, src, dst) -> float:
+        """Seconds from ``dst.copy_(src)`` until the device has done it."""
+        import torch
+
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if self.cfg.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     def warm_up(self, peer: str, repeat: int, notify: bool, rounds: int = 1) -> float:
         return self.pushers[ROWS["auto"]].warm_up(peer, 0, 0, repeat=repeat, notify=notify, rounds=rounds)
@@ -602,8 +590,8 @@ class Side:
                                              "copies_seconds": t_copied - t_posted, "report_seconds": t1 - t_copied}
         if fenced:
             parts["from_fence_seconds"] = t1 - self._fence_passed_at
-        return {**parts, "status": r.status.value, "reason": r.reason, "seconds": t1 - t0, "post_seconds": t_posted - t0,
-                "from_push_seconds": t1 - t_begun, "push_at": t_begun,
+        return {**parts, "status": r.status.value, "reason": r.reason, "seconds": t1 - t0,
+                "post_seconds": t_posted - t0, "from_push_seconds": t1 - t_begun, "push_at": t_begun,
                 "plan_seconds": st.plan_s, "make_seconds": st.make_s, "nixl_post_seconds": st.post_s,
                 "nbytes": r.nbytes, "descriptors": st.descriptors, "chunks": r.chunks}
 
@@ -1047,7 +1035,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--fence-kind", choices=("served", "event", "query", "sync"), default="served",
                     help="with --fenced: served (workers.kv_link.cuda_event_fence), event (always a CUDA event "
                          "recorded at the push, as served before session 8), query (no event if the stream is "
-                         "idle, else an event), sync (the push waits for the stream)")
+                         "idle, else an event: served since session 8), sync (the push waits for the stream)")
     ap.add_argument("--forward-running", action="store_true",
                     help="with --fenced and --forward-ms: push while that device work still runs (as served after "
                          "the MTP layer's forward), not once it ran")

@@ -380,9 +380,11 @@ class Side:
         return src, dst
 
     def _timed_copy(self, src, dst) -> float:
-        """Seconds from ``dst.copy_(src)`` until the device has done it."""
+        """Seconds from ``dst.copy_(src)`` until the device has done it (nothing queued before it)."""
         import torch
 
+        if self.cfg.device == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         dst.copy_(src)
         if self.cfg.device == "cuda":

@@ -64,7 +64,7 @@ def paged_mqa_logits(
     index_cache_layer: torch.Tensor,
     weights: torch.Tensor,
     context_lens: torch.Tensor,
-    block_table: torch.Tensor,
+    page_table: torch.Tensor,
     max_len: int,
 ) -> torch.Tensor:
     """Indexer logits of decode rows over their paged context (DeepGEMM ``fp8_paged_mqa_logits``).
@@ -78,8 +78,8 @@ def paged_mqa_logits(
         context_lens: int ``[B, next_n]``: keys visible to draft position j of
             request b (``L - next_n + j + 1`` for a request of length L). A 1-D
             ``[B]`` is accepted when ``next_n == 1``.
-        block_table: int ``[B, max_pages]``: page of token t of request b is
-            ``block_table[b, t // 64]``. Entries past a request's last page are
+        page_table: int ``[B, max_pages]``: page of token t of request b is
+            ``page_table[b, t // 64]``. Entries past a request's last page are
             never read (they may hold anything, e.g. -1).
         max_len: width of the result; must be >= every context length.
 
@@ -97,9 +97,9 @@ def paged_mqa_logits(
         raise ValueError(f"context_lens must be [B, next_n] = [{B}, {next_n}], got {tuple(ctx.shape)}")
     if weights.shape != (B * next_n, H):
         raise ValueError(f"weights must be [B*next_n, H] = [{B * next_n}, {H}], got {tuple(weights.shape)}")
-    bt = torch.as_tensor(block_table, device=q.device).long()
+    bt = torch.as_tensor(page_table, device=q.device).long()
     if bt.dim() != 2 or bt.shape[0] != B:
-        raise ValueError(f"block_table must be [B, max_pages] with B = {B}, got {tuple(bt.shape)}")
+        raise ValueError(f"page_table must be [B, max_pages] with B = {B}, got {tuple(bt.shape)}")
     if bool((ctx < 0).any()):
         raise ValueError("context_lens must be >= 0")
     if B * next_n and int(ctx.max()) > max_len:
@@ -113,7 +113,7 @@ def paged_mqa_logits(
     needed = torch.arange(n_pages, device=q.device)[None, :] * PAGE_SIZE < ctx.amax(dim=1, keepdim=True)
     num_pool_pages = index_cache_layer.shape[0]
     if bool((needed & ((bt < 0) | (bt >= num_pool_pages))).any()):
-        raise IndexError(f"block_table points outside the pool [0, {num_pool_pages}) for a visible token")
+        raise IndexError(f"page_table points outside the pool [0, {num_pool_pages}) for a visible token")
     k, k_scale = _gather_pages(index_cache_layer, bt.clamp(0, num_pool_pages - 1), D)
     k = k.reshape(B, n_pages * PAGE_SIZE, D)[:, :max_len]
     k_scale = k_scale.reshape(B, n_pages * PAGE_SIZE)[:, :max_len]

@@ -126,7 +126,8 @@ def main() -> None:
     from attention.backend import get_backend
     from attention.cache import PagedKVCache
     from workers.decode_graphs import DecodeGraphPlan, DecodeGraphs
-    from workers.model_runner import WorkItem, cache_spec_for, host_batch
+    from workers.model_runner import WorkItem, host_batch
+    from workers.rank_build import RankSpec
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[32, 128])
@@ -144,7 +145,9 @@ def main() -> None:
     max_ctx = args.context * 3 // 2 + args.next_n
     pages_per_req = -(-max_ctx // PAGE_SIZE)
     num_pages = max(args.batch) * pages_per_req + 1
-    cache = PagedKVCache(cache_spec_for(model, num_pages, "fp8"), "cuda")
+    # The geometry a served rank allocates (RankSpec.cache_spec); the model itself is built here, not loaded.
+    spec = RankSpec("", dtype="bfloat16", kv_cache_dtype="fp8", num_pages=num_pages, with_mtp=len(model.mtp) > 0)
+    cache = PagedKVCache(spec.cache_spec(model.cfg), "cuda")
     gen = torch.Generator(device="cuda").manual_seed(1)
     fill_cache(cache, backend, gen)
     hg = torch.Generator().manual_seed(2)
@@ -154,20 +157,20 @@ def main() -> None:
     rows = []
     for B in args.batch:
         perm = torch.randperm(num_pages - 1, generator=hg)[: B * pages_per_req] + 1
-        tables = perm.view(B, pages_per_req).tolist()
+        page_tables = perm.view(B, pages_per_req).tolist()
         ctx = torch.randint(args.context // 2, args.context * 3 // 2 + 1, (B,), generator=hg).tolist()
         for width in sorted({1, args.next_n}):
             items = [WorkItem(tuple(torch.randint(2, 1000, (width,), generator=hg).tolist()), ctx[b] - width,
-                              tuple(tables[b])) for b in range(B)]
+                              tuple(page_tables[b])) for b in range(B)]
             hb = host_batch(items)
             plan = DecodeGraphPlan(width, (B,), pages_per_req)
             graphs = DecodeGraphs(model, cache, backend, plan, "cuda", capture=True)
             graphs.capture_all()
-            graphs.inputs.fill(B, hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.tables)
+            graphs.inputs.fill(B, hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables)
             g = graphs.graphs[B]
             graph_ms = float(triton.testing.do_bench(g.replay, warmup=10, rep=300, return_mode="median"))
             eager = DecodeGraphs(model, cache, backend, plan, "cuda", capture=False)
-            eager.inputs.fill(B, hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.tables)
+            eager.inputs.fill(B, hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables)
             batch = eager.inputs.batch(B)
 
             def step():
@@ -177,8 +180,8 @@ def main() -> None:
             eager_ms = float(triton.testing.do_bench(step, warmup=3, rep=300, return_mode="median"))
             ksum = kernel_ms(step)
             with torch.inference_mode():
-                same = torch.equal(eager.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.tables),
-                                   graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.tables))
+                same = torch.equal(eager.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables),
+                                   graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables))
             row = {"batch": B, "width": width, "mean_context": sum(ctx) / B, "graph_ms": graph_ms,
                    "eager_ms": eager_ms, "kernel_sum_ms": ksum, "graph_over_kernels": graph_ms / ksum,
                    "eager_over_kernels": eager_ms / ksum, "replay_equals_eager": same,

@@ -23,7 +23,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from models.dtypes import DtypeName
 from workers.push_tuning import DEFAULT_DESCRIPTOR_PAGES, PushTuning
+from workers.rank_build import RankSpec
 
 __all__ = [
     "APP_IMPORT_PATH",
@@ -31,7 +33,7 @@ __all__ = [
     "Autoscaling",
     "Features",
     "ModelSource",
-    "PoolConfig",
+    "RoleConfig",
     "RouterConfig",
     "TinyModelSpec",
     "TransferConfig",
@@ -168,14 +170,14 @@ class ModelSource(_Strict):
 
 
 class Autoscaling(_Strict):
-    """Serve autoscaling bounds of a pool (replaces ``num_replicas``)."""
+    """Serve autoscaling bounds of a role (replaces ``num_replicas``)."""
 
     min_replicas: int = Field(
         1, ge=1, description="At least 1: a cold replica loads its weights for minutes, so no scale-to-zero."
     )
     max_replicas: int = Field(1, ge=1)
     target_ongoing_requests: float | None = Field(
-        None, gt=0, description="Requests per replica Serve aims for; default the pool's max_batch_size."
+        None, gt=0, description="Requests per replica Serve aims for; default the role's max_batch_size."
     )
 
     @model_validator(mode="after")
@@ -187,12 +189,12 @@ class Autoscaling(_Strict):
         return self
 
 
-class PoolConfig(_Strict):
-    """One pool of replicas (prefill or decode) and the engine settings of each replica.
+class RoleConfig(_Strict):
+    """The replicas of one role (prefill or decode) and the engine settings of each replica.
 
     A replica is one Serve replica that owns ``tensor_parallel_size`` rank
     workers; with one rank the worker runs in-process. ``num_gpus`` is per
-    replica: a fraction (e.g. 0.5) lets both pools share one GPU for the
+    replica: a fraction (e.g. 0.5) lets both roles share one GPU for the
     single-GPU demo; with tensor parallelism it must equal the rank count.
     """
 
@@ -211,7 +213,7 @@ class PoolConfig(_Strict):
         "reference", description="Attention backend: 'reference' (pure torch) or 'cuda' (flash_mla, deep_gemm)."
     )
     device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weights and activations dtype.")
+    dtype: DtypeName = Field("float32", description="Weights and activations dtype.")
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         "auto", description="'fp8': serving byte formats (656-byte MLA, 132-byte indexer tokens); 'auto': dtype."
     )
@@ -234,7 +236,7 @@ class PoolConfig(_Strict):
     max_batch_size: int = Field(32, ge=1, description="Most requests in one forward.")
     cuda_graphs: bool | None = Field(
         None,
-        description="Decode steps from one captured CUDA graph per batch-size bucket (decode pool). Default: on "
+        description="Decode steps from one captured CUDA graph per batch-size bucket (decode role). Default: on "
         "for backend 'cuda' on a GPU with one rank; True elsewhere is an error.",
     )
     cuda_graph_max_context: int | None = Field(
@@ -246,15 +248,22 @@ class PoolConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _replicas(self) -> "PoolConfig":
+    def _replicas(self) -> "RoleConfig":
         if self.num_replicas is not None and self.autoscaling is not None:
             raise ValueError("give num_replicas or autoscaling, not both")
         return self
 
     @property
     def has_mtp(self) -> bool:
-        """Whether this pool loads the MTP layer (and has cache pages for it)."""
+        """Whether this role loads the MTP layer (and has cache pages for it)."""
         return self.mtp_draft_tokens > 0
+
+    def rank_spec(self, model_dir: str | Path = "", push: PushTuning = PushTuning()) -> RankSpec:
+        """What each rank of a replica of this role loads. The MTP layer is loaded only where
+        drafts use it: the memory plan, the cache geometry and the handshake's has_mtp follow
+        ``mtp_draft_tokens``. ``model_dir`` may stay empty for sizing (`RankSpec.cache_spec`)."""
+        return RankSpec(str(model_dir), self.backend, self.device, self.dtype, self.kv_cache_dtype, self.num_pages,
+                        with_mtp=self.has_mtp, push=push, page_layout=self.page_layout)
 
     @property
     def ongoing_requests_cap(self) -> int:
@@ -319,8 +328,8 @@ class AppConfig(_Strict):
 
     model: ModelSource
     served_model_name: str | None = Field(None, description="The OpenAI `model` name; default from the source.")
-    prefill: PoolConfig = Field(default_factory=PoolConfig)
-    decode: PoolConfig = Field(default_factory=PoolConfig)
+    prefill: RoleConfig = Field(default_factory=RoleConfig)
+    decode: RoleConfig = Field(default_factory=RoleConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     features: Features = Field(default_factory=Features)
@@ -330,8 +339,8 @@ class AppConfig(_Strict):
         """The name clients pass as ``model``."""
         return self.served_model_name or self.model.default_served_name
 
-    def pool(self, role: str) -> PoolConfig:
-        """The ``"prefill"`` or ``"decode"`` pool."""
+    def for_role(self, role: str) -> RoleConfig:
+        """The ``"prefill"`` or ``"decode"`` role."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
         return self.prefill if role == "prefill" else self.decode

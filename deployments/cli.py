@@ -139,14 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="validate serve config YAMLs (every violation, with its path) without a cluster")
     p.add_argument("configs", nargs="+", metavar="CONFIG.yaml", help="`serve run` config files")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
-                   help="memory of one GPU for the budget rule (default: each pool's gpu_memory_gib)")
+                   help="memory of one GPU for the budget rule (default: each role's gpu_memory_gib)")
     p.set_defaults(func=_check)
 
     p = sub.add_parser("serve", help="check a serve config, then start it with `serve run` (exit 1 on a violation)")
     p.add_argument("config", metavar="CONFIG.yaml")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="passed on to `serve run`")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
-                   help="memory of one GPU for the budget rule (default: each pool's gpu_memory_gib)")
+                   help="memory of one GPU for the budget rule (default: each role's gpu_memory_gib)")
     p.set_defaults(func=_serve)
 
     args = parser.parse_args(argv)

@@ -29,8 +29,9 @@ import pydantic
 
 from attention.cache import CacheSpec
 from attention.formats import PAGE_SIZE, pages_for_tokens
-from deployments.app_config import APP_IMPORT_PATH, AppConfig, PoolConfig
+from deployments.app_config import APP_IMPORT_PATH, AppConfig, RoleConfig
 from models.config import ConfigError, ModelConfig, config_from_dict, load_config
+from models.dtypes import dtype_bytes
 from transfer.compat import CompatInfo, diff_compat
 from workers.mtp import check_topk_reuse
 from workers.scheduler import tokens_to_hold
@@ -42,7 +43,7 @@ __all__ = [
     "FLASH_MLA_HEADS",
     "MemoryEstimate",
     "PlacementPlan",
-    "PoolPlacement",
+    "RolePlacement",
     "Violation",
     "cache_formats",
     "check_args",
@@ -52,7 +53,7 @@ __all__ = [
     "format_bytes",
     "model_param_count",
     "plan_placement",
-    "pool_compat_info",
+    "role_compat_info",
     "resolve_model_config",
     "validate",
     "violations_from_pydantic",
@@ -66,8 +67,6 @@ GiB = 1 << 30
 
 FLASH_MLA_HEADS = (64, 128)
 """Query-head counts FlashMLA's sparse kernels run; fewer heads per GPU are padded up to one of them."""
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 # --------------------------------------------------------------------------- violations
@@ -127,53 +126,38 @@ def violations_from_pydantic(err: pydantic.ValidationError, prefix: str = "") ->
 # --------------------------------------------------------------------------- cache geometry
 
 
-def cache_formats(pool: PoolConfig, model_cfg: ModelConfig) -> tuple[str, str]:
+def cache_formats(role_cfg: RoleConfig, model_cfg: ModelConfig) -> tuple[str, str]:
     """``(kv_format, index_format)`` as the transfer handshake compares them (`CacheSpec.transfer_formats`)."""
-    return _cache_spec(pool, model_cfg, num_pages=1).transfer_formats()
+    return _cache_spec(role_cfg, model_cfg, num_pages=1).transfer_formats()
 
 
-def _cache_spec(pool: PoolConfig, model_cfg: ModelConfig, num_pages: int | None = None) -> CacheSpec:
-    """The cache geometry a replica of ``pool`` allocates (``workers.model_runner.cache_spec_for``'s)."""
-    import torch
-
-    n_main = model_cfg.num_hidden_layers
-    n_mtp = model_cfg.num_nextn_predict_layers if pool.has_mtp else 0
-    computes = list(model_cfg.topk_plan.computes[:n_main]) + [True] * n_mtp
-    return CacheSpec(
-        num_layers=n_main + n_mtp,
-        num_pages=num_pages or pool.num_pages,
-        kv_lora_rank=model_cfg.kv_lora_rank,
-        rope_dim=model_cfg.qk_rope_head_dim,
-        index_head_dim=model_cfg.index_head_dim,
-        kv_cache_dtype=pool.kv_cache_dtype,
-        dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[pool.dtype],
-        indexer_layers=tuple(computes),
-        page_layout=pool.page_layout,
-    )
+def _cache_spec(role_cfg: RoleConfig, model_cfg: ModelConfig, num_pages: int | None = None) -> CacheSpec:
+    """The cache geometry a replica of ``role_cfg`` allocates: `RankSpec.cache_spec`, which loading calls too."""
+    return role_cfg.rank_spec().cache_spec(model_cfg, num_pages)
 
 
-def bytes_per_page(pool: PoolConfig, model_cfg: ModelConfig) -> int:
+def bytes_per_page(role_cfg: RoleConfig, model_cfg: ModelConfig) -> int:
     """Bytes one page id occupies across every layer's MLA and indexer caches of one rank."""
-    return _cache_spec(pool, model_cfg, num_pages=1).page_bytes()
+    return _cache_spec(role_cfg, model_cfg, num_pages=1).page_bytes()
 
 
-def pool_compat_info(app_cfg: AppConfig, role: Role, model_cfg: ModelConfig) -> CompatInfo:
+def role_compat_info(app_cfg: AppConfig, role: Role, model_cfg: ModelConfig) -> CompatInfo:
     """The ``CompatInfo`` the ranks of ``role`` present in the transfer handshake.
 
-    The controller compares the two pools' infos before placement; the
+    The controller compares the two roles' infos before placement; the
     handshake compares them again at run time against the actual peer.
     """
-    pool = app_cfg.pool(role)
-    kv_format, index_format = cache_formats(pool, model_cfg)
+    role_cfg = app_cfg.for_role(role)
+    kv_format, index_format = cache_formats(role_cfg, model_cfg)
     return CompatInfo(
         # models.config.config_identity, as the replicas' links compute it from the config.json
         # they load (for a config given inline or generated, from that dict).
         model=model_cfg.identity,
-        num_layers=_cache_spec(pool, model_cfg).num_layers,
-        page_size=pool.page_size,
+        num_layers=_cache_spec(role_cfg, model_cfg).num_layers,
+        page_size=role_cfg.page_size,
         kv_format=kv_format,
         index_format=index_format,
-        has_mtp=pool.has_mtp,
+        has_mtp=role_cfg.has_mtp,
     )
 
 
@@ -256,7 +240,7 @@ def weight_bytes_per_rank(
     backend, which dequantizes) every element takes ``dtype``'s size.
     """
     p = _model_params(model_cfg, with_mtp)
-    elem = _DTYPE_BYTES[dtype]
+    elem = dtype_bytes(dtype)
     if fp8_weights and model_cfg.weight_block_size is not None:
         bh, bw = model_cfg.weight_block_size
         quant = 1.0 + 4.0 / (bh * bw)
@@ -274,7 +258,7 @@ def format_bytes(n: int) -> str:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-rank memory plan of a pool: weights + page pool + workspace against the GPU budget."""
+    """Per-rank memory plan of a role: weights + page pool + workspace against the GPU budget."""
 
     weights_bytes: int
     page_bytes: int
@@ -305,86 +289,86 @@ class MemoryEstimate:
         )
 
 
-def _gpu_share(pool: PoolConfig) -> float:
-    """The share of one GPU each rank of the pool owns (a fraction only for the shared-GPU demo)."""
-    if pool.tensor_parallel_size == 1 and 0 < pool.num_gpus < 1:
-        return pool.num_gpus
+def _gpu_share(role_cfg: RoleConfig) -> float:
+    """The share of one GPU each rank of the role owns (a fraction only for the shared-GPU demo)."""
+    if role_cfg.tensor_parallel_size == 1 and 0 < role_cfg.num_gpus < 1:
+        return role_cfg.num_gpus
     return 1.0
 
 
-def estimate_memory(pool: PoolConfig, model_cfg: ModelConfig, gpu_memory_bytes: int | None = None) -> MemoryEstimate:
-    """Per-rank memory of a replica of ``pool``; the budget is ``gpu_memory x utilization x GPU share``.
+def estimate_memory(role_cfg: RoleConfig, model_cfg: ModelConfig, gpu_memory_bytes: int | None = None) -> MemoryEstimate:
+    """Per-rank memory of a replica of ``role_cfg``; the budget is ``gpu_memory x utilization x GPU share``.
 
-    ``gpu_memory_bytes`` overrides the pool's ``gpu_memory_gib`` (e.g. the
+    ``gpu_memory_bytes`` overrides the role's ``gpu_memory_gib`` (e.g. the
     memory of the device actually found).
     """
-    per_page = bytes_per_page(pool, model_cfg)
-    gpu = gpu_memory_bytes if gpu_memory_bytes is not None else int(pool.gpu_memory_gib * GiB)
+    per_page = bytes_per_page(role_cfg, model_cfg)
+    gpu = gpu_memory_bytes if gpu_memory_bytes is not None else int(role_cfg.gpu_memory_gib * GiB)
     return MemoryEstimate(
         weights_bytes=weight_bytes_per_rank(
             model_cfg,
-            pool.tensor_parallel_size,
-            dtype=pool.dtype,
-            fp8_weights=pool.backend == "cuda",
-            with_mtp=pool.has_mtp,
+            role_cfg.tensor_parallel_size,
+            dtype=role_cfg.dtype,
+            fp8_weights=role_cfg.backend == "cuda",
+            with_mtp=role_cfg.has_mtp,
         ),
-        page_bytes=pool.num_pages * per_page,
+        page_bytes=role_cfg.num_pages * per_page,
         bytes_per_page=per_page,
-        workspace_bytes=int(pool.workspace_gib * GiB),
-        budget_bytes=int(gpu * pool.gpu_memory_utilization * _gpu_share(pool)),
+        workspace_bytes=int(role_cfg.workspace_gib * GiB),
+        budget_bytes=int(gpu * role_cfg.gpu_memory_utilization * _gpu_share(role_cfg)),
     )
 
 
 # --------------------------------------------------------------------------- rules
 
 
-def _device_rules(role: str, pool: PoolConfig, out: list[Violation]) -> None:
-    tp = pool.tensor_parallel_size
-    if pool.backend == "cuda" and pool.device == "cpu":
+def _device_rules(role: str, role_cfg: RoleConfig, out: list[Violation]) -> None:
+    tp = role_cfg.tensor_parallel_size
+    if role_cfg.backend == "cuda" and role_cfg.device == "cpu":
         out.append(Violation(f"{role}.device", "backend 'cuda' (flash_mla, deep_gemm) needs device 'cuda', got 'cpu'"))
-    if pool.backend == "cuda" and pool.dtype != "bfloat16":
+    if role_cfg.backend == "cuda" and role_cfg.dtype != "bfloat16":
         out.append(Violation(
             f"{role}.dtype",
-            f"backend 'cuda' runs bfloat16 activations (FlashMLA and DeepGEMM take bf16 queries), got {pool.dtype!r}",
+            f"backend 'cuda' runs bfloat16 activations (FlashMLA and DeepGEMM take bf16 queries), got {role_cfg.dtype!r}",
         ))
-    if pool.device == "cuda":
-        if pool.num_gpus == 0:
+    if role_cfg.device == "cuda":
+        if role_cfg.num_gpus == 0:
             out.append(Violation(f"{role}.num_gpus", "device 'cuda' needs num_gpus > 0: Ray would hide every GPU"))
-        elif tp > 1 and pool.num_gpus != tp:
+        elif tp > 1 and role_cfg.num_gpus != tp:
             out.append(Violation(
                 f"{role}.num_gpus",
                 f"num_gpus is per replica and each of the {tp} tensor-parallel ranks owns one GPU: "
-                f"set num_gpus to {tp}, got {pool.num_gpus:g}",
+                f"set num_gpus to {tp}, got {role_cfg.num_gpus:g}",
             ))
-        elif tp == 1 and pool.num_gpus > 1:
+        elif tp == 1 and role_cfg.num_gpus > 1:
             out.append(Violation(
                 f"{role}.num_gpus",
-                f"a replica with one rank uses one GPU at most, got num_gpus {pool.num_gpus:g}; "
+                f"a replica with one rank uses one GPU at most, got num_gpus {role_cfg.num_gpus:g}; "
                 "raise tensor_parallel_size to use more",
             ))
-        if tp > pool.gpus_per_node:
+        if tp > role_cfg.gpus_per_node:
             out.append(Violation(
                 f"{role}.tensor_parallel_size",
-                f"{tp} ranks do not fit one node of {pool.gpus_per_node} GPUs (gpus_per_node): a replica's ranks "
+                f"{tp} ranks do not fit one node of {role_cfg.gpus_per_node} GPUs (gpus_per_node): a replica's ranks "
                 "are packed on one node (STRICT_PACK)",
             ))
-    elif pool.num_gpus > 0:
+    elif role_cfg.num_gpus > 0:
         out.append(Violation(
             f"{role}.num_gpus",
-            f"device 'cpu' does not use GPUs but num_gpus is {pool.num_gpus:g}: the replica would hold them idle",
+            f"device 'cpu' does not use GPUs but num_gpus is {role_cfg.num_gpus:g}: the replica would hold them idle",
         ))
-    if pool.cuda_graphs and not (pool.backend == "cuda" and pool.device == "cuda" and tp == 1):
+    if role_cfg.cuda_graphs and not (role_cfg.backend == "cuda" and role_cfg.device == "cuda" and tp == 1):
         out.append(Violation(
             f"{role}.cuda_graphs",
             "CUDA graphs capture the cuda backend's decode step on a GPU with one rank (backend 'cuda', device "
-            f"'cuda', tensor_parallel_size 1); got backend {pool.backend!r}, device {pool.device!r}, "
+            f"'cuda', tensor_parallel_size 1); got backend {role_cfg.backend!r}, device {role_cfg.device!r}, "
             f"tensor_parallel_size {tp}",
         ))
-    if pool.page_size != PAGE_SIZE:
+    if role_cfg.page_size != PAGE_SIZE:
         out.append(Violation(
             f"{role}.page_size",
             f"DeepSeek-V3.2 / GLM-5 caches use {PAGE_SIZE}-token pages (the fp8 byte formats, FlashMLA and "
-            f"DeepGEMM's paged kernels), got {pool.page_size}",
+            f"DeepGEMM's paged kernels), got {role_cfg.page_size}",
         ))
 
 
@@ -400,7 +384,7 @@ def _agreement_rules(app_cfg: AppConfig, model_cfg: ModelConfig | None, out: lis
         out.append(Violation(
             "decode.tensor_parallel_size",
             f"prefill tensor_parallel_size {p.tensor_parallel_size} vs decode {d.tensor_parallel_size}: every rank "
-            "caches the whole MLA latent and prefill rank i pushes its pages to decode rank i, so both pools "
+            "caches the whole MLA latent and prefill rank i pushes its pages to decode rank i, so both roles "
             "need the same number of ranks",
         ))
     if p.page_size != d.page_size:
@@ -411,7 +395,7 @@ def _agreement_rules(app_cfg: AppConfig, model_cfg: ModelConfig | None, out: lis
         out.append(Violation(
             "decode.page_layout",
             f"prefill page_layout {p.page_layout!r} vs decode {d.page_layout!r}: pages are copied byte for byte, "
-            "so both pools need the same layout of layers within a page",
+            "so both roles need the same layout of layers within a page",
         ))
     if p.kv_cache_dtype != d.kv_cache_dtype:
         fmt = ""
@@ -420,7 +404,7 @@ def _agreement_rules(app_cfg: AppConfig, model_cfg: ModelConfig | None, out: lis
         out.append(Violation(
             "decode.kv_cache_dtype",
             f"prefill kv_cache_dtype {p.kv_cache_dtype!r} vs decode {d.kv_cache_dtype!r}{fmt}: "
-            "pages are copied byte for byte, so both pools need the same KV and indexer cache formats",
+            "pages are copied byte for byte, so both roles need the same KV and indexer cache formats",
         ))
     elif p.kv_cache_dtype == "auto" and p.dtype != d.dtype:
         out.append(Violation(
@@ -439,12 +423,12 @@ def _agreement_rules(app_cfg: AppConfig, model_cfg: ModelConfig | None, out: lis
             "decode.mtp_draft_tokens" if d.has_mtp else "prefill.mtp_draft_tokens",
             f"MTP is on for {'decode' if d.has_mtp else 'prefill'} only (prefill mtp_draft_tokens "
             f"{p.mtp_draft_tokens}, decode {d.mtp_draft_tokens}){layers}: the MTP layer's cache pages are filled "
-            "by prefill and read by decode, so both pools must have it or neither",
+            "by prefill and read by decode, so both roles must have it or neither",
         ))
     if model_cfg is not None and len(out) == n_before:
         # Whatever else the handshake hashes must agree too; a difference not
         # explained above means a compat field this controller does not know about.
-        diffs = diff_compat(pool_compat_info(app_cfg, "prefill", model_cfg), pool_compat_info(app_cfg, "decode", model_cfg))
+        diffs = diff_compat(role_compat_info(app_cfg, "prefill", model_cfg), role_compat_info(app_cfg, "decode", model_cfg))
         for diff in diffs:
             out.append(Violation(
                 "decode", f"transfer compatibility field {diff.field!r} differs: prefill {diff.local!r}, decode {diff.remote!r}"
@@ -471,13 +455,13 @@ def _feature_rules(app_cfg: AppConfig, model_cfg: ModelConfig | None, out: list[
         ))
 
 
-def _model_rules(role: str, pool: PoolConfig, app_cfg: AppConfig, m: ModelConfig, gpu_memory_bytes: int | None,
+def _model_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: ModelConfig, gpu_memory_bytes: int | None,
                  out: list[Violation]) -> None:
-    tp = pool.tensor_parallel_size
-    if pool.has_mtp and not m.has_mtp:
+    tp = role_cfg.tensor_parallel_size
+    if role_cfg.has_mtp and not m.has_mtp:
         out.append(Violation(
             f"{role}.mtp_draft_tokens",
-            f"mtp_draft_tokens {pool.mtp_draft_tokens} needs the model's MTP layer, but the checkpoint has "
+            f"mtp_draft_tokens {role_cfg.mtp_draft_tokens} needs the model's MTP layer, but the checkpoint has "
             "num_nextn_predict_layers 0: set mtp_draft_tokens to 0",
         ))
 
@@ -498,7 +482,7 @@ def _model_rules(role: str, pool: PoolConfig, app_cfg: AppConfig, m: ModelConfig
                 f"{role}.tensor_parallel_size",
                 f"tensor_parallel_size {tp} does not divide {name} ({total}): models/ splits it across ranks{note}",
             ))
-    if divisible and tp > 1 and pool.backend == "cuda" and m.weight_block_size is not None:
+    if divisible and tp > 1 and role_cfg.backend == "cuda" and m.weight_block_size is not None:
         bh, bw = m.weight_block_size
         hpr = m.num_attention_heads // tp
         # fp8 weights stay quantized on the cuda backend: a rank's shard must
@@ -520,19 +504,19 @@ def _model_rules(role: str, pool: PoolConfig, app_cfg: AppConfig, m: ModelConfig
                     f"multiple of {block}; tensor_parallel_size {tp} splits a scale block",
                 ))
 
-    if pool.backend == "cuda":
+    if role_cfg.backend == "cuda":
         # The kernels' own admission check (FlashMLA 512 + 64 latent/rope,
         # DeepGEMM 128-dim indexer keys, fp8 caches), run before placement.
         try:
             from attention.cuda.backend import check_cache_spec
 
-            check_cache_spec(_cache_spec(pool, m, num_pages=1))
+            check_cache_spec(_cache_spec(role_cfg, m, num_pages=1))
         except ValueError as e:
             out.append(Violation(f"{role}.backend", str(e)))
         except ImportError as e:
             out.append(Violation(f"{role}.backend", f"the cuda backend cannot be imported here: {e}"))
 
-    if pool.backend == "cuda" and m.num_attention_heads % tp == 0:
+    if role_cfg.backend == "cuda" and m.num_attention_heads % tp == 0:
         hpg = m.num_attention_heads // tp
         if hpg > max(FLASH_MLA_HEADS):
             out.append(Violation(
@@ -544,22 +528,22 @@ def _model_rules(role: str, pool: PoolConfig, app_cfg: AppConfig, m: ModelConfig
 
     max_len = app_cfg.model.max_model_len or m.max_position_embeddings
     tokens = max_len
-    if role == "decode" and pool.mtp_draft_tokens:
+    if role == "decode" and role_cfg.mtp_draft_tokens:
         # A running request is at most max_len - 1 tokens long, but its verify
         # step and draft chain write cache positions past its length: hold
         # what the engine's scheduler reserves.
-        tokens = tokens_to_hold(max_len - 1, pool.mtp_draft_tokens)
-    need = pages_for_tokens(tokens, pool.page_size)
-    if pool.num_pages < need:
+        tokens = tokens_to_hold(max_len - 1, role_cfg.mtp_draft_tokens)
+    need = pages_for_tokens(tokens, role_cfg.page_size)
+    if role_cfg.num_pages < need:
         extra = f" + {tokens - max_len} positions written by MTP drafts" if tokens > max_len else ""
         out.append(Violation(
             f"{role}.num_pages",
-            f"{pool.num_pages} pages hold {pool.num_pages * pool.page_size} tokens, less than one request of "
+            f"{role_cfg.num_pages} pages hold {role_cfg.num_pages * role_cfg.page_size} tokens, less than one request of "
             f"max_model_len {max_len}{extra}: need at least {need} pages (or lower model.max_model_len)",
         ))
 
-    if pool.device == "cuda":
-        est = estimate_memory(pool, m, gpu_memory_bytes)
+    if role_cfg.device == "cuda":
+        est = estimate_memory(role_cfg, m, gpu_memory_bytes)
         if not est.fits:
             without_pages = est.weights_bytes + est.workspace_bytes
             if without_pages > est.budget_bytes:
@@ -579,12 +563,12 @@ def validate(app_cfg: AppConfig, model_cfg: ModelConfig | None, gpu_memory_bytes
     """Every rule violation of ``app_cfg`` (serving ``model_cfg``), in a stable order; empty when valid.
 
     ``model_cfg`` None (the checkpoint config could not be read) skips the
-    rules that need it. ``gpu_memory_bytes`` overrides each pool's
+    rules that need it. ``gpu_memory_bytes`` overrides each role's
     ``gpu_memory_gib`` for the memory-budget rule.
     """
     out: list[Violation] = []
     for role in ROLES:
-        _device_rules(role, app_cfg.pool(role), out)
+        _device_rules(role, app_cfg.for_role(role), out)
     _agreement_rules(app_cfg, model_cfg, out)
     _feature_rules(app_cfg, model_cfg, out)
     if model_cfg is not None:
@@ -595,7 +579,7 @@ def validate(app_cfg: AppConfig, model_cfg: ModelConfig | None, gpu_memory_bytes
                 f"{max_len} exceeds the model's max_position_embeddings ({model_cfg.max_position_embeddings})",
             ))
         for role in ROLES:
-            _model_rules(role, app_cfg.pool(role), app_cfg, model_cfg, gpu_memory_bytes, out)
+            _model_rules(role, app_cfg.for_role(role), app_cfg, model_cfg, gpu_memory_bytes, out)
     return out
 
 
@@ -680,8 +664,8 @@ def check_args(args: Mapping[str, Any] | AppConfig, gpu_memory_bytes: int | None
 
 
 @dataclass(frozen=True)
-class PoolPlacement:
-    """Ray resources of one pool's replicas.
+class RolePlacement:
+    """Ray resources of one role's replicas.
 
     With one rank, the rank runs inside the Serve replica: ``ray_actor_options``
     carries its CPUs and (possibly fractional) GPUs and there is no placement
@@ -735,12 +719,12 @@ class PoolPlacement:
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    """Placement of both pools; ``gpus`` is the (min, max) GPU total over the replica range."""
+    """Placement of both roles; ``gpus`` is the (min, max) GPU total over the replica range."""
 
-    prefill: PoolPlacement
-    decode: PoolPlacement
+    prefill: RolePlacement
+    decode: RolePlacement
 
-    def pool(self, role: str) -> PoolPlacement:
+    def for_role(self, role: str) -> RolePlacement:
         return {"prefill": self.prefill, "decode": self.decode}[role]
 
     @property
@@ -750,45 +734,45 @@ class PlacementPlan:
         return lo, hi
 
 
-def _plan_pool(role: Role, pool: PoolConfig) -> PoolPlacement:
-    tp = pool.tensor_parallel_size
-    gpu_per_rank = 1.0 if pool.device == "cuda" else 0.0
+def _plan_pool(role: Role, role_cfg: RoleConfig) -> RolePlacement:
+    tp = role_cfg.tensor_parallel_size
+    gpu_per_rank = 1.0 if role_cfg.device == "cuda" else 0.0
     autoscaling = None
-    if pool.autoscaling is not None:
-        a = pool.autoscaling
+    if role_cfg.autoscaling is not None:
+        a = role_cfg.autoscaling
         autoscaling = {
             "min_replicas": a.min_replicas,
             "max_replicas": a.max_replicas,
-            "target_ongoing_requests": a.target_ongoing_requests or float(pool.max_batch_size),
+            "target_ongoing_requests": a.target_ongoing_requests or float(role_cfg.max_batch_size),
         }
     common = dict(
         role=role,
-        num_replicas=None if autoscaling else (pool.num_replicas or 1),
+        num_replicas=None if autoscaling else (role_cfg.num_replicas or 1),
         autoscaling_config=autoscaling,
-        max_ongoing_requests=pool.ongoing_requests_cap,
+        max_ongoing_requests=role_cfg.ongoing_requests_cap,
     )
     if tp == 1:
-        return PoolPlacement(
-            ray_actor_options={"num_cpus": float(pool.num_cpus), "num_gpus": float(pool.num_gpus)},
+        return RolePlacement(
+            ray_actor_options={"num_cpus": float(role_cfg.num_cpus), "num_gpus": float(role_cfg.num_gpus)},
             placement_group_bundles=None,
             placement_group_strategy=None,
             rank_actor_options=None,
             rank_bundle_indices=(),
             **common,
         )
-    bundle = {"CPU": float(pool.num_cpus)}
+    bundle = {"CPU": float(role_cfg.num_cpus)}
     if gpu_per_rank:
         bundle["GPU"] = gpu_per_rank
-    return PoolPlacement(
+    return RolePlacement(
         ray_actor_options={"num_cpus": 0.0, "num_gpus": 0.0},
         placement_group_bundles=tuple(dict(bundle) for _ in range(tp)),
         placement_group_strategy="STRICT_PACK",
-        rank_actor_options={"num_cpus": float(pool.num_cpus), "num_gpus": gpu_per_rank},
+        rank_actor_options={"num_cpus": float(role_cfg.num_cpus), "num_gpus": gpu_per_rank},
         rank_bundle_indices=tuple(range(tp)),
         **common,
     )
 
 
 def plan_placement(app_cfg: AppConfig) -> PlacementPlan:
-    """Ray resources per replica of both pools (pure computation; run ``validate`` first)."""
+    """Ray resources per replica of both roles (pure computation; run ``validate`` first)."""
     return PlacementPlan(prefill=_plan_pool("prefill", app_cfg.prefill), decode=_plan_pool("decode", app_cfg.decode))

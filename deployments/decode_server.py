@@ -1,4 +1,4 @@
-"""The decode deployment: one replica = one `DecodeWorker` on its engine thread; it
+"""The decode deployment: one replica = one `DecodeWorker` on its worker thread; it
 orchestrates each request (DESIGN.md, request path).
 
 `generate` (streamed, routed here by `deployments.router.DecodeRouter`):
@@ -12,7 +12,7 @@ orchestrates each request (DESIGN.md, request path).
 4. yield every `RequestOutput` until the request finishes.
 
 A cancelled call (client disconnect: Serve cancels the ingress request and
-its calls here) aborts the request on the engine thread, which frees its
+its calls here) aborts the request on the worker thread, which frees its
 pages, and cancels the prefill call, which frees prefill's. A failed prefill
 call or transfer ends the request with an error output.
 """
@@ -27,9 +27,9 @@ from typing import Any, AsyncIterator
 from ray import serve
 
 from deployments.app_config import AppConfig
-from deployments.decode_engine import DecodeEngine, Reserved, error_output
+from deployments.decode_thread import DecodeThread, Reserved, error_output
 from deployments.metrics import DecodeMetrics
-from deployments.pool_server import PoolServer
+from deployments.replica_server import ReplicaServer
 from deployments.replica_build import build_decode_worker
 from workers.engine import RequestOutput
 from workers.prefill_worker import PrefillResult, PrefillTask
@@ -42,22 +42,22 @@ PEER_WAIT_S = 300.0
 """How long a new decode replica waits for a prefill peer before it reports ready anyway."""
 
 
-class DecodeServer(PoolServer):
+class DecodeServer(ReplicaServer):
     async def __init__(self, app_args: dict[str, Any], model_dir: str, directory, prefill):
         cfg = AppConfig.model_validate(app_args)
         self.prefill = prefill
         self.worker_id = f"decode-{serve.get_replica_context().replica_id.unique_id}"
         worker = await asyncio.to_thread(build_decode_worker, cfg, model_dir, self.worker_id)
-        engine = DecodeEngine(worker)
-        self.offer = await self._start(engine, worker, "decode", DecodeMetrics(), directory,
-                                       {"warmup_page": engine.warmup_page})
+        thread = DecodeThread(worker)
+        self.offer = await self._start(thread, worker, "decode", DecodeMetrics(), directory,
+                                       {"warmup_page": thread.warmup_page})
         # Ready = able to serve: at least one prefill replica handshaked (and
         # warmed up by it), unless prefill takes unusually long to come up.
         if not await self.sync.wait_for_peer(PEER_WAIT_S):
             log.warning("decode %s: no prefill replica after %.0fs; serving anyway", self.agent, PEER_WAIT_S)
 
     async def _learn(self, entry: dict[str, Any]) -> None:
-        await self.engine.call(self.engine.learn_peer, entry["offer"])
+        await self.thread.call(self.thread.learn_peer, entry["offer"])
 
     # -------------------------------------------------------------- requests
     async def _await_prefill(self, task: PrefillTask, response) -> None:
@@ -69,19 +69,19 @@ class DecodeServer(PoolServer):
             raise
         except Exception as e:  # noqa: BLE001 - the prefill replica died or raised: this request fails
             result = PrefillResult(task.request_id, False, error=f"prefill call failed: {e}")
-        self.engine.post(self.engine.prefill_result, result, agent)
+        self.thread.post(self.thread.prefill_result, result, agent)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        prefix_hash: int | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (see the module doc); the last one has ``finished`` set."""
         start = time.monotonic()
-        stream = self.engine.open_stream(request_id)
+        stream = self.thread.open_stream(request_id)
         prefill_call = None
         finished = False
         try:
             if not self.sync.known:
                 await self.sync.wait_for_peer(PEER_WAIT_S)
-            self.engine.post(self.engine.reserve, Request(request_id, list(prompt), params))
+            self.thread.post(self.thread.reserve, Request(request_id, list(prompt), params))
             item = await stream.get()
             if isinstance(item, RequestOutput):  # refused before any page was taken
                 finished = True
@@ -116,10 +116,10 @@ class DecodeServer(PoolServer):
                 finished = True
                 yield error_output(request_id, f"decode failed: {e}")
         finally:
-            self.engine.post(self.engine.abort, request_id)  # no-op when it finished
+            self.thread.post(self.thread.abort, request_id)  # no-op when it finished
             if prefill_call is not None and not waiter.done():
                 # Serve cancels the call on the prefill replica, which aborts
                 # the prefill and frees its pages.
                 prefill_call.cancel()
                 waiter.cancel()
-            self.engine.close_stream(request_id)
+            self.thread.close_stream(request_id)

@@ -83,7 +83,7 @@ def output_error(out: RequestOutput) -> OpenAIError:
     return OpenAIError(msg)
 
 
-class _Job:
+class _ClientRequest:
     """One admitted request on its way out: the decode stream, its text and its counts."""
 
     def __init__(self, kind: str, body, prompt_len: int, tokenizer):
@@ -219,7 +219,7 @@ class OpenAIIngress:
             raise InvalidRequest(str(e)) from e
 
     async def _run(self, kind: str, body, ids: list[int], params) -> Response:
-        job = _Job(kind, body, len(ids), self.tokenizer)
+        job = _ClientRequest(kind, body, len(ids), self.tokenizer)
         job.responses = self.decode.generate.remote(job.id, ids, params,
                                                     prefix_hash=prefix_hash(ids, self.prefix_pages))
         handed_over = False
@@ -242,7 +242,7 @@ class OpenAIIngress:
                 # Finished: a no-op. Cancelled (client gone): Serve cancels the decode call.
                 job.responses.cancel()
 
-    async def _outputs(self, job: _Job, first: RequestOutput) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, job: _ClientRequest, first: RequestOutput) -> AsyncIterator[RequestOutput]:
         out = first
         while True:
             yield out
@@ -250,7 +250,7 @@ class OpenAIIngress:
                 return
             out = await job.responses.__anext__()
 
-    async def _collect(self, job: _Job, first: RequestOutput) -> Response:
+    async def _collect(self, job: _ClientRequest, first: RequestOutput) -> Response:
         async for out in self._outputs(job, first):
             if out.finish_reason == "error":
                 return error_response(output_error(out))
@@ -266,10 +266,10 @@ class OpenAIIngress:
                 ChatChoice(message=AssistantMessage(content=text), logprobs=lp, finish_reason=job.finish_reason)])
         return JSONResponse(resp.model_dump(mode="json"))
 
-    def _include_usage(self, job: _Job) -> bool:
+    def _include_usage(self, job: _ClientRequest) -> bool:
         return job.body.stream_options is not None and job.body.stream_options.include_usage
 
-    def _completion_events(self, job: _Job, first: RequestOutput) -> AsyncIterator[str]:
+    def _completion_events(self, job: _ClientRequest, first: RequestOutput) -> AsyncIterator[str]:
         offset = 0  # characters of text streamed so far: the logprobs' text offsets
 
         def chunk(out: RequestOutput, delta: str) -> CompletionChunk:
@@ -283,7 +283,7 @@ class OpenAIIngress:
 
         return self._events(job, first, CompletionChunk, chunk)
 
-    def _chat_events(self, job: _Job, first: RequestOutput) -> AsyncIterator[str]:
+    def _chat_events(self, job: _ClientRequest, first: RequestOutput) -> AsyncIterator[str]:
         def chunk(out: RequestOutput, delta: str) -> ChatCompletionChunk:
             lp = job.chat_logprobs(out.token_ids, out.logprobs) if job.want_logprobs else None
             return ChatCompletionChunk(id=job.id, model=self.model_name, choices=[
@@ -293,7 +293,7 @@ class OpenAIIngress:
             ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
         return self._events(job, first, ChatCompletionChunk, chunk, opening=role)
 
-    async def _events(self, job: _Job, first: RequestOutput, chunk_type, chunk, opening=None) -> AsyncIterator[str]:
+    async def _events(self, job: _ClientRequest, first: RequestOutput, chunk_type, chunk, opening=None) -> AsyncIterator[str]:
         """The SSE stream of one request: ``opening`` (if any), ``chunk(out, delta)``
         per output with new text (or logprobs, or the finish), an error event if
         the engine failed it, the usage chunk when asked for, ``[DONE]``."""

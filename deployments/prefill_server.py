@@ -1,4 +1,4 @@
-"""The prefill deployment: one replica = one `PrefillWorker` on its engine thread.
+"""The prefill deployment: one replica = one `PrefillWorker` on its worker thread.
 
 Decode replicas call `prefill` (routed by `deployments.router.PrefillRouter`)
 with a `PrefillTask` naming their agent and reserved pages, plus their
@@ -19,24 +19,24 @@ from ray import serve
 
 from deployments.app_config import AppConfig
 from deployments.metrics import PrefillMetrics
-from deployments.pool_server import PoolServer
-from deployments.prefill_engine import PrefillEngine
+from deployments.replica_server import ReplicaServer
+from deployments.prefill_thread import PrefillThread
 from deployments.replica_build import build_prefill_worker
 from workers.prefill_worker import PrefillResult, PrefillTask
 
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
 
 
-class PrefillServer(PoolServer):
+class PrefillServer(ReplicaServer):
     async def __init__(self, app_args: dict[str, Any], model_dir: str, directory):
         cfg = AppConfig.model_validate(app_args)
         self.worker_id = f"prefill-{serve.get_replica_context().replica_id.unique_id}"
         worker = await asyncio.to_thread(build_prefill_worker, cfg, model_dir, self.worker_id)
-        await self._start(PrefillEngine(worker, warm_up=cfg.transfer.warmup_at_start), worker, "prefill",
+        await self._start(PrefillThread(worker, warm_up=cfg.transfer.warmup_at_start), worker, "prefill",
                           PrefillMetrics(), directory, {})
 
     async def _learn(self, entry: dict[str, Any]) -> None:
-        await self.engine.call(self.engine.learn_peer, entry["offer"], entry.get("extra", {}).get("warmup_page"))
+        await self.thread.call(self.thread.learn_peer, entry["offer"], entry.get("extra", {}).get("warmup_page"))
 
     # ----------------------------------------------------------- Serve hooks
     def record_replica_metadata(self) -> dict[str, Any]:
@@ -56,15 +56,15 @@ class PrefillServer(PoolServer):
         rid = task.request_id
         if known_prefills is not None and self.agent not in known_prefills:
             return self.agent, PrefillResult(rid, False, error=f"decode has not handshaked with {self.agent}")
-        stream = self.engine.open_stream(rid)
+        stream = self.thread.open_stream(rid)
         done = False
         try:
-            self.engine.post(self.engine.submit, task, decode_offer)
+            self.thread.post(self.thread.submit, task, decode_offer)
             result = await stream.get()
             done = True
             self.metrics.safe_observe_push(result)
             return self.agent, result
         finally:
             if not done:  # cancelled by decode (or the replica is shutting down)
-                self.engine.post(self.engine.abort, rid)
-            self.engine.close_stream(rid)
+                self.thread.post(self.thread.abort, rid)
+            self.thread.close_stream(rid)

@@ -121,17 +121,17 @@ def _summary(result: CheckResult, gpu_memory_bytes: int | None) -> list[str]:
         f"{plan_.num_layers} layers, weights {'fp8' if m.is_fp8 else 'bf16'}",
     ]
     for role in ROLES:
-        pool, place = app_cfg.pool(role), plan.pool(role)
+        role_cfg, place = app_cfg.for_role(role), plan.for_role(role)
         lo, hi = place.replica_range
         reps = f"{lo}" if lo == hi else f"{lo}-{hi}"
         pg = f", {place.placement_group_strategy} x {len(place.placement_group_bundles)} bundles" if place.placement_group_bundles else ""
-        line = (f"{role}: {reps} replica(s) x tp {pool.tensor_parallel_size} ({place.gpus_per_replica:g} GPU each{pg}), "
-                f"{pool.backend}/{pool.device}/{pool.dtype}, kv {pool.kv_cache_dtype}, MTP drafts {pool.mtp_draft_tokens}")
+        line = (f"{role}: {reps} replica(s) x tp {role_cfg.tensor_parallel_size} ({place.gpus_per_replica:g} GPU each{pg}), "
+                f"{role_cfg.backend}/{role_cfg.device}/{role_cfg.dtype}, kv {role_cfg.kv_cache_dtype}, MTP drafts {role_cfg.mtp_draft_tokens}")
         lines.append(line)
-        if pool.device == "cuda":
-            lines.append(f"  per GPU: {estimate_memory(pool, m, gpu_memory_bytes).describe()}")
+        if role_cfg.device == "cuda":
+            lines.append(f"  per GPU: {estimate_memory(role_cfg, m, gpu_memory_bytes).describe()}")
         else:
-            est = estimate_memory(pool, m, gpu_memory_bytes)
+            est = estimate_memory(role_cfg, m, gpu_memory_bytes)
             lines.append(f"  per replica (host memory): weights {format_bytes(est.weights_bytes)} + pages "
                          f"{format_bytes(est.page_bytes)}")
     lo, hi = plan.gpus

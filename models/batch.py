@@ -15,7 +15,7 @@ from attention.formats import PAGE_SIZE
 
 
 class ForwardMode(Enum):
-    EXTEND = "extend"
+    PREFILL = "prefill"
     """Prefill or a prefill chunk: each request contributes a run of new tokens
     at positions ``[seq_len - q_len, seq_len)`` on top of a cached prefix."""
     DECODE = "decode"
@@ -30,7 +30,7 @@ class ForwardBatch:
     input_ids:    int64 ``[T]``
     positions:    int64 ``[T]``  absolute position of each new token
     out_slots:    int64 ``[T]``  cache slot (``page * 64 + offset``) each token's KV is written to
-    block_tables: int32 ``[R, max_pages]`` page ids of each request (unused entries 0)
+    page_tables: int32 ``[R, max_pages]`` page ids of each request (unused entries 0)
     seq_lens:     int64 ``[R]``  context length of each request *after* this forward
     q_lens:       int64 ``[R]``  new tokens per request (sum = T)
     max_seq_len:  host-side upper bound of ``seq_lens`` (sizes the decode
@@ -44,7 +44,7 @@ class ForwardBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     out_slots: torch.Tensor
-    block_tables: torch.Tensor
+    page_tables: torch.Tensor
     seq_lens: torch.Tensor
     q_lens: torch.Tensor
     max_seq_len: int | None = None
@@ -72,13 +72,9 @@ class ForwardBatch:
         """``max_seq_len`` when known on the host, else ``max(seq_lens)`` (a device read)."""
         return self.max_seq_len if self.max_seq_len is not None else int(self.seq_lens.max())
 
-    def token_request_index(self) -> torch.Tensor:
-        """int64 ``[T]``: the request row each new token belongs to."""
-        return torch.repeat_interleave(torch.arange(self.num_requests, device=self.q_lens.device), self.q_lens)
-
     def context_slots(self, request: int) -> torch.Tensor:
         """int64 ``[seq_lens[request]]``: cache slots of positions ``0 .. seq_len - 1``."""
-        return slots_for_positions(self.block_tables[request], torch.arange(int(self.seq_lens[request]), device=self.block_tables.device))
+        return slots_for_positions(self.page_tables[request], torch.arange(int(self.seq_lens[request]), device=self.page_tables.device))
 
     def query_ranges(self) -> list[tuple[int, int]]:
         """``[(start, end)]`` token ranges of each request in the flat token dim."""
@@ -87,10 +83,10 @@ class ForwardBatch:
         return list(zip(starts, ends))
 
 
-def slots_for_positions(block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def slots_for_positions(page_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Map token positions to cache slots through one request's page table.
 
-    block_table: int ``[max_pages]``; positions: int64 ``[...]`` -> int64 ``[...]``.
+    page_table: int ``[max_pages]``; positions: int64 ``[...]`` -> int64 ``[...]``.
     """
-    pages = block_table.long()[positions // PAGE_SIZE]
+    pages = page_table.long()[positions // PAGE_SIZE]
     return pages * PAGE_SIZE + positions % PAGE_SIZE

@@ -260,14 +260,6 @@ class ModelConfig:
     def rope_type(self) -> str:
         return str(self.rope_parameters.get("rope_type", "default"))
 
-    def mlp_layer_type(self, layer: int) -> str:
-        """"dense" or "sparse" (MoE) for a main layer; MTP layers are always "sparse"."""
-        if not 0 <= layer < self.num_layers_with_mtp:
-            raise IndexError(f"layer {layer} out of range [0, {self.num_layers_with_mtp})")
-        if layer >= self.num_hidden_layers:
-            return "sparse"
-        return self.mlp_layer_types[layer]
-
 
 def _raw_int(raw: dict, name: str, default: int | None) -> int | None:
     value = raw.get(name, default)

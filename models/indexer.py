@@ -99,10 +99,10 @@ class Indexer(nn.Module):
         ctx = (batch.positions + 1).view(B, n).to(torch.int32)
         logits = backend.paged_mqa_logits(
             q.view(B, n, self.n_heads, self.head_dim), cache.index[layer], weights,
-            ctx, batch.block_tables, batch.seq_len_bound(),
+            ctx, batch.page_tables, batch.seq_len_bound(),
         )
         positions, slots = backend.topk_slots(
-            logits, ctx.view(-1), self.topk, batch.block_tables.repeat_interleave(n, 0)
+            logits, ctx.view(-1), self.topk, batch.page_tables.repeat_interleave(n, 0)
         )
         return SelectedTokens(slots.long(), positions.long())
 
@@ -111,7 +111,7 @@ class Indexer(nn.Module):
         for r, (s0, s1) in enumerate(batch.query_ranges()):
             keys = cache.read_index(layer, batch.context_slots(r))
             ke = (batch.positions[s0:s1] + 1).to(torch.int32)
-            table = batch.block_tables[r : r + 1].expand(s1 - s0, -1)
+            table = batch.page_tables[r : r + 1].expand(s1 - s0, -1)
             # Logits + top-k in one call: the cuda backend scores row chunks
             # sized by a memory budget and never holds the [rows, context]
             # matrix (a 128k-token prompt's would not fit).

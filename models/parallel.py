@@ -44,14 +44,6 @@ class TPContext:
             dist.all_reduce(x, group=self.group)
         return x
 
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate per-rank shards along the last dim."""
-        if self.size == 1:
-            return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
-
 
 SINGLE = TPContext()
 

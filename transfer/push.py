@@ -115,7 +115,7 @@ class PushStats:
 
 
 @dataclass
-class _Job:
+class _RequestPush:
     request_id: str
     peer: Peer
     prompt_len: int
@@ -231,7 +231,7 @@ class Pusher:
         self.layers = None if layers is None else tuple(layers)
         self.kinds = None if kinds is None else tuple(kinds)
         self.clock = clock
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, _RequestPush] = {}
         self._results: list[PushResult] = []
         self._unreleased: list[Xfer] = []  # handles NIXL refused to release (still in flight)
         self._draining: list[_Drain] = []
@@ -293,7 +293,7 @@ class Pusher:
         # Validate the whole request now so a bad page list fails before any byte moves.
         lp, rp = self._selection(peer).check(local_pages, remote_pages)
         now = self.clock()
-        job = _Job(request_id, peer, prompt_len, lp, rp, now, now + deadline_s)
+        job = _RequestPush(request_id, peer, prompt_len, lp, rp, now, now + deadline_s)
         if n and prepare:
             try:
                 # Off the critical path: begin runs when decode has reserved the pages, before
@@ -449,7 +449,7 @@ class Pusher:
                 return
             time.sleep(0)  # releases the GIL: a replica's event loop keeps serving meanwhile
 
-    def _ended_by_gone_peer(self, job: _Job) -> bool:
+    def _ended_by_gone_peer(self, job: _RequestPush) -> bool:
         """End ``job`` (FAILED) if its peer left the book: forgotten, or superseded by a newer
         epoch of the same worker, whose pages are gone with the old process. True if it did."""
         if self.peers.knows(job.peer.agent_name):
@@ -458,7 +458,7 @@ class Pusher:
         self._results.append(self._finish(job, PushStatus.FAILED, reason, tell_peer=False))
         return True
 
-    def _post_ready(self, job: _Job) -> bool:
+    def _post_ready(self, job: _RequestPush) -> bool:
         """End ``job`` if its peer is gone (nothing is posted to a gone peer); else post its waiting
         chunks whose pages are written, in order. False if the request ended (gone peer, failed post)."""
         if self._ended_by_gone_peer(job):
@@ -473,7 +473,7 @@ class Pusher:
                 return False
         return True
 
-    def _post_chunk(self, job: _Job, chunk: _Chunk) -> None:
+    def _post_chunk(self, job: _RequestPush, chunk: _Chunk) -> None:
         if chunk.hi > chunk.lo:
             whole = chunk.lo == 0 and chunk.hi == len(job.local_pages)
             if whole and job.ready is not None:
@@ -495,7 +495,7 @@ class Pusher:
             job.last_posted_at = self.clock()
 
     @staticmethod
-    def _chunk_done(job: _Job, index: int, last: bool) -> ChunkDone:
+    def _chunk_done(job: _RequestPush, index: int, last: bool) -> ChunkDone:
         return ChunkDone(job.request_id, index, count=index + 1 if last else None,
                          pages=len(job.local_pages) if last else None)
 
@@ -545,7 +545,7 @@ class Pusher:
         st.nbytes += xfer.nbytes
         st.post_s += xfer.post_s
 
-    def _drop_ready(self, job: _Job) -> None:
+    def _drop_ready(self, job: _RequestPush) -> None:
         if job.ready is not None:
             self._release_all([job.ready])
             job.ready = None
@@ -601,7 +601,7 @@ class Pusher:
             self._send(d.peer_agent, d.message)
         self._draining = keep
 
-    def _finish(self, job: _Job, status: PushStatus, reason: str, *, tell_peer: bool) -> PushResult:
+    def _finish(self, job: _RequestPush, status: PushStatus, reason: str, *, tell_peer: bool) -> PushResult:
         """End ``job``; ``tell_peer``: decode is told (PushSettled for a cancel, else PushAborted) once drained."""
         del self._jobs[job.request_id]
         self._drop_ready(job)

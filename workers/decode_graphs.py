@@ -7,7 +7,7 @@ captured CUDA graph of the whole target-model forward, reading its inputs from
 static buffers that are overwritten in place before every replay:
 
 * ``input_ids``, ``positions``, ``out_slots`` ``[B_b * width]`` and
-  ``seq_lens``, ``q_lens`` ``[B_b]`` (int64) and ``block_tables``
+  ``seq_lens``, ``q_lens`` ``[B_b]`` (int64) and ``page_tables``
   ``[B_b, max_pages]`` (int32);
 * everything derived per step -- the indexer's context lengths, DeepGEMM's
   paged-logits schedule (``get_paged_mqa_logits_metadata`` runs inside the
@@ -120,7 +120,7 @@ class _StaticInputs:
         # One int64 block for the per-token and per-request fields: one
         # host-to-device copy per step instead of five.
         self.packed = torch.zeros(3 * B * w + 2 * B, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(B, plan.max_pages, dtype=torch.int32, device=device)
+        self.page_tables = torch.zeros(B, plan.max_pages, dtype=torch.int32, device=device)
 
     def views(self, bucket: int) -> dict[str, torch.Tensor]:
         B, w = self.plan.max_batch_size, self.plan.width
@@ -132,21 +132,21 @@ class _StaticInputs:
             "out_slots": p[2 * B * w: 2 * B * w + n],
             "seq_lens": p[3 * B * w: 3 * B * w + bucket],
             "q_lens": p[3 * B * w + B: 3 * B * w + B + bucket],
-            "block_tables": self.block_tables[:bucket],
+            "page_tables": self.page_tables[:bucket],
         }
 
     def batch(self, bucket: int) -> ForwardBatch:
         v = self.views(bucket)
         return ForwardBatch(
             mode=ForwardMode.DECODE, input_ids=v["input_ids"], positions=v["positions"],
-            out_slots=v["out_slots"], block_tables=v["block_tables"], seq_lens=v["seq_lens"],
+            out_slots=v["out_slots"], page_tables=v["page_tables"], seq_lens=v["seq_lens"],
             q_lens=v["q_lens"], max_seq_len=self.plan.max_context, static_shapes=True,
         )
 
     def fill(self, bucket: int, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-             seq_lens: torch.Tensor, tables: torch.Tensor) -> None:
+             seq_lens: torch.Tensor, page_tables: torch.Tensor) -> None:
         """Write ``R <= bucket`` live rows (host tensors: ``tokens``, ``positions``,
-        ``slots`` int64 ``[R * width]``; ``seq_lens`` int64 ``[R]``; ``tables``
+        ``slots`` int64 ``[R * width]``; ``seq_lens`` int64 ``[R]``; ``page_tables``
         int32 ``[R, <= max_pages]``) and padding for the rest of the bucket."""
         B, w = self.plan.max_batch_size, self.plan.width
         R, n = seq_lens.shape[0], bucket * w
@@ -162,9 +162,9 @@ class _StaticInputs:
         host[3 * B * w + R: 3 * B * w + bucket] = 1
         host[3 * B * w + B: 3 * B * w + B + bucket] = w
         bt = torch.zeros(bucket, self.plan.max_pages, dtype=torch.int32)
-        bt[:R, : tables.shape[1]] = tables
+        bt[:R, : page_tables.shape[1]] = page_tables
         self.packed.copy_(host)
-        self.block_tables[:bucket].copy_(bt)
+        self.page_tables[:bucket].copy_(bt)
 
 
 class DecodeGraphs:
@@ -218,7 +218,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            seq_lens: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+            seq_lens: torch.Tensor, page_tables: torch.Tensor) -> torch.Tensor:
         """One decode step of ``R`` requests (host tensors as in ``_StaticInputs.fill``).
 
         Returns normed hidden ``[R * width, hidden]``: a view of the graph's
@@ -226,10 +226,10 @@ class DecodeGraphs:
         """
         R = seq_lens.shape[0]
         bucket = self.plan.bucket(R)
-        if bucket is None or tables.shape[1] > self.plan.max_pages:
-            raise ValueError(f"a decode step of {R} requests x {tables.shape[1]} pages is outside this plan "
+        if bucket is None or page_tables.shape[1] > self.plan.max_pages:
+            raise ValueError(f"a decode step of {R} requests x {page_tables.shape[1]} pages is outside this plan "
                              f"({self.plan.max_batch_size} requests x {self.plan.max_pages} pages)")
-        self.inputs.fill(bucket, tokens, positions, slots, seq_lens, tables)
+        self.inputs.fill(bucket, tokens, positions, slots, seq_lens, page_tables)
         if self.capture:
             if bucket not in self.graphs:
                 raise RuntimeError("capture_all() must run before the first replay")

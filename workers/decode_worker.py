@@ -46,7 +46,7 @@ class DecodeWorker:
         except Exception:
             self.pool.free(pages)
             raise
-        req.pages, req.state = pages, RequestState.AWAITING_KV
+        req.page_table, req.state = pages, RequestState.AWAITING_KV
         self.awaiting[req.request_id] = _Awaiting(req)
         return list(pages)
 
@@ -67,8 +67,8 @@ class DecodeWorker:
             # Still receiving: the receiver keeps the pages until prefill
             # settles. Already received (None): they are ours to free.
             if self.receiver.cancel(request_id, "aborted") is None:
-                self.pool.free(a.request.pages)
-            a.request.pages = []
+                self.pool.free(a.request.page_table)
+            a.request.page_table = []
             a.request.finish(FinishReason.ABORT)
             return True
         return self.engine.abort(request_id)
@@ -97,8 +97,8 @@ class DecodeWorker:
         """``free_pages``: False when the receiver ended the wait (it gives the pages back itself)."""
         self.awaiting.pop(a.request.request_id, None)
         if free_pages:
-            self.pool.free(a.request.pages)
-        a.request.pages = []
+            self.pool.free(a.request.page_table)
+        a.request.page_table = []
         a.request.finish(FinishReason.ERROR, reason)
         return RequestOutput(a.request.request_id, [], [], True, FinishReason.ERROR.value, reason)
 

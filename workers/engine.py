@@ -1,6 +1,6 @@
 """The engine of one replica: scheduler + model runner + sampler + MTP.
 
-``Engine.step()`` runs one scheduling round — prefill chunks (one EXTEND
+``Engine.step()`` runs one scheduling round — prefill chunks (one PREFILL
 forward), then one decode step for every running request (a DECODE forward
 with one token each, or with MTP a draft phase and a ``next_n = k + 1`` verify
 forward) — and returns what each request produced.
@@ -83,7 +83,7 @@ class Engine:
 
     def admit_prefilled(self, req: Request, first_token: int, first_logprob: float,
                         last_hidden: torch.Tensor) -> list[RequestOutput]:
-        """Join a request whose prompt KV is already in ``req.pages`` (pushed by a
+        """Join a request whose prompt KV is already in ``req.page_table`` (pushed by a
         prefill peer) to the running batch. ``last_hidden`` ``[hidden]``: the
         target hidden state of the last prompt position."""
         self.requests[req.request_id] = req
@@ -179,8 +179,8 @@ class Engine:
         out.finished, out.finish_reason = True, reason.value
 
     def _prefill(self, chunks: list[PrefillChunk], outs) -> None:
-        items = [WorkItem(tuple(c.request.token_ids[c.start:c.end]), c.start, tuple(c.request.pages)) for c in chunks]
-        batch, hidden = self.runner.forward(ForwardMode.EXTEND, items)
+        items = [WorkItem(tuple(c.request.token_ids[c.start:c.end]), c.start, tuple(c.request.page_table)) for c in chunks]
+        batch, hidden = self.runner.forward(ForwardMode.PREFILL, items)
         self.stats.prefill_tokens += batch.num_tokens
         ranges = batch.query_ranges()
         mtp_items, mtp_hidden = [], []
@@ -193,14 +193,14 @@ class Engine:
                 # final prefill position waits (its next token is sampled now).
                 known_end = min(c.end, prefill_length(req) - 1)
                 if known_end > c.start:
-                    mtp_items.append(WorkItem(tuple(req.token_ids[c.start + 1:known_end + 1]), c.start, tuple(req.pages)))
+                    mtp_items.append(WorkItem(tuple(req.token_ids[c.start + 1:known_end + 1]), c.start, tuple(req.page_table)))
                     mtp_hidden.append(hidden[s0:s0 + known_end - c.start])
                 if c.is_last:
                     req.pending_hidden, req.pending_start = hidden[s1 - 1:s1].clone(), c.end - 1
             if c.is_last:
                 finishing.append((req, s1 - 1))
         if mtp_items:
-            mbatch = self.runner.build_batch(ForwardMode.EXTEND, mtp_items)
+            mbatch = self.runner.build_batch(ForwardMode.PREFILL, mtp_items)
             self.model.mtp_forward(mbatch, torch.cat(mtp_hidden), self.runner.cache, self.runner.backend,
                                    draft=False)
         for req, row in finishing:
@@ -211,7 +211,7 @@ class Engine:
             self._append(req, [sample(logits[0], req.params, req.generator)], logits, outs)
 
     def _decode(self, reqs: list[Request], outs) -> None:
-        items = [WorkItem((r.token_ids[-1],), r.num_tokens - 1, tuple(r.pages)) for r in reqs]
+        items = [WorkItem((r.token_ids[-1],), r.num_tokens - 1, tuple(r.page_table)) for r in reqs]
         logits = self.model.logits(self.runner.decode(items))
         self.stats.decode_tokens += len(reqs)
         for i, r in enumerate(reqs):
@@ -223,8 +223,8 @@ class Engine:
         """Write the MTP cache for each request's pending positions and chain
         ``k`` draft tokens from the last one."""
         items = [WorkItem(tuple(r.token_ids[r.pending_start + 1:r.pending_start + 1 + r.pending_hidden.shape[0]]),
-                          r.pending_start, tuple(r.pages)) for r in reqs]
-        batch = self.runner.build_batch(ForwardMode.EXTEND, items)
+                          r.pending_start, tuple(r.page_table)) for r in reqs]
+        batch = self.runner.build_batch(ForwardMode.PREFILL, items)
         logits, mtp_hidden, selected = self.model.mtp_forward(
             batch, torch.cat([r.pending_hidden for r in reqs]), self.runner.cache, self.runner.backend)
         last = torch.cumsum(batch.q_lens, 0) - 1
@@ -252,10 +252,10 @@ class Engine:
             probs.append(step_probs)
             if step == self.k - 1:
                 break
-            items = [WorkItem((r.drafts[-1],), r.num_tokens + step, tuple(r.pages)) for r in reqs]
+            items = [WorkItem((r.drafts[-1],), r.num_tokens + step, tuple(r.page_table)) for r in reqs]
             batch = self.runner.build_batch(ForwardMode.DECODE, items)
             if layout is None:
-                layout = draft_slot_layout(batch.block_tables, first_pos.to(batch.block_tables.device), self.k - 1)
+                layout = draft_slot_layout(batch.page_tables, first_pos.to(batch.page_tables.device), self.k - 1)
             batch.out_slots = layout[step]
             logits, h, selected = self.model.mtp_forward(batch, h, self.runner.cache, self.runner.backend, reuse=sel)
             if self.topk_reuse:
@@ -269,7 +269,7 @@ class Engine:
         if need:
             self._draft(need)
         n = self.k + 1
-        items = [WorkItem((r.token_ids[-1], *r.drafts), r.num_tokens - 1, tuple(r.pages)) for r in reqs]
+        items = [WorkItem((r.token_ids[-1], *r.drafts), r.num_tokens - 1, tuple(r.page_table)) for r in reqs]
         hidden = self.runner.decode(items)
         logits = self.model.logits(hidden).view(len(reqs), n, -1)
         hidden = hidden.view(len(reqs), n, -1)

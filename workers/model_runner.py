@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.cache import CacheSpec, PagedKVCache
+from attention.cache import PagedKVCache
 from attention.formats import PAGE_SIZE, pages_for_tokens
 from models.batch import ForwardBatch, ForwardMode, slots_for_positions
 from models.model import DsaForCausalLM
@@ -18,36 +18,16 @@ class WorkItem:
     """New tokens of one request for one forward.
 
     token_ids: the new tokens, at positions ``start .. start + len - 1``
-    pages:     the request's page table (covers at least ``start + len`` tokens)
+    page_table: the request's page ids (covers at least ``start + len`` tokens)
     """
 
     token_ids: tuple[int, ...]
     start: int
-    pages: tuple[int, ...]
+    page_table: tuple[int, ...]
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
-
-
-def cache_spec_for(model: DsaForCausalLM, num_pages: int, kv_cache_dtype: str,
-                   page_layout: str = "cross_layer") -> CacheSpec:
-    """The cache geometry a model needs: one MLA cache per attention layer
-    (MTP included) and an indexer cache on the layers that compute top-k;
-    ``page_layout`` as `CacheSpec.page_layout`."""
-    cfg = model.cfg
-    computes = list(cfg.topk_plan.computes[: cfg.num_hidden_layers]) + [True] * len(model.mtp)
-    return CacheSpec(
-        num_layers=model.num_cache_layers,
-        num_pages=num_pages,
-        kv_lora_rank=cfg.kv_lora_rank,
-        rope_dim=cfg.qk_rope_head_dim,
-        index_head_dim=cfg.index_head_dim,
-        kv_cache_dtype=kv_cache_dtype,
-        dtype=model.dtype,
-        indexer_layers=tuple(computes),
-        page_layout=page_layout,
-    )
 
 
 @dataclass(frozen=True)
@@ -55,7 +35,7 @@ class HostBatch:
     """A forward's metadata on the host, before it moves to the device.
 
     token_ids, positions, out_slots: int64 ``[T]``; seq_lens, q_lens: int64
-    ``[R]``; tables: int32 ``[R, max_pages]`` (unused entries 0).
+    ``[R]``; page_tables: int32 ``[R, max_pages]`` (unused entries 0).
     """
 
     token_ids: torch.Tensor
@@ -63,29 +43,29 @@ class HostBatch:
     out_slots: torch.Tensor
     seq_lens: torch.Tensor
     q_lens: torch.Tensor
-    tables: torch.Tensor
+    page_tables: torch.Tensor
 
 
 def host_batch(items: list[WorkItem]) -> HostBatch:
     """Lay out ``items`` (requests in order) as :class:`HostBatch` tensors."""
     if not items:
         raise ValueError("a forward needs at least one request")
-    max_pages = max(len(it.pages) for it in items)
-    tables = torch.zeros(len(items), max_pages, dtype=torch.int32)
+    max_pages = max(len(it.page_table) for it in items)
+    page_tables = torch.zeros(len(items), max_pages, dtype=torch.int32)
     for r, it in enumerate(items):
-        if it.end > len(it.pages) * PAGE_SIZE:
-            raise ValueError(f"{it.end} tokens do not fit in {len(it.pages)} pages")
-        tables[r, : len(it.pages)] = torch.tensor(it.pages, dtype=torch.int32)
+        if it.end > len(it.page_table) * PAGE_SIZE:
+            raise ValueError(f"{it.end} tokens do not fit in {len(it.page_table)} pages")
+        page_tables[r, : len(it.page_table)] = torch.tensor(it.page_table, dtype=torch.int32)
     positions = torch.cat([torch.arange(it.start, it.end) for it in items])
     q_lens = torch.tensor([len(it.token_ids) for it in items])
     req = torch.repeat_interleave(torch.arange(len(items)), q_lens)
     out_slots = torch.cat([
-        slots_for_positions(tables[r], positions[req == r]) for r in range(len(items))
+        slots_for_positions(page_tables[r], positions[req == r]) for r in range(len(items))
     ])
     return HostBatch(
         token_ids=torch.tensor([t for it in items for t in it.token_ids], dtype=torch.long),
         positions=positions, out_slots=out_slots,
-        seq_lens=torch.tensor([it.end for it in items]), q_lens=q_lens, tables=tables,
+        seq_lens=torch.tensor([it.end for it in items]), q_lens=q_lens, page_tables=page_tables,
     )
 
 
@@ -127,7 +107,7 @@ class ModelRunner:
             input_ids=hb.token_ids.to(dev),
             positions=hb.positions.to(dev),
             out_slots=hb.out_slots.to(dev),
-            block_tables=hb.tables.to(dev),
+            page_tables=hb.page_tables.to(dev),
             seq_lens=hb.seq_lens.to(dev),
             q_lens=hb.q_lens.to(dev),
             max_seq_len=max(it.end for it in items),
@@ -149,14 +129,8 @@ class ModelRunner:
         """
         width = decode_width(items)
         graphs = self.decode_graphs.get(width)
-        max_pages = max(len(it.pages) for it in items)
+        max_pages = max(len(it.page_table) for it in items)
         if graphs is not None and graphs.covers(len(items), max_pages, width):
             hb = host_batch(items)
-            return graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.tables)
+            return graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables)
         return self.forward(ForwardMode.DECODE, items)[1]
-
-    @torch.inference_mode()
-    def last_token_logits(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 ``[R, vocab]`` logits of each request's last new token."""
-        last = torch.cumsum(batch.q_lens, 0) - 1
-        return self.model.logits(hidden[last])

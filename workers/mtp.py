@@ -16,11 +16,11 @@ from attention.formats import PAGE_SIZE
 from workers.sampler import SamplingParams, draw, sampling_probs
 
 
-def draft_slot_layout(block_tables: torch.Tensor, first_positions: torch.Tensor, steps: int,
+def draft_slot_layout(page_tables: torch.Tensor, first_positions: torch.Tensor, steps: int,
                       topk: int = 1) -> torch.Tensor:
     """Cache slots written by ``steps`` chained draft steps.
 
-    block_tables: int ``[bs, max_pages]``; first_positions: int64 ``[bs]``, the
+    page_tables: int ``[bs, max_pages]``; first_positions: int64 ``[bs]``, the
     position written by step 0. Returns int64 ``[steps, bs * topk]``: row ``s``
     holds, for request ``b`` and draft branch ``t``, the slot of position
     ``first_positions[b] + s`` at index ``b * topk + t``.
@@ -31,7 +31,7 @@ def draft_slot_layout(block_tables: torch.Tensor, first_positions: torch.Tensor,
         raise ValueError(f"draft top-k must be 1, got {topk}")
     bs = first_positions.shape[0]
     pos = first_positions.long()[None, :] + torch.arange(steps, device=first_positions.device)[:, None]  # [steps, bs]
-    pages = torch.gather(block_tables.long(), 1, (pos // PAGE_SIZE).T).T
+    pages = torch.gather(page_tables.long(), 1, (pos // PAGE_SIZE).T).T
     flat = (pages * PAGE_SIZE + pos % PAGE_SIZE).reshape(steps * bs * topk)
     return flat.view(steps, bs * topk)
 

@@ -11,26 +11,18 @@ from pathlib import Path
 
 import torch
 
-from attention.backend import get_backend
-from attention.cache import PagedKVCache
 from models.batch import ForwardMode
-from models.loader import load_model
-from workers.decode_graphs import default_graph_context, graphs_wanted
-from workers.engine import Engine
-from workers.model_runner import ModelRunner, WorkItem, cache_spec_for
-from workers.page_pool import PagePool
+from workers.decode_graphs import graphs_wanted
 from workers.decode_worker import DecodeWorker
-from workers.kv_link import KVLink
+from workers.model_runner import WorkItem
 from workers.page_pool import PoolExhausted
 from workers.prefill_worker import PrefillTask, PrefillWorker
-from workers.push_tuning import PushTuning
+from workers.rank_build import RankSpec
 from workers.rank_group import RankGroup
-from workers.rank_worker import RankSpec
+from workers.replica_build import build_engine, build_replica
 from workers.request import FinishReason, Request, RequestState
 from workers.sampler import SamplingParams
 from workers.scheduler import SchedulerConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class LLM:
@@ -52,33 +44,12 @@ class LLM:
                  chunk_size: int = 256, max_batch_size: int = 64, pd: bool = False,
                  transfer_deadline_s: float = 600.0, cuda_graphs: bool | None = None,
                  cuda_graph_max_context: int | None = None, tp_size: int = 1):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
         self.model_dir = Path(model_dir)
-        # The Hadamard rotation only matters once keys are quantized; in exact
-        # mode it is skipped, as in transformers' reference.
-        hadamard = kv_cache_dtype == "fp8" if hadamard is None else hadamard
-        self.groups: list[RankGroup] = []
+        # hadamard None: rotate indexer keys only once they are quantized (RankSpec.use_hadamard).
+        spec = RankSpec(str(self.model_dir), backend, device, dtype, kv_cache_dtype, num_pages, hadamard)
         want_graphs = graphs_wanted(cuda_graphs, backend, device, tp_size)  # before any rank worker starts
-        if tp_size > 1:
-            rank_spec = RankSpec(str(self.model_dir), backend, device, dtype, kv_cache_dtype, num_pages, hadamard)
-            self.groups.append(RankGroup(rank_spec, tp_size))
-            self.model, self.runner, self.cache = self.groups[0].model, self.groups[0].runner, None
-        else:
-            self.model = load_model(self.model_dir, _DTYPES[dtype], device, hadamard=hadamard)
-            self.cache = PagedKVCache(cache_spec_for(self.model, num_pages, kv_cache_dtype), device)
-            self.runner = ModelRunner(self.model, self.cache, get_backend(backend), device)
-        self.cfg = self.model.cfg
-        self.pool = PagePool(num_pages)
-        sched = SchedulerConfig(max_batch_size=max_batch_size, chunk_size=chunk_size, mtp_draft_tokens=mtp_draft_tokens)
-        self.engine = Engine(self.runner, self.pool, sched, self.cfg.eos_token_ids, mtp_topk_reuse,
-                             detokenize=self._detokenizer())
-        if want_graphs:
-            self.engine.enable_cuda_graphs(cuda_graph_max_context or default_graph_context(self.cfg, num_pages))
-        self._next_id = 0
-        self.pd = None
         if pd and tp_size == 1 and torch.device(device).type == "cuda":
             # Measured on the H100 (nixl 1.5.1): a VRAM push between two agents of
             # one process fails with NIXL_ERR_REMOTE_DISCONNECT; across processes
@@ -87,27 +58,26 @@ class LLM:
             raise ValueError("LLM(pd=True) runs prefill and decode in one process, which NIXL cannot link "
                              "over GPU memory; on a GPU serve the app (prefill and decode replicas are "
                              "separate processes) or use pd=False")
+        decode = build_replica(spec, tp_size, "decode-0" if pd else None)
+        self.groups: list[RankGroup] = [decode.group] if decode.group else []
+        self.model, self.runner, self.cache, self.pool = decode.model, decode.runner, decode.cache, decode.pool
+        self.cfg = self.model.cfg
+        sched = SchedulerConfig(max_batch_size=max_batch_size, chunk_size=chunk_size, mtp_draft_tokens=mtp_draft_tokens)
+        self.engine = build_engine(decode, self.model_dir, sched, mtp_topk_reuse, want_graphs, cuda_graph_max_context)
+        self._next_id = 0
+        self.pd = None
         if pd:
-            # A second replica in-process: its own weights, cache and pool,
-            # linked to this one by real NIXL agents (DRAM on CPU).
-            ppool = PagePool(num_pages)
-            if tp_size > 1:
-                # Prefill rank i pushes to decode rank i, each pair over its own NIXL agents.
-                self.groups.append(RankGroup(replace(rank_spec, push=rank_spec.push.for_prefill()), tp_size))
-                prunner = self.groups[1].runner
-                plink, dlink = self.groups[1].link("prefill-0"), self.groups[0].link("decode-0")
-            else:
-                pmodel = load_model(self.model_dir, _DTYPES[dtype], device, hadamard=hadamard)
-                pcache = PagedKVCache(cache_spec_for(pmodel, num_pages, kv_cache_dtype), device)
-                prunner = ModelRunner(pmodel, pcache, get_backend(backend), device)
-                has_mtp = len(self.model.mtp) > 0
-                plink = KVLink.create("prefill-0", self.model_dir, pcache, has_mtp, push=PushTuning().for_prefill())
-                dlink = KVLink.create("decode-0", self.model_dir, self.cache, has_mtp)
-            dlink.handshake(plink)
+            # A second replica in-process: its own weights, cache and pool, linked to
+            # this one by real NIXL agents (DRAM on CPU); with tp_size > 1 prefill
+            # rank i pushes to decode rank i, each pair over its own agents.
+            prefill = build_replica(replace(spec, push=spec.push.for_prefill()), tp_size, "prefill-0")
+            if prefill.group:
+                self.groups.append(prefill.group)
+            decode.link.handshake(prefill.link)
             # CPU prefill of a queue of prompts is slow: the deadline covers queueing + compute.
-            self.pd = _LocalPD(PrefillWorker(prunner, ppool, plink, chunk_size, mtp=mtp_draft_tokens > 0,
-                                             deadline_s=transfer_deadline_s),
-                               DecodeWorker(self.engine, dlink, deadline_s=transfer_deadline_s))
+            self.pd = _LocalPD(PrefillWorker(prefill.runner, prefill.pool, prefill.link, chunk_size,
+                                             mtp=mtp_draft_tokens > 0, deadline_s=transfer_deadline_s),
+                               DecodeWorker(self.engine, decode.link, deadline_s=transfer_deadline_s))
 
     def shutdown(self) -> None:
         """End the rank actors (tp_size > 1); a no-op otherwise."""
@@ -115,20 +85,11 @@ class LLM:
             g.shutdown()
         self.groups = []
 
-    def _detokenizer(self):
-        try:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(self.model_dir)
-        except (OSError, ValueError):
-            return None  # token-id-only checkpoint: stop strings are refused
-        return lambda ids: tok.decode(ids)
-
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 ``[len(token_ids), vocab]``: the logits after every prompt token."""
         pages = self.pool.allocate_for_tokens(len(token_ids))
         try:
-            batch, hidden = self.runner.forward(ForwardMode.EXTEND, [WorkItem(tuple(token_ids), 0, tuple(pages))])
+            batch, hidden = self.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(token_ids), 0, tuple(pages))])
             with torch.inference_mode():
                 return self.model.logits(hidden).cpu()
         finally:

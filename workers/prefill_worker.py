@@ -55,7 +55,7 @@ class PrefillResult:
 @dataclass
 class _Active:
     task: PrefillTask
-    pages: list[int]
+    page_table: list[int]
     done: int = 0
     generator: torch.Generator | None = None
     result: PrefillResult | None = None
@@ -67,7 +67,7 @@ is complete only from a notification that NIXL sends when a poll here sees the c
 following forward, or the engine's idle sleep, would delay that poll and the request's first token
 (by a whole forward, or up to the sleep). The round spins on the WRITEs' states instead
 (`Pusher.poll`'s ``spin_s``): the copies of a 32k-token DeepSeek-V3.2 prompt take 1-5 ms
-(docs/perf.md), so the engine thread waits that long per prompt at most once, and queues the next
+(docs/perf.md), so the worker thread waits that long per prompt at most once, and queues the next
 forward that much later (the GPU idles meanwhile only if nothing else was queued)."""
 
 
@@ -105,12 +105,12 @@ class PrefillWorker:
     def _release(self, request_id: str) -> _Active | None:
         a = self.active.pop(request_id, None)
         if a is not None:
-            self.pool.free(a.pages)
+            self.pool.free(a.page_table)
         return a
 
     @torch.inference_mode()
     def step(self) -> list[PrefillResult]:
-        """One round: the next chunk of every active request (one EXTEND
+        """One round: the next chunk of every active request (one PREFILL
         forward within ``chunk_size`` tokens), push what became final, and
         return results of requests whose push ended."""
         budget, items, chosen = self.chunk_size, [], []
@@ -119,7 +119,7 @@ class PrefillWorker:
             if a.done >= n or budget == 0:
                 continue
             end = min(n, a.done + budget)
-            items.append(WorkItem(tuple(a.task.token_ids[a.done:end]), a.done, tuple(a.pages)))
+            items.append(WorkItem(tuple(a.task.token_ids[a.done:end]), a.done, tuple(a.page_table)))
             chosen.append((a, a.done, end))
             budget -= end - a.done
         if items:
@@ -152,7 +152,7 @@ class PrefillWorker:
 
     def _run(self, items, chosen) -> None:
         model = self.runner.model
-        batch, hidden = self.runner.forward(ForwardMode.EXTEND, items)
+        batch, hidden = self.runner.forward(ForwardMode.PREFILL, items)
         ranges = batch.query_ranges()
         if self.mtp:
             self._run_mtp(chosen, ranges, hidden)
@@ -186,9 +186,9 @@ class PrefillWorker:
         for (a, start, end), (s0, _) in zip(chosen, ranges):
             known_end = min(end, len(a.task.token_ids) - 1)
             if known_end > start:
-                mtp_items.append(WorkItem(tuple(a.task.token_ids[start + 1:known_end + 1]), start, tuple(a.pages)))
+                mtp_items.append(WorkItem(tuple(a.task.token_ids[start + 1:known_end + 1]), start, tuple(a.page_table)))
                 mtp_hidden.append(hidden[s0:s0 + known_end - start])
         if mtp_items:
-            mbatch = self.runner.build_batch(ForwardMode.EXTEND, mtp_items)
+            mbatch = self.runner.build_batch(ForwardMode.PREFILL, mtp_items)
             self.runner.model.mtp_forward(mbatch, torch.cat(mtp_hidden), self.runner.cache, self.runner.backend,
                                           draft=False)

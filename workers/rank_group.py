@@ -33,9 +33,11 @@ from typing import Any, Sequence
 import torch
 
 from models.config import load_config
+from models.dtypes import torch_dtype
 from workers.group_link import GroupLink
 from workers.model_runner import ModelRunner
-from workers.rank_worker import DTYPES, RankSpec, RankWorker
+from workers.rank_build import RankSpec
+from workers.rank_worker import RankWorker
 
 
 class RankGroupFailed(RuntimeError):
@@ -158,7 +160,7 @@ class GroupModel:
     def __init__(self, group: RankGroup, spec: RankSpec, num_mtp: int):
         self.group = group
         self.cfg = load_config(spec.model_dir)
-        self.dtype = DTYPES[spec.dtype]
+        self.dtype = torch_dtype(spec.dtype)
         # The engine reads how many MTP layers there are (len); the layers live on the ranks.
         self.mtp = tuple(range(num_mtp))
 

@@ -19,40 +19,14 @@ import dataclasses
 import datetime
 import os
 import socket
-from dataclasses import dataclass
 
 import torch
 
-from attention.backend import get_backend
 from attention.cache import PagedKVCache
-from models.loader import load_model
 from models.parallel import TPContext
 from transfer import PushResult, ReceiveResult
 from workers.kv_link import KVLink
-from workers.push_tuning import PushTuning
-from workers.model_runner import cache_spec_for
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    """What every rank of one replica loads (the rank index is separate).
-
-    dtype: ``"float32"`` | ``"bfloat16"``; kv_cache_dtype: ``"auto"`` | ``"fp8"``;
-    num_pages: pages of this rank's cache (the driver's pool hands out their ids).
-    """
-
-    model_dir: str
-    backend: str = "reference"
-    device: str = "cpu"
-    dtype: str = "float32"
-    kv_cache_dtype: str = "auto"
-    num_pages: int = 512
-    hadamard: bool = False
-    with_mtp: bool = True
-    push: PushTuning = PushTuning()  # the KV link's posting threads, descriptor size, whether it pushes
-    page_layout: str = "cross_layer"  # attention.cache.CacheSpec.page_layout
+from workers.rank_build import RankParts, RankSpec, build_rank
 
 
 def move_to(obj, device: torch.device):
@@ -83,6 +57,7 @@ class RankWorker:
     def __init__(self, spec: RankSpec, rank: int, size: int):
         self.spec, self.rank, self.size = spec, rank, size
         self.device = torch.device(spec.device)
+        self.parts: RankParts | None = None
         self.model = None
         self.cache: PagedKVCache | None = None
         self.backend = None
@@ -114,11 +89,8 @@ class RankWorker:
         dist.init_process_group("nccl" if on_gpu else "gloo", init_method=init_method, rank=self.rank,
                                 world_size=self.size, timeout=datetime.timedelta(seconds=timeout_s))
         tp = TPContext(self.rank, self.size, dist.group.WORLD)
-        s = self.spec
-        self.model = load_model(s.model_dir, DTYPES[s.dtype], str(self.device), tp=tp, hadamard=s.hadamard,
-                                with_mtp=s.with_mtp)
-        self.cache = PagedKVCache(cache_spec_for(self.model, s.num_pages, s.kv_cache_dtype, s.page_layout), str(self.device))
-        self.backend = get_backend(s.backend)
+        self.parts = build_rank(self.spec, tp, str(self.device))
+        self.model, self.cache, self.backend = self.parts.model, self.parts.cache, self.parts.runner.backend
         return len(self.model.mtp), os.getpid()
 
     # ------------------------------------------------------------- compute
@@ -154,8 +126,7 @@ class RankWorker:
     # their own (one actor runs one call at a time: NIXL is used from one thread).
     def open_link(self, worker_id: str, epoch: int) -> bytes:
         """Register this rank's caches with a NIXL agent ``worker_id@epoch``; returns its handshake offer."""
-        self.link = KVLink.create(worker_id, self.spec.model_dir, self.cache, has_mtp=len(self.model.mtp) > 0,
-                                  epoch=epoch, push=self.spec.push)
+        self.link = self.parts.open_link(worker_id, epoch)
         self.pusher = self.link.pusher()
         # Decode pages come back to the driver's pool, not here: record them for the next answer.
         self._released: list[tuple[int, ...]] = []

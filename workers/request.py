@@ -42,7 +42,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     state: RequestState = RequestState.WAITING
-    pages: list[int] = field(default_factory=list)
+    page_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

@@ -64,10 +64,6 @@ class Schedule:
     decode: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def empty(self) -> bool:
-        return not self.prefill and not self.decode
-
 
 class Scheduler:
     def __init__(self, pool: PagePool, cfg: SchedulerConfig):
@@ -108,9 +104,9 @@ class Scheduler:
         self.release_pages(req)
 
     def release_pages(self, req: Request) -> None:
-        if req.pages:
-            self.pool.free(req.pages)
-            req.pages = []
+        if req.page_table:
+            self.pool.free(req.page_table)
+            req.page_table = []
 
     @property
     def has_work(self) -> bool:
@@ -118,12 +114,12 @@ class Scheduler:
 
     # --------------------------------------------------------------- schedule
     def _grow(self, req: Request, tokens: int) -> bool:
-        need = pages_for_tokens(tokens) - len(req.pages)
+        need = pages_for_tokens(tokens) - len(req.page_table)
         if need <= 0:
             return True
         if need > self.pool.free_count:
             return False
-        req.pages.extend(self.pool.allocate(need))
+        req.page_table.extend(self.pool.allocate(need))
         return True
 
     def _preempt(self, victim: Request, out: Schedule) -> None:
@@ -165,7 +161,7 @@ class Scheduler:
             if pages_for_tokens(hold) > self.pool.free_count:
                 break  # stays queued until pages free up
             self.waiting.popleft()
-            req.pages = self.pool.allocate(pages_for_tokens(hold))
+            req.page_table = self.pool.allocate(pages_for_tokens(hold))
             req.state = RequestState.PREFILLING
             self.prefilling.append(req)
             end = min(prefill_length(req), budget)

@@ -39,7 +39,7 @@ def _positions_to_slots_kernel(
 
 def positions_to_slots(
     positions: torch.Tensor,
-    block_table: torch.Tensor,
+    page_table: torch.Tensor,
     *,
     rows_per_table: int = 1,
     lengths: torch.Tensor | None = None,
@@ -51,7 +51,7 @@ def positions_to_slots(
 
     Args:
         positions: int32/int64 ``[R, K]`` token positions; negative = invalid.
-        block_table: int32 ``[T, max_pages]``; row ``r`` of ``positions`` uses
+        page_table: int32 ``[T, max_pages]``; row ``r`` of ``positions`` uses
             table row ``r // rows_per_table`` (``rows_per_table = next_n`` lets
             the ``B * next_n`` decode rows share their request's row instead of
             a repeated table). A negative page id is invalid.
@@ -59,20 +59,20 @@ def positions_to_slots(
         out: optional int32 ``[R, K]`` (unit inner stride) to write into.
 
     Returns:
-        int32 ``[R, K]``: ``block_table[r // rows_per_table, p // 64] * 64 + p % 64``,
+        int32 ``[R, K]``: ``page_table[r // rows_per_table, p // 64] * 64 + p % 64``,
         or ``-1`` where the position, its page or its table column is invalid.
     """
     if positions.dim() != 2 or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions: expected int32/int64 [R, K], got {positions.dtype} {tuple(positions.shape)}")
-    if block_table.dim() != 2 or block_table.dtype != torch.int32:
-        raise ValueError(f"block_table: expected int32 [T, max_pages], got {block_table.dtype} {tuple(block_table.shape)}")
+    if page_table.dim() != 2 or page_table.dtype != torch.int32:
+        raise ValueError(f"page_table: expected int32 [T, max_pages], got {page_table.dtype} {tuple(page_table.shape)}")
     R, K = positions.shape
-    if rows_per_table < 1 or (R and (R - 1) // rows_per_table >= block_table.shape[0]):
-        raise ValueError(f"{R} rows at {rows_per_table} rows per table need more than {block_table.shape[0]} table rows")
+    if rows_per_table < 1 or (R and (R - 1) // rows_per_table >= page_table.shape[0]):
+        raise ValueError(f"{R} rows at {rows_per_table} rows per table need more than {page_table.shape[0]} table rows")
     if lengths is not None and (lengths.shape != (R,) or lengths.dtype != torch.int32):
         raise ValueError(f"lengths: expected int32 [{R}], got {lengths.dtype} {tuple(lengths.shape)}")
     positions = positions if positions.stride(-1) == 1 else positions.contiguous()
-    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    page_table = page_table if page_table.stride(-1) == 1 else page_table.contiguous()
     if out is None:
         out = torch.empty(R, K, dtype=torch.int32, device=positions.device)
     elif out.dtype != torch.int32 or tuple(out.shape) != (R, K) or out.stride(-1) != 1:
@@ -82,7 +82,7 @@ def positions_to_slots(
     grid = (R, triton.cdiv(K, block))
     _positions_to_slots_kernel[grid](
         positions, positions.stride(0), out, out.stride(0), K,
-        block_table, block_table.stride(0), block_table.shape[1], rows_per_table,
+        page_table, page_table.stride(0), page_table.shape[1], rows_per_table,
         lengths if lengths is not None else positions,
         HAS_LENGTHS=lengths is not None, PAGE=PAGE_SIZE, BLOCK=block, num_warps=num_warps,
     )

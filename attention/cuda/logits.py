@@ -278,7 +278,7 @@ def paged_mqa_logits(
     index_cache_layer: torch.Tensor,
     weights: torch.Tensor,
     context_lens: torch.Tensor,
-    block_table: torch.Tensor,
+    page_table: torch.Tensor,
     max_len: int,
     *,
     layout: str = "auto",
@@ -287,7 +287,7 @@ def paged_mqa_logits(
 
     Same arguments and result as the reference (``q [B, next_n, H, D]``,
     ``context_lens [B, next_n]`` -- build it with :func:`indexer_context_lens`
-    -- ``block_table [B, max_pages]``), restricted to the fp8 indexer cache
+    -- ``page_table [B, max_pages]``), restricted to the fp8 indexer cache
     (uint8 pages), ``D = 128`` and ``H`` in {32, 64}. ``layout`` forces a
     :func:`paged_logits_layout` mode.
 
@@ -308,9 +308,9 @@ def paged_mqa_logits(
     ctx = ctx.to(torch.int32).contiguous()
     if weights.shape != (B * next_n, H):
         raise ValueError(f"weights must be [B*next_n, H] = [{B * next_n}, {H}], got {tuple(weights.shape)}")
-    bt = torch.as_tensor(block_table, device=q.device)
+    bt = torch.as_tensor(page_table, device=q.device)
     if bt.dim() != 2 or bt.shape[0] != B:
-        raise ValueError(f"block_table must be [B, max_pages] with B = {B}, got {tuple(bt.shape)}")
+        raise ValueError(f"page_table must be [B, max_pages] with B = {B}, got {tuple(bt.shape)}")
     max_len = int(max_len)
     if max_len <= 0 or B == 0:
         return torch.full((B * next_n, max(max_len, 0)), NEG_INF, dtype=torch.float32, device=q.device)

@@ -396,16 +396,16 @@ def _check(logits: torch.Tensor, lengths: torch.Tensor, topk: int) -> torch.Tens
     return logits if logits.stride(-1) == 1 else logits.contiguous()
 
 
-def _launch(logits, lengths, topk, block_table, rows_per_table, slots, positions, block=1024, num_warps=8):
+def _launch(logits, lengths, topk, page_table, rows_per_table, slots, positions, block=1024, num_warps=8):
     R, L = logits.shape
     if R == 0:
         return
     dummy = slots if slots is not None else positions
-    bt = block_table if block_table is not None else dummy
+    bt = page_table if page_table is not None else dummy
     _topk_kernel[(R,)](
         logits, logits.stride(0), L,
         lengths.contiguous(), topk,
-        bt, bt.stride(0), bt.shape[1] if block_table is not None else 0, rows_per_table,
+        bt, bt.stride(0), bt.shape[1] if page_table is not None else 0, rows_per_table,
         slots if slots is not None else dummy, positions if positions is not None else dummy, topk,
         WRITE_SLOTS=slots is not None, WRITE_POS=positions is not None,
         PAGE=PAGE_SIZE, BLOCK=block, num_warps=num_warps,
@@ -432,7 +432,7 @@ def sampled_scratch_shapes(R: int, L: int, seg: int, cap: int) -> dict:
     return {"thr": (R,), "seg_cnt": (R, max(1, -(-L // seg))), "cand": (2, R, cap)}
 
 
-def _launch_sampled(logits, lengths, topk, block_table, rows_per_table, slots, positions,
+def _launch_sampled(logits, lengths, topk, page_table, rows_per_table, slots, positions,
                     sample=SAMPLED_DEFAULTS["sample"], cap=SAMPLED_DEFAULTS["cap"], seg=SAMPLED_DEFAULTS["seg"],
                     block=SAMPLED_DEFAULTS["block"], num_warps=SAMPLED_DEFAULTS["num_warps"]):
     R, L = logits.shape
@@ -464,10 +464,10 @@ def _launch_sampled(logits, lengths, topk, block_table, rows_per_table, slots, p
     _sample_compact_kernel[(R, nseg)](logits, logits.stride(0), L, lengths, thr, seg_cnt, nseg, cand, R * cap,
                                       SEG=seg, BLOCK=blk, CAP=cap, NSEG_P2=nseg_p2, num_warps=num_warps)
     dummy = slots if slots is not None else positions
-    bt = block_table if block_table is not None else dummy
+    bt = page_table if page_table is not None else dummy
     _sample_select_kernel[(R,)](
         logits, logits.stride(0), L, lengths, topk, thr, seg_cnt, nseg, cand, R * cap,
-        bt, bt.stride(0), bt.shape[1] if block_table is not None else 0, rows_per_table,
+        bt, bt.stride(0), bt.shape[1] if page_table is not None else 0, rows_per_table,
         slots if slots is not None else dummy, positions if positions is not None else dummy, topk,
         WRITE_SLOTS=slots is not None, WRITE_POS=positions is not None, PAGE=PAGE_SIZE,
         CAP=cap, NSEG_P2=nseg_p2, BLOCK=block, num_warps=num_warps,
@@ -491,23 +491,23 @@ def _pick_method(method: str, L: int, R: int) -> str:
     return "sampled" if L >= SAMPLED_MIN_LEN else "fused"
 
 
-def _check_table(block_table: torch.Tensor, R: int, rows_per_table: int) -> torch.Tensor:
-    if block_table.dim() != 2 or block_table.dtype != torch.int32:
-        raise ValueError(f"block_table: expected int32 [T, max_pages], got {block_table.dtype} {tuple(block_table.shape)}")
-    if rows_per_table < 1 or (R and (R - 1) // rows_per_table >= block_table.shape[0]):
-        raise ValueError(f"{R} rows at {rows_per_table} rows per table need more than {block_table.shape[0]} table rows")
-    return block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+def _check_table(page_table: torch.Tensor, R: int, rows_per_table: int) -> torch.Tensor:
+    if page_table.dim() != 2 or page_table.dtype != torch.int32:
+        raise ValueError(f"page_table: expected int32 [T, max_pages], got {page_table.dtype} {tuple(page_table.shape)}")
+    if rows_per_table < 1 or (R and (R - 1) // rows_per_table >= page_table.shape[0]):
+        raise ValueError(f"{R} rows at {rows_per_table} rows per table need more than {page_table.shape[0]} table rows")
+    return page_table if page_table.stride(-1) == 1 else page_table.contiguous()
 
 
-def _select(launch, logits, lengths, topk, block_table, rows_per_table, want_slots, want_positions, **cfg):
+def _select(launch, logits, lengths, topk, page_table, rows_per_table, want_slots, want_positions, **cfg):
     """Check the inputs, allocate the outputs, run ``launch``; returns ``(positions or None, slots or None)``."""
     logits = _check(logits, lengths, topk)
     R = logits.shape[0]
     if want_slots:
-        block_table = _check_table(block_table, R, rows_per_table)
+        page_table = _check_table(page_table, R, rows_per_table)
     slots = torch.empty(R, topk, dtype=torch.int32, device=logits.device) if want_slots else None
     positions = torch.empty(R, topk, dtype=torch.int32, device=logits.device) if want_positions else None
-    launch(logits, lengths, topk, block_table if want_slots else None, rows_per_table, slots, positions, **cfg)
+    launch(logits, lengths, topk, page_table if want_slots else None, rows_per_table, slots, positions, **cfg)
     return positions, slots
 
 
@@ -515,7 +515,7 @@ def topk_slots(
     logits: torch.Tensor,
     lengths: torch.Tensor,
     topk: int,
-    block_table: torch.Tensor,
+    page_table: torch.Tensor,
     *,
     rows_per_table: int = 1,
     return_positions: bool = False,
@@ -530,7 +530,7 @@ def topk_slots(
             ``logits[r, :lengths[r]]`` is read.
         lengths: int32 ``[R]`` valid lengths (clamped to ``[0, L]``).
         topk: ``k`` (2048 for DeepSeek-V3.2 / GLM-5).
-        block_table: int32 ``[T, max_pages]``; row ``r`` uses table row
+        page_table: int32 ``[T, max_pages]``; row ``r`` uses table row
             ``r // rows_per_table`` (``rows_per_table = next_n`` for the
             ``B * next_n`` rows of an MTP decode step).
         return_positions: also return the selected positions.
@@ -549,7 +549,7 @@ def topk_slots(
     """
     kernel = _pick_method(method, logits.shape[1] if logits.dim() == 2 else 0, logits.shape[0])
     launch, cfg = _LAUNCHERS[kernel], ({"block": block, "num_warps": num_warps} if kernel == "fused" else {})
-    positions, slots = _select(launch, logits, lengths, topk, block_table, rows_per_table, True, return_positions,
+    positions, slots = _select(launch, logits, lengths, topk, page_table, rows_per_table, True, return_positions,
                                **cfg)
     return (positions, slots) if return_positions else slots
 
@@ -573,7 +573,7 @@ def topk_positions(
     return _select(launch, logits, lengths, topk, None, 1, False, True, **cfg)[0]
 
 
-def topk_slots_sampled(logits, lengths, topk, block_table, *, rows_per_table=1, return_positions=False, **cfg):
+def topk_slots_sampled(logits, lengths, topk, page_table, *, rows_per_table=1, return_positions=False, **cfg):
     """:func:`topk_slots` on the sampled kernels (module docstring), bit for bit.
 
     ``cfg`` (defaults ``SAMPLED_DEFAULTS``): ``sample`` logits per row for the
@@ -582,7 +582,7 @@ def topk_slots_sampled(logits, lengths, topk, block_table, *, rows_per_table=1, 
     all but ``num_warps`` powers of two. Four launches, no host sync, scratch
     sized from shapes: CUDA-graph capturable.
     """
-    positions, slots = _select(_launch_sampled, logits, lengths, topk, block_table, rows_per_table, True,
+    positions, slots = _select(_launch_sampled, logits, lengths, topk, page_table, rows_per_table, True,
                                return_positions, **cfg)
     return (positions, slots) if return_positions else slots
 

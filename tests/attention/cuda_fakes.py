@@ -68,7 +68,7 @@ def get_paged_mqa_logits_metadata(context_lens, block_kv, num_sms, indices=None)
     return meta
 
 
-def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, page_table, schedule_meta, max_context_len,
                          clean_logits=False, indices=None):
     _count("fp8_paged_mqa_logits")
     assert not clean_logits, "clean_logits must be False with 2-D context lengths"
@@ -80,11 +80,11 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
     assert kv_cache.stride(1) == D + 4 and kv_cache.stride(3) == 1
     assert weights.dtype == torch.float32 and weights.shape == (B * next_n, H) and weights.stride(1) == 1
     assert context_lens.dtype == torch.int32 and context_lens.shape == (B, next_n) and context_lens.is_contiguous()
-    assert block_table.dtype == torch.int32 and block_table.shape[0] == B and block_table.stride(1) == 1
+    assert page_table.dtype == torch.int32 and page_table.shape[0] == B and page_table.stride(1) == 1
     assert schedule_meta.shape == (NUM_SMS + 1, 2) and tuple(schedule_meta[0].tolist()) == (B, next_n), \
         "schedule metadata built for another context-length shape"
     # Pages past a row's context are not read by the kernel: the reference must not see them either.
-    ref = ref_indexer.paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    ref = ref_indexer.paged_mqa_logits(q, kv_cache, weights, context_lens, page_table, max_context_len)
     out = _padded_logits(B * next_n, max_context_len)
     # As measured on the H100: a request's work is sized by its last row's context,
     # so keys a row sees beyond that come back as garbage.
@@ -129,12 +129,12 @@ def _check_heads(h):
     assert h in (64, 128), f"FlashMLA sparse kernels take 64 or 128 heads, got {h}"
 
 
-def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+def flash_mla_with_kvcache(q, k_cache, page_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                            num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=None,
                            indices=None, use_legacy=False, **kw):
     _count("flash_mla_with_kvcache")
     assert use_legacy and is_fp8_kvcache is True and indices is not None and not causal
-    assert block_table is None and cache_seqlens is None and head_dim_v == 512
+    assert page_table is None and cache_seqlens is None and head_dim_v == 512
     assert q.dtype == torch.bfloat16 and q.dim() == 4 and q.shape[-1] == 576 and q.stride(-1) == 1
     b, s_q, h, _ = q.shape
     _check_heads(h)

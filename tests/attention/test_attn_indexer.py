@@ -38,7 +38,7 @@ def test_golden_paged_mqa_logits(load_golden):
     q = g["q_fp8_as_uint8"].view(FP8_DTYPE)
     want = g["logits"]
     for cache_form in (g["kv_cache_uint8"], g["kv_cache_uint8"].reshape(20, -1)):
-        got = paged_mqa_logits(q, cache_form, g["weights"], g["context_lens_2d"], g["block_table"], 256)
+        got = paged_mqa_logits(q, cache_form, g["weights"], g["context_lens_2d"], g["page_table"], 256)
         assert got.shape == (6, 256) and got.dtype == torch.float32
         # -inf exactly where the golden has it (positions >= each row's context length)
         assert torch.equal(torch.isinf(got), torch.isinf(want))
@@ -72,12 +72,12 @@ def make_requests(gen, mode="fp8", B=3, H=8, D=32, next_n=2, num_pages=16, dtype
     lens[0] = 3 * PAGE_SIZE  # a request filling its pages exactly
     max_pages = 4
     pages = torch.randperm(num_pages, generator=gen)[: B * max_pages].view(B, max_pages)
-    block_table = pages.clone()
+    page_table = pages.clone()
     keys = []
     for b in range(B):
         L = int(lens[b])
         n_pg = -(-L // PAGE_SIZE)
-        block_table[b, n_pg:] = -1  # unused table entries
+        page_table[b, n_pg:] = -1  # unused table entries
         k = torch.randn(L, D, generator=gen) * torch.exp(torch.randn(L, 1, generator=gen))
         t = torch.arange(L)
         c.write_index(0, pages[b, t // PAGE_SIZE] * PAGE_SIZE + t % PAGE_SIZE, k)
@@ -85,17 +85,17 @@ def make_requests(gen, mode="fp8", B=3, H=8, D=32, next_n=2, num_pages=16, dtype
     q = torch.randn(B, next_n, H, D, generator=gen)
     w = torch.randn(B * next_n, H, generator=gen)
     ctx = lens[:, None] - next_n + torch.arange(next_n)[None, :] + 1
-    return c, block_table.to(torch.int32), lens, q, w, ctx.to(torch.int32)
+    return c, page_table.to(torch.int32), lens, q, w, ctx.to(torch.int32)
 
 
-def brute_force_paged(q, c, layer, w, ctx, block_table, max_len):
+def brute_force_paged(q, c, layer, w, ctx, page_table, max_len):
     B, n, H, D = q.shape
     out = torch.full((B * n, max_len), NEG_INF)
     for b in range(B):
         for j in range(n):
             row = b * n + j
             for t in range(int(ctx[b, j])):
-                slot = int(block_table[b, t // PAGE_SIZE]) * PAGE_SIZE + t % PAGE_SIZE
+                slot = int(page_table[b, t // PAGE_SIZE]) * PAGE_SIZE + t % PAGE_SIZE
                 k = c.read_index(layer, torch.tensor([slot]))[0]
                 out[row, t] = sum(float(w[row, h]) * max(float(q[b, j, h].float() @ k), 0.0) for h in range(H))
     return out

@@ -614,14 +614,14 @@ def real_dims_models(tmp_path_factory):
 
 def teacher_forced_logits(llm, prompt, continuation):
     """f32 ``[len(continuation), vocab]``: the logits predicting each continuation token,
-    the prompt prefilled (EXTEND) and the continuation fed one token per DECODE step."""
+    the prompt prefilled (PREFILL) and the continuation fed one token per DECODE step."""
     from models.batch import ForwardMode
     from workers.model_runner import WorkItem
 
     pages = llm.pool.allocate_for_tokens(len(prompt) + len(continuation))
     try:
         with torch.inference_mode():
-            _, h = llm.runner.forward(ForwardMode.EXTEND, [WorkItem(tuple(prompt), 0, tuple(pages))])
+            _, h = llm.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(prompt), 0, tuple(pages))])
             out = [llm.model.logits(h[-1:]).float()]
             for i, t in enumerate(continuation[:-1]):
                 _, h = llm.runner.forward(ForwardMode.DECODE, [WorkItem((t,), len(prompt) + i, tuple(pages))])
@@ -639,7 +639,7 @@ def greedy_single(llm, prompt, n):
     pages = llm.pool.allocate_for_tokens(len(prompt) + n)
     try:
         with torch.inference_mode():
-            _, h = llm.runner.forward(ForwardMode.EXTEND, [WorkItem(tuple(prompt), 0, tuple(pages))])
+            _, h = llm.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(prompt), 0, tuple(pages))])
             logits = [llm.model.logits(h[-1:]).float()]
             tokens = [int(logits[-1].argmax())]
             for i in range(n - 1):

@@ -109,10 +109,10 @@ def stable_topk_oracle(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> l
     return out
 
 
-def page_lookup(positions: torch.Tensor, block_table: torch.Tensor, rows_per_table: int) -> torch.Tensor:
-    """int64 slots of valid positions ``[R, K]`` (>= 0, in the table) through ``block_table``."""
+def page_lookup(positions: torch.Tensor, page_table: torch.Tensor, rows_per_table: int) -> torch.Tensor:
+    """int64 slots of valid positions ``[R, K]`` (>= 0, in the table) through ``page_table``."""
     rows = torch.arange(positions.shape[0], device=positions.device) // rows_per_table
-    pages = block_table.long()[rows[:, None], positions.long() // PAGE_SIZE]
+    pages = page_table.long()[rows[:, None], positions.long() // PAGE_SIZE]
     return pages * PAGE_SIZE + positions.long() % PAGE_SIZE
 
 
@@ -270,8 +270,8 @@ def check_index_transform(device, gen, big):
     B, next_n, max_pages = (64, 2, 600) if big else (3, 2, 5)
     R = B * next_n
     K = 2048 if big else 40
-    block_table = torch.randperm(B * max_pages * 2, generator=gen)[: B * max_pages].view(B, max_pages).int()
-    block_table[0, 1] = -1  # a hole in the table
+    page_table = torch.randperm(B * max_pages * 2, generator=gen)[: B * max_pages].view(B, max_pages).int()
+    page_table[0, 1] = -1  # a hole in the table
     ctx = max_pages * PAGE_SIZE + 10  # some positions fall past the table's width
     positions = torch.randint(-1, ctx, (R, K), generator=gen, dtype=torch.int32)
     lengths = torch.randint(1, ctx, (R,), generator=gen, dtype=torch.int32)
@@ -282,22 +282,22 @@ def check_index_transform(device, gen, big):
         if lens is not None:
             valid &= p < lens[:, None]
         safe = torch.where(valid, p, 0)
-        pages = block_table.long()[(torch.arange(R) // next_n)[:, None], safe // PAGE_SIZE]
+        pages = page_table.long()[(torch.arange(R) // next_n)[:, None], safe // PAGE_SIZE]
         valid &= pages >= 0
-        want = torch.where(valid, page_lookup(safe, block_table, next_n), -1).int()
+        want = torch.where(valid, page_lookup(safe, page_table, next_n), -1).int()
         out = torch.full((R, K), 12345, dtype=torch.int32, device=device)
         got = ck.positions_to_slots(
-            positions.to(device), block_table.to(device), rows_per_table=next_n,
+            positions.to(device), page_table.to(device), rows_per_table=next_n,
             lengths=None if lens is None else lens.to(device), out=out,
         )
         assert got.data_ptr() == out.data_ptr()
         assert torch.equal(got.cpu(), want), f"lengths={'yes' if lens is not None else 'no'}"
     # int64 positions, one table row per position row.
-    got = ck.positions_to_slots(positions[:B].long().to(device), block_table.to(device))
+    got = ck.positions_to_slots(positions[:B].long().to(device), page_table.to(device))
     p = positions[:B].long()
     ok = (p >= 0) & (p < max_pages * PAGE_SIZE)
-    pages = block_table.long()[torch.arange(B)[:, None], torch.where(ok, p, 0) // PAGE_SIZE]
-    want = torch.where(ok & (pages >= 0), page_lookup(torch.where(ok, p, 0), block_table, 1), -1).int()
+    pages = page_table.long()[torch.arange(B)[:, None], torch.where(ok, p, 0) // PAGE_SIZE]
+    want = torch.where(ok & (pages >= 0), page_lookup(torch.where(ok, p, 0), page_table, 1), -1).int()
     assert torch.equal(got.cpu(), want)
 
 
@@ -307,9 +307,9 @@ def _topk_case(device, gen, logits, lengths, k, rows_per_table, block, label):
     R, L = logits.shape
     max_pages = -(-L // PAGE_SIZE)
     T = -(-R // rows_per_table)
-    block_table = torch.randperm(T * max_pages * 3, generator=gen)[: T * max_pages].view(T, max_pages).int()
+    page_table = torch.randperm(T * max_pages * 3, generator=gen)[: T * max_pages].view(T, max_pages).int()
     pos, slots = ck.topk_slots(
-        logits.to(device), lengths.to(device), k, block_table.to(device),
+        logits.to(device), lengths.to(device), k, page_table.to(device),
         rows_per_table=rows_per_table, return_positions=True, block=block, method="fused",
     )
     pos, slots = pos.cpu(), slots.cpu()
@@ -339,7 +339,7 @@ def _topk_case(device, gen, logits, lengths, k, rows_per_table, block, label):
             ref_set = set(idx[torch.topk(v, cnt).indices].tolist())
             assert set(got_r) == ref_set, f"{label}: row {r} differs from torch.topk"
     valid = pos >= 0
-    want_slots = page_lookup(torch.where(valid, pos, 0), block_table, rows_per_table)
+    want_slots = page_lookup(torch.where(valid, pos, 0), page_table, rows_per_table)
     assert torch.equal(slots[valid].long(), want_slots[valid]), f"{label}: slots through the page table"
 
 
@@ -385,19 +385,19 @@ def check_topk(device, gen, big):
     _topk_case(device, gen, close, torch.tensor([L], dtype=torch.int32), k, 1, block, "close")
 
 
-def expected_slots(positions: torch.Tensor, block_table: torch.Tensor, rows_per_table: int) -> torch.Tensor:
+def expected_slots(positions: torch.Tensor, page_table: torch.Tensor, rows_per_table: int) -> torch.Tensor:
     """int32 slots of ``positions`` (``-1`` padded) by the kernels' rule: ``-1`` where the page is missing."""
     valid = positions >= 0
     page_idx = torch.where(valid, positions.long() // PAGE_SIZE, 0)
-    inside = page_idx < block_table.shape[1]
+    inside = page_idx < page_table.shape[1]
     rows = torch.arange(positions.shape[0]) // rows_per_table
-    table = block_table.long() if block_table.shape[1] else torch.full((block_table.shape[0], 1), -1)
+    table = page_table.long() if page_table.shape[1] else torch.full((page_table.shape[0], 1), -1)
     page = torch.where(inside, table[rows[:, None], torch.where(inside, page_idx, 0)], -1)
     ok = valid & (page >= 0)
     return torch.where(ok, page * PAGE_SIZE + positions.long() % PAGE_SIZE, -1).int()
 
 
-def _sampled_case(device, gen, logits, lengths, k, label, *, rows_per_table=1, configs, block_table=None,
+def _sampled_case(device, gen, logits, lengths, k, label, *, rows_per_table=1, configs, page_table=None,
                   entry_points=False):
     """The sampled top-k == the fused top-k, bit for bit (slots and positions, every entry point), == the oracle."""
     from attention.cuda import topk as tk
@@ -405,11 +405,11 @@ def _sampled_case(device, gen, logits, lengths, k, label, *, rows_per_table=1, c
     slots_fn, positions_fn = tk.topk_slots_sampled, tk.topk_positions_sampled
 
     R, L = logits.shape
-    if block_table is None:
+    if page_table is None:
         T = -(-R // rows_per_table)
         max_pages = -(-L // PAGE_SIZE)
-        block_table = torch.randperm(T * max_pages * 3, generator=gen)[: T * max_pages].view(T, max_pages).int()
-    lg, ln, bt = logits.to(device), lengths.to(device), block_table.to(device)
+        page_table = torch.randperm(T * max_pages * 3, generator=gen)[: T * max_pages].view(T, max_pages).int()
+    lg, ln, bt = logits.to(device), lengths.to(device), page_table.to(device)
     kw = dict(rows_per_table=rows_per_table, return_positions=True)
     want_pos, want_slots = tk.topk_slots(lg, ln, k, bt, method="fused", **kw)
     want_pos, want_slots = want_pos.cpu(), want_slots.cpu()
@@ -432,7 +432,7 @@ def _sampled_case(device, gen, logits, lengths, k, label, *, rows_per_table=1, c
         cnt = len(want[r])
         assert want_pos[r, :cnt].tolist() == want[r], f"{label}: row {r} selects a different set"
         assert torch.all(want_pos[r, cnt:] == -1), f"{label}: row {r} padding"
-    assert torch.equal(want_slots, expected_slots(want_pos, block_table, rows_per_table)), f"{label}: slots"
+    assert torch.equal(want_slots, expected_slots(want_pos, page_table, rows_per_table)), f"{label}: slots"
 
 
 def check_topk_sampled(device, gen, big):
@@ -483,7 +483,7 @@ def check_topk_sampled(device, gen, big):
     table[torch.rand(table.shape, generator=gen) < 0.1] = -1
     served, fell_back = paths(logits, lengths)
     assert served >= R // 2 and fell_back >= 1, f"random rows: {served} served by the candidates, {fell_back} fell back"
-    _sampled_case(device, gen, logits, lengths, k, "sampled random", configs=configs, block_table=table,
+    _sampled_case(device, gen, logits, lengths, k, "sampled random", configs=configs, page_table=table,
                 entry_points=True)
     configs = configs[:1]
 

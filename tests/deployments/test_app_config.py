@@ -5,7 +5,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from deployments.app_config import AppConfig, ModelSource, PoolConfig, TinyModelSpec
+from deployments.app_config import AppConfig, ModelSource, RoleConfig, TinyModelSpec
 from deployments.controller import violations_from_pydantic
 from models.config import config_from_dict, load_config
 from tests.deployments.app_fixtures import YAMLS, yaml_args
@@ -81,12 +81,12 @@ def test_configs_are_frozen():
 
 
 def test_pool_helpers():
-    p = PoolConfig(mtp_draft_tokens=2, max_batch_size=8)
+    p = RoleConfig(mtp_draft_tokens=2, max_batch_size=8)
     assert p.has_mtp and p.ongoing_requests_cap == 16
-    assert PoolConfig(max_ongoing_requests=5).ongoing_requests_cap == 5
-    assert AppConfig.model_validate(TINY).pool("decode") is not None
+    assert RoleConfig(max_ongoing_requests=5).ongoing_requests_cap == 5
+    assert AppConfig.model_validate(TINY).for_role("decode") is not None
     with pytest.raises(ValueError, match="role"):
-        AppConfig.model_validate(TINY).pool("router")
+        AppConfig.model_validate(TINY).for_role("router")
 
 
 def test_tiny_model_made_once_into_the_cache_and_matches_its_spec(tmp_path):

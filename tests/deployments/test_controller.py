@@ -19,7 +19,7 @@ from deployments.controller import (
     estimate_memory,
     model_param_count,
     plan_placement,
-    pool_compat_info,
+    role_compat_info,
     resolve_model_config,
     validate,
     weight_bytes_per_rank,
@@ -137,7 +137,7 @@ def test_compat_info_is_what_the_handshake_hashes(tmp_path):
 
     m = real_model("dsv32_pd.yaml")
     a = app(DSV32)
-    p, d = pool_compat_info(a, "prefill", m), pool_compat_info(a, "decode", m)
+    p, d = role_compat_info(a, "prefill", m), role_compat_info(a, "decode", m)
     assert p == d and p.digest() == d.digest()
     assert (p.num_layers, p.page_size, p.kv_format, p.index_format, p.has_mtp) == (
         62, 64, "fp8_mla_656+index/cross_layer", "fp8_index_132", True)
@@ -148,10 +148,10 @@ def test_compat_info_is_what_the_handshake_hashes(tmp_path):
     assert p.model == compat_info(tmp_path, cache, has_mtp=True).model
     assert p.model.startswith("deepseek_v32:")
     bad = app(merged(DSV32, decode={"kv_cache_dtype": "auto"}))
-    assert pool_compat_info(bad, "decode", m).kv_format == "bf16_mla_576+index/cross_layer"
-    assert pool_compat_info(bad, "decode", m).digest() != p.digest()
+    assert role_compat_info(bad, "decode", m).kv_format == "bf16_mla_576+index/cross_layer"
+    assert role_compat_info(bad, "decode", m).digest() != p.digest()
     other = app(merged(DSV32, decode={"page_layout": "per_layer"}))
-    assert pool_compat_info(other, "decode", m).kv_format == "fp8_mla_656+index/per_layer"
+    assert role_compat_info(other, "decode", m).kv_format == "fp8_mla_656+index/per_layer"
 
 
 def test_decode_mtp_needs_the_models_mtp_layer():
@@ -392,8 +392,8 @@ def test_placement_single_rank_cpu():
 def test_placement_shared_gpu_demo():
     plan = plan_placement(app(GPU))
     for role in ("prefill", "decode"):
-        assert plan.pool(role).ray_actor_options == {"num_cpus": 2.0, "num_gpus": 0.5}
-        assert plan.pool(role).placement_group_bundles is None
+        assert plan.for_role(role).ray_actor_options == {"num_cpus": 2.0, "num_gpus": 0.5}
+        assert plan.for_role(role).placement_group_bundles is None
     assert plan.gpus == (1.0, 1.0)
 
 

@@ -1,7 +1,7 @@
 """`serve run configs/tiny_pd.yaml` end to end, with the official `openai` client.
 
 One server per module (a fresh local Ray cluster on this machine: ingress,
-decode, prefill and directory replicas, NIXL between the two pools). The
+decode, prefill and directory replicas, NIXL between the two roles). The
 reference is the offline engine, `LLM(model_dir, pd=False)`, on a tiny model
 made here from the same spec (the server makes its own copy on first start),
 with the same dtype and KV format as the config. Checked: greedy output of

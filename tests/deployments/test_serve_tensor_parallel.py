@@ -1,4 +1,4 @@
-"""`serve run` with tensor_parallel_size 2 on both pools (CPU, gloo): each
+"""`serve run` with tensor_parallel_size 2 on both roles (CPU, gloo): each
 Serve replica reserves a placement group of 2 bundles and drives 2 rank
 worker actors; prefill rank i pushes to decode rank i over NIXL.
 
@@ -24,7 +24,7 @@ from tests.deployments.test_serve_app import prompt_ids
 
 pytestmark = pytest.mark.slow
 
-# Half a CPU per rank: 2 ranks x 2 pools fit the 2-core CI machine (the ingress and directory take none).
+# Half a CPU per rank: 2 ranks x 2 roles fit the 2-core CI machine (the ingress and directory take none).
 RAW = merged(yaml_args("tiny_pd.yaml"),
              prefill={"tensor_parallel_size": 2, "num_cpus": 0.5, "chunk_size": 64},
              decode={"tensor_parallel_size": 2, "num_cpus": 0.5})

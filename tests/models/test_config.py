@@ -11,6 +11,13 @@ import models.config as mc
 from models.config import ConfigError, compute_topk_plan, config_from_dict, load_config
 from models.tiny import tiny_config_kwargs
 
+
+def mlp_layer_type(cfg: mc.ModelConfig, layer: int) -> str:
+    """"dense" or "sparse" (MoE) for a main layer; MTP layers are always "sparse"."""
+    if not 0 <= layer < cfg.num_layers_with_mtp:
+        raise IndexError(f"layer {layer} out of range [0, {cfg.num_layers_with_mtp})")
+    return "sparse" if layer >= cfg.num_hidden_layers else cfg.mlp_layer_types[layer]
+
 # --------------------------------------------------------------------------- top-k plan
 
 
@@ -129,7 +136,7 @@ def test_load_tiny_deepseek_v32(tiny_dirs):
     assert cfg.qk_head_dim == 32 and cfg.kv_cache_dim == 48
     assert (cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok) == (8, 2, 1, 2)
     assert cfg.mlp_layer_types == ("dense", "sparse", "sparse", "sparse")
-    assert cfg.mlp_layer_type(0) == "dense" and cfg.mlp_layer_type(4) == "sparse"
+    assert mlp_layer_type(cfg, 0) == "dense" and mlp_layer_type(cfg, 4) == "sparse"
     assert cfg.num_nextn_predict_layers == 1 and cfg.num_layers_with_mtp == 5 and cfg.has_mtp
     assert not cfg.topk_plan.has_sharing and len(cfg.topk_plan.computes) == 5
     assert cfg.bos_token_id == 256 and cfg.eos_token_ids == (257,)

@@ -19,17 +19,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from attention.backend import get_backend
-from attention.cache import PagedKVCache
 from models.batch import ForwardMode
-from models.loader import load_model
 from models.moe import MoE
 from models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPContext
 from models.tiny import make_tiny
 from tests.workers.prompts import random_prompt
 from workers.engine import Engine
-from workers.model_runner import ModelRunner, WorkItem, cache_spec_for
+from workers.model_runner import WorkItem
 from workers.page_pool import PagePool
+from workers.rank_build import RankSpec, build_rank
 from workers.request import Request
 from workers.sampler import SamplingParams
 from workers.scheduler import SchedulerConfig
@@ -47,7 +45,9 @@ def _free_port() -> int:
 
 def _run_replica(model_dir: Path, tp: TPContext, kv_cache_dtype: str, mtp: int) -> dict:
     """Prompt logits of ``PROMPTS[0]`` and greedy outputs of all ``PROMPTS`` on this rank's shard."""
-    model = load_model(model_dir, torch.float32, "cpu", tp=tp, hadamard=kv_cache_dtype == "fp8")
+    num_pages = 64
+    rank = build_rank(RankSpec(str(model_dir), kv_cache_dtype=kv_cache_dtype, num_pages=num_pages), tp)
+    model, runner = rank.model, rank.runner
     shapes = {
         "q_b_proj rows": model.layers[0].self_attn.q_b_proj.weight.shape[0],
         "o_proj cols": model.layers[0].self_attn.o_proj.weight.shape[1],
@@ -57,12 +57,9 @@ def _run_replica(model_dir: Path, tp: TPContext, kv_cache_dtype: str, mtp: int) 
         "mtp experts": len(model.mtp[0].decoder.mlp.experts),
     }
     assert isinstance(model.layers[1].mlp, MoE)
-    num_pages = 64
     pool = PagePool(num_pages)
-    cache = PagedKVCache(cache_spec_for(model, num_pages, kv_cache_dtype), "cpu")
-    runner = ModelRunner(model, cache, get_backend("reference"), "cpu")
     pages = pool.allocate_for_tokens(len(PROMPTS[0]))
-    _, hidden = runner.forward(ForwardMode.EXTEND, [WorkItem(tuple(PROMPTS[0]), 0, tuple(pages))])
+    _, hidden = runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(PROMPTS[0]), 0, tuple(pages))])
     with torch.inference_mode():
         logits = model.logits(hidden)
     pool.free(pages)

@@ -99,12 +99,12 @@ def test_padding_rows_never_write_the_cache(tiny):
     pages = [llm.pool.allocate(2) for _ in range(3)]
     items = [WorkItem((5 + r,), 10 + r, tuple(pages[r])) for r in range(3)]
     hb = host_batch(items)
-    graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.tables)
+    graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables)
     before = [t.clone() for t in llm.cache.mla]
     # Now one live row: rows 1..3 of the bucket are padding; the rows that
     # were live in the previous step must not write again.
     one = host_batch(items[:1])
-    graphs.run(one.token_ids, one.positions, one.out_slots, one.seq_lens, one.tables)
+    graphs.run(one.token_ids, one.positions, one.out_slots, one.seq_lens, one.page_tables)
     slot = int(one.out_slots[0])
     for layer, (a, b) in enumerate(zip(before, llm.cache.mla)):
         flat_a = a.view(llm.cache.spec.num_slots, -1)
@@ -125,7 +125,7 @@ def test_out_of_plan_steps_run_eagerly(tiny):
     want = LLM(tiny).generate([prompt], max_new_tokens=4, ignore_eos=True)
     with pytest.raises(ValueError, match="outside this plan"):
         hb = host_batch([WorkItem((1,), 99, (0, 1))])
-        graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.tables)
+        graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables)
     assert llm.generate([prompt], max_new_tokens=4, ignore_eos=True) == want
 
 

@@ -67,15 +67,15 @@ def test_topk_reuse_refused_for_tree_drafts():
 
 
 def test_draft_slot_layout_is_step_major():
-    tables = torch.tensor([[3, 7, 0], [5, 2, 9]], dtype=torch.int32)
+    page_tables = torch.tensor([[3, 7, 0], [5, 2, 9]], dtype=torch.int32)
     first = torch.tensor([62, 10])
-    slots = draft_slot_layout(tables, first, steps=3)
+    slots = draft_slot_layout(page_tables, first, steps=3)
     assert slots.shape == (3, 2)
     # request 0 crosses from page 3 into page 7 at position 64
     assert slots[:, 0].tolist() == [3 * 64 + 62, 3 * 64 + 63, 7 * 64 + 0]
     assert slots[:, 1].tolist() == [5 * 64 + 10, 5 * 64 + 11, 5 * 64 + 12]
     with pytest.raises(ValueError):
-        draft_slot_layout(tables, first, steps=2, topk=2)
+        draft_slot_layout(page_tables, first, steps=2, topk=2)
 
 
 def test_preemption_under_page_pressure_keeps_outputs(tiny, baseline):

@@ -76,11 +76,11 @@ def test_only_prefill_replicas_build_a_link_that_pushes(monkeypatch):
     class Built(Exception):
         pass
 
-    def build_parts(pool_cfg, model_dir, worker_id, place, push=PushTuning()):
-        seen[worker_id] = push
+    def build_replica(spec, tp_size=1, worker_id=None, actor_options=None):
+        seen[worker_id] = spec.push
         raise Built  # the tuning is all this test needs
 
-    monkeypatch.setattr(replica_build, "build_parts", build_parts)
+    monkeypatch.setattr(replica_build, "build_replica", build_replica)
     cfg = AppConfig.model_validate(yaml_args("tiny_pd.yaml"))
     for build, worker_id in ((replica_build.build_prefill_worker, "p"), (replica_build.build_decode_worker, "d")):
         with pytest.raises(Built):

@@ -41,7 +41,7 @@ DSV32_ATTENTION = dict(
 
 
 def chunk_logits(llm, prompt, pages, start, end, chunk, rows):
-    """Prefill ``prompt[start:end]`` in ``chunk``-token EXTEND forwards into
+    """Prefill ``prompt[start:end]`` in ``chunk``-token PREFILL forwards into
     ``pages``; f32 logits ``[len(rows), vocab]`` at absolute positions ``rows``."""
     from models.batch import ForwardMode
     from workers.model_runner import WorkItem
@@ -50,7 +50,7 @@ def chunk_logits(llm, prompt, pages, start, end, chunk, rows):
     with torch.inference_mode():
         for s in range(start, end, chunk):
             e = min(s + chunk, end)
-            _, h = llm.runner.forward(ForwardMode.EXTEND, [WorkItem(tuple(prompt[s:e]), s, tuple(pages))])
+            _, h = llm.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(prompt[s:e]), s, tuple(pages))])
             want = [r for r in rows if s <= r < e]
             if want:
                 logits = llm.model.logits(h[torch.tensor([r - s for r in want], device=h.device)]).float().cpu()
@@ -158,7 +158,7 @@ def test_long_prompt_chunked_prefill_gpu(tmp_path):
     pc = cuda.pool.allocate_for_tokens(n128)
     try:
         with torch.inference_mode():
-            cuda.runner.forward(ForwardMode.EXTEND, [WorkItem(tuple(prompt), 0, tuple(pc))])
+            cuda.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(prompt), 0, tuple(pc))])
         naive = f"fit (peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB)"
     except torch.OutOfMemoryError as e:
         naive = "out of memory: " + str(e).split("\n")[0][:120]

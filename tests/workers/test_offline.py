@@ -89,6 +89,12 @@ def test_fp8_cache_close_to_bf16(arch, tmp_path, capsys):
         print(f"\n[{arch}] logits vs fp32 exact: " + "; ".join(report))
 
 
+@torch.inference_mode()
+def last_token_logits(model, batch, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[R, vocab]`` logits of each request's last new token."""
+    return model.logits(hidden[torch.cumsum(batch.q_lens, 0) - 1])
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_incremental_paged_decode_equals_full_recompute(tiny, kv_cache_dtype):
     llm = LLM(tiny, dtype="float32", kv_cache_dtype=kv_cache_dtype)
@@ -96,13 +102,13 @@ def test_incremental_paged_decode_equals_full_recompute(tiny, kv_cache_dtype):
     steps = 9
     pages = tuple(llm.pool.allocate(2))
     try:
-        batch, hidden = llm.runner.forward(ForwardMode.EXTEND, [WorkItem(tuple(prompt), 0, pages)])
-        logits = [llm.runner.last_token_logits(batch, hidden)[0]]
+        batch, hidden = llm.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(prompt), 0, pages)])
+        logits = [last_token_logits(llm.model, batch, hidden)[0]]
         seq = list(prompt)
         for _ in range(steps):
             seq.append(int(logits[-1].argmax()))
             batch, hidden = llm.runner.forward(ForwardMode.DECODE, [WorkItem((seq[-1],), len(seq) - 1, pages)])
-            logits.append(llm.runner.last_token_logits(batch, hidden)[0])
+            logits.append(last_token_logits(llm.model, batch, hidden)[0])
     finally:
         llm.pool.free(list(pages))
     full = llm.prompt_logits(seq)
@@ -140,9 +146,9 @@ def test_mtp_layer_loaded_and_runnable(tiny):
     ids = random_prompt(40, llm.cfg.vocab_size, 2)
     pages = tuple(llm.pool.allocate(1))
     try:
-        batch, hidden = llm.runner.forward(ForwardMode.EXTEND, [WorkItem(tuple(ids), 0, pages)])
+        batch, hidden = llm.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(ids), 0, pages)])
         # MTP input at position i: token i + 1 with the target hidden at i.
-        shifted = llm.runner.build_batch(ForwardMode.EXTEND, [WorkItem(tuple(ids[1:]) + (0,), 0, pages)])
+        shifted = llm.runner.build_batch(ForwardMode.PREFILL, [WorkItem(tuple(ids[1:]) + (0,), 0, pages)])
         with torch.inference_mode():
             before = llm.cache.storage.clone()
             # A prompt's prefill wants only the MTP layer's cache pages: no head.

@@ -1,4 +1,4 @@
-"""The engine thread of a decode replica: runs a `DecodeWorker`.
+"""The worker thread of a decode replica: runs a `DecodeWorker`.
 
 Per request (DESIGN.md, request path 2-5): `reserve` takes
 ``ceil(prompt / 64)`` pages and opens an any-peer receive (the router picks
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention.formats import pages_for_tokens
-from deployments.engine_thread import EngineThread
+from deployments.worker_thread import WorkerThread
 from workers.decode_worker import DecodeWorker
 from workers.engine import RequestOutput
 from workers.page_pool import PoolExhausted
@@ -40,7 +40,7 @@ def error_output(request_id: str, message: str) -> RequestOutput:
     return RequestOutput(request_id, [], [], True, FinishReason.ERROR.value, message)
 
 
-class DecodeEngine(EngineThread):
+class DecodeThread(WorkerThread):
     def __init__(self, worker: DecodeWorker):
         super().__init__(f"decode:{worker.link.agent.worker_id}")
         self.worker = worker
@@ -53,7 +53,7 @@ class DecodeEngine(EngineThread):
     def agent_name(self) -> str:
         return self.worker.link.agent.name
 
-    # ------------------------------------------------- commands (engine thread)
+    # ------------------------------------------------- commands (worker thread)
     def reserve(self, req: Request) -> None:
         """Reserve pages for ``req`` now or when some come back; emits `Reserved` (or an error output)."""
         self.pending.append(req)
@@ -79,7 +79,7 @@ class DecodeEngine(EngineThread):
         """The prefill replica left the directory: requests it was pushing fail at the next poll."""
         self.worker.link.peers.forget(agent_name)
 
-    # ------------------------------------------------------------ engine loop
+    # ------------------------------------------------------------ worker loop
     def _admit(self) -> None:
         while self.pending:
             req = self.pending[0]
@@ -89,7 +89,7 @@ class DecodeEngine(EngineThread):
                 if self.worker.has_work:
                     return  # running requests will free pages
                 self.pending.popleft()
-                self.emit(req.request_id, error_output(req.request_id, f"overloaded: decode pool: {e}"))
+                self.emit(req.request_id, error_output(req.request_id, f"overloaded: decode page pool: {e}"))
                 continue
             except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: this request fails alone
                 self.pending.popleft()

@@ -1,4 +1,4 @@
-"""The engine thread of a prefill replica: runs a `PrefillWorker`.
+"""The worker thread of a prefill replica: runs a `PrefillWorker`.
 
 Tasks (from decode replicas) queue here until the pool has pages for them,
 then are prefilled chunk by chunk; each chunk's pages are pushed to the
@@ -16,14 +16,14 @@ import logging
 from collections import deque
 from typing import Any
 
-from deployments.engine_thread import EngineThread
+from deployments.worker_thread import WorkerThread
 from workers.page_pool import PoolExhausted
 from workers.prefill_worker import PrefillResult, PrefillTask, PrefillWorker
 
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
 
 
-class PrefillEngine(EngineThread):
+class PrefillThread(WorkerThread):
     def __init__(self, worker: PrefillWorker, warm_up: bool = True):
         super().__init__(f"prefill:{worker.link.agent.worker_id}")
         self.worker = worker
@@ -36,7 +36,7 @@ class PrefillEngine(EngineThread):
     def agent_name(self) -> str:
         return self.worker.link.agent.name
 
-    # ------------------------------------------------- commands (engine thread)
+    # ------------------------------------------------- commands (worker thread)
     def submit(self, task: PrefillTask, decode_offer: bytes | None) -> None:
         """Queue ``task``; its result is emitted on its stream. Handshakes with its decode replica if needed."""
         peers = self.worker.link.peers
@@ -75,7 +75,7 @@ class PrefillEngine(EngineThread):
         self.worker.link.peers.forget(agent_name)
         self.warmed.discard(agent_name)
 
-    # ------------------------------------------------------------ engine loop
+    # ------------------------------------------------------------ worker loop
     def _admit(self) -> None:
         while self.pending:
             task = self.pending[0]
@@ -85,7 +85,7 @@ class PrefillEngine(EngineThread):
                 if self.worker.active:
                     return  # pages come back as active prefills finish
                 self.pending.popleft()
-                self.emit(task.request_id, PrefillResult(task.request_id, False, error=f"prefill pool: {e}"))
+                self.emit(task.request_id, PrefillResult(task.request_id, False, error=f"prefill page pool: {e}"))
                 continue
             except Exception as e:  # noqa: BLE001 - e.g. the decode peer vanished meanwhile
                 self.pending.popleft()

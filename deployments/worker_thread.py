@@ -1,4 +1,4 @@
-"""A replica's engine thread: the one thread that touches its worker.
+"""A replica's worker thread: the one thread that touches its worker.
 
 The workers (``PrefillWorker``, ``DecodeWorker``) and their NIXL agent are
 synchronous and not thread-safe, while a Serve replica serves requests on an
@@ -28,11 +28,11 @@ from typing import Any, Callable
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
 
 
-class EngineFailed(RuntimeError):
-    """The engine thread died; the replica must be replaced."""
+class WorkerThreadFailed(RuntimeError):
+    """The worker thread died; the replica must be replaced."""
 
 
-class EngineThread:
+class WorkerThread:
     IDLE_POLL_S = 0.1
     """How long an idle thread blocks on its queue before re-checking for shutdown."""
     WAIT_SLEEP_S = 0.0005
@@ -63,18 +63,18 @@ class EngineThread:
             self._thread.join(timeout)
 
     def check(self) -> None:
-        """Raise `EngineFailed` if the thread died (Serve's health check calls this)."""
+        """Raise `WorkerThreadFailed` if the thread died (Serve's health check calls this)."""
         if self.error is not None:
-            raise EngineFailed(f"{self.name} engine thread failed: {self.error!r}") from self.error
+            raise WorkerThreadFailed(f"{self.name} worker thread failed: {self.error!r}") from self.error
         if self._thread.ident is not None and not self._thread.is_alive() and not self._stop.is_set():
-            raise EngineFailed(f"{self.name} engine thread exited")
+            raise WorkerThreadFailed(f"{self.name} worker thread exited")
 
     def post(self, fn: Callable, *args) -> None:
-        """Run ``fn(*args)`` on the engine thread; errors are logged, not returned."""
+        """Run ``fn(*args)`` on the worker thread; errors are logged, not returned."""
         self._commands.put((fn, args, None))
 
     def call(self, fn: Callable, *args) -> asyncio.Future:
-        """Run ``fn(*args)`` on the engine thread; await the returned future for its result.
+        """Run ``fn(*args)`` on the worker thread; await the returned future for its result.
 
         Cancelling the future before the thread picks the command up skips it.
         """
@@ -155,6 +155,6 @@ class EngineThread:
                         time.sleep(self.WAIT_SLEEP_S)
                 self.stats = self.snapshot()
         except BaseException as e:  # noqa: BLE001 - the replica must learn that its engine is gone
-            log.exception("%s engine thread failed", self.name)
+            log.exception("%s worker thread failed", self.name)
             self.error = e
             self.fail_all(f"engine failed: {e!r}")

@@ -1,4 +1,4 @@
-"""What a prefill and a decode replica share: starting the engine thread and
+"""What a prefill and a decode replica share: starting the worker thread and
 the peer directory entry, the stats behind `/stats` and Prometheus, and the
 Serve hooks (routing stats, health, shutdown)."""
 
@@ -10,17 +10,17 @@ from typing import Any
 from deployments.peer_sync import PeerSync
 
 
-class PoolServer:
+class ReplicaServer:
     """Base of `PrefillServer` and `DecodeServer`; subclasses define ``_learn(entry)``."""
 
     worker_id: str
 
-    async def _start(self, engine, worker, role: str, metrics, directory, extra: dict[str, Any]) -> bytes:
-        """Start ``engine`` (its thread) and publish this replica in ``directory``; returns the handshake offer."""
-        self.engine = engine
-        self.agent = engine.agent_name
+    async def _start(self, thread, worker, role: str, metrics, directory, extra: dict[str, Any]) -> bytes:
+        """Start ``thread`` and publish this replica in ``directory``; returns the handshake offer."""
+        self.thread = thread
+        self.agent = thread.agent_name
         offer = worker.link.peers.offer().to_bytes()  # before the thread starts: nothing else uses the agent yet
-        engine.start()
+        thread.start()
         self.metrics = metrics
         self.sync = PeerSync(directory, role, self.worker_id, self.agent, offer, self._stats,
                              learn=self._learn, forget=self._forget, extra={**extra, "pid": os.getpid()})
@@ -28,7 +28,7 @@ class PoolServer:
         return offer
 
     def _stats(self) -> dict[str, Any]:
-        stats = self.engine.stats
+        stats = self.thread.stats
         self.metrics.safe_update(stats)
         return stats
 
@@ -36,15 +36,15 @@ class PoolServer:
         raise NotImplementedError
 
     async def _forget(self, agent: str) -> None:
-        await self.engine.call(self.engine.forget_peer, agent)
+        await self.thread.call(self.thread.forget_peer, agent)
 
     # ----------------------------------------------------------- Serve hooks
     def record_routing_stats(self) -> dict[str, Any]:
-        return dict(self.engine.stats)
+        return dict(self.thread.stats)
 
     def check_health(self) -> None:
-        self.engine.check()
+        self.thread.check()
 
     async def __del__(self):
         await self.sync.stop()
-        self.engine.stop()
+        self.thread.stop()

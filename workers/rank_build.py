@@ -1,0 +1,99 @@
+"""One rank of a replica, built from a typed spec: its model shard, paged caches,
+runner and (on request) its NIXL link.
+
+Every place that loads a model to serve it goes through `build_rank`: the
+offline ``LLM`` and a Serve replica (one rank, in-process) and a
+tensor-parallel rank worker (``workers.rank_worker``, one per rank). The
+controller's memory plan sizes caches with the same `RankSpec.cache_spec`
+that `build_rank` allocates, so what ``dsa-pd check`` prints is what loading
+allocates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attention.backend import get_backend
+from attention.cache import CacheSpec, PagedKVCache
+from models.config import ModelConfig
+from models.dtypes import DtypeName, torch_dtype
+from models.loader import load_model
+from models.model import DsaForCausalLM
+from models.parallel import SINGLE, TPContext
+from workers.kv_link import KVLink
+from workers.model_runner import ModelRunner
+from workers.push_tuning import PushTuning
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank of one replica loads (the rank index is separate).
+
+    dtype: weights and activations (`models.dtypes`); kv_cache_dtype: ``"auto"``
+    (caches in ``dtype``, exact math) | ``"fp8"`` (the serving byte formats);
+    num_pages: pages of this rank's cache (the replica's one page pool hands out their ids);
+    hadamard: rotate indexer keys/queries; None: only where they are quantized
+    (``kv_cache_dtype == "fp8"``), as transformers' reference skips it in exact mode;
+    with_mtp: load the checkpoint's MTP layer(s) and give them cache layers.
+    """
+
+    model_dir: str
+    backend: str = "reference"
+    device: str = "cpu"
+    dtype: DtypeName = "float32"
+    kv_cache_dtype: str = "auto"
+    num_pages: int = 512
+    hadamard: bool | None = None
+    with_mtp: bool = True
+    push: PushTuning = PushTuning()  # the KV link's posting threads, descriptor size, whether it pushes
+    page_layout: str = "cross_layer"  # attention.cache.CacheSpec.page_layout
+
+    def __post_init__(self) -> None:
+        torch_dtype(self.dtype)  # a clear error now, not at load
+
+    @property
+    def use_hadamard(self) -> bool:
+        return self.kv_cache_dtype == "fp8" if self.hadamard is None else self.hadamard
+
+    def cache_spec(self, cfg: ModelConfig, num_pages: int | None = None) -> CacheSpec:
+        """The cache geometry a rank of this spec allocates for ``cfg``: one MLA
+        cache per attention layer (MTP included when loaded) and an indexer cache
+        on the layers that compute top-k. ``num_pages`` overrides the spec's (1:
+        the bytes of one page id)."""
+        n_main = cfg.num_hidden_layers
+        n_mtp = cfg.num_nextn_predict_layers if self.with_mtp else 0
+        return CacheSpec(
+            num_layers=n_main + n_mtp,
+            num_pages=self.num_pages if num_pages is None else num_pages,
+            kv_lora_rank=cfg.kv_lora_rank,
+            rope_dim=cfg.qk_rope_head_dim,
+            index_head_dim=cfg.index_head_dim,
+            kv_cache_dtype=self.kv_cache_dtype,
+            dtype=torch_dtype(self.dtype),
+            indexer_layers=tuple(cfg.topk_plan.computes[:n_main]) + (True,) * n_mtp,
+            page_layout=self.page_layout,
+        )
+
+
+@dataclass
+class RankParts:
+    """A built rank: ``model`` (its shard), ``cache`` (its pages), ``runner`` (builds batches, runs the model)."""
+
+    spec: RankSpec
+    model: DsaForCausalLM
+    cache: PagedKVCache
+    runner: ModelRunner
+
+    def open_link(self, worker_id: str, epoch: int | None = None) -> KVLink:
+        """Register this rank's caches with a NIXL agent ``worker_id@epoch`` (None: a fresh epoch)."""
+        return KVLink.create(worker_id, self.spec.model_dir, self.cache, has_mtp=len(self.model.mtp) > 0,
+                             epoch=epoch, push=self.spec.push)
+
+
+def build_rank(spec: RankSpec, tp: TPContext = SINGLE, device: str | None = None) -> RankParts:
+    """Load ``spec``'s model shard for rank ``tp.rank`` and allocate its caches on ``device`` (default ``spec.device``)."""
+    device = device or spec.device
+    model = load_model(spec.model_dir, torch_dtype(spec.dtype), device, tp=tp, hadamard=spec.use_hadamard,
+                       with_mtp=spec.with_mtp)
+    cache = PagedKVCache(spec.cache_spec(model.cfg), device)
+    return RankParts(spec, model, cache, ModelRunner(model, cache, get_backend(spec.backend), device))

@@ -1,0 +1,80 @@
+"""One replica from a `RankSpec`: its ranks, its page pool, its KV link and
+(for a replica that decodes) its `Engine`.
+
+With one rank everything runs in the calling process (`build_rank`); with
+``tp_size`` ranks each runs in a rank worker actor (``workers.rank_group``)
+and the caller drives them through the group's model, runner and link. The
+offline ``LLM`` (each side of ``pd=True``) and the Serve replicas
+(``deployments/replica_build.py``) build through here, so the served engine
+is the one the offline correctness tests exercise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from attention.cache import PagedKVCache
+from models.model import DsaForCausalLM
+from models.tokenizer import load_detokenizer
+from workers.decode_graphs import default_graph_context
+from workers.engine import Engine
+from workers.group_link import GroupLink
+from workers.kv_link import KVLink
+from workers.model_runner import ModelRunner
+from workers.page_pool import PagePool
+from workers.rank_build import RankSpec, build_rank
+from workers.rank_group import GroupModel, RankGroup
+from workers.scheduler import SchedulerConfig
+
+
+@dataclass
+class ReplicaParts:
+    """What every replica has.
+
+    model / runner: the in-process rank's, or the rank group's driver-side handles;
+    cache: the in-process rank's pages (None with a rank group: each rank holds its own);
+    pool: the one page pool whose ids index every rank's cache;
+    link: the NIXL link (None when the replica was built without one);
+    group: the rank group (tp_size > 1), to shut down with the replica.
+    """
+
+    model: DsaForCausalLM | GroupModel
+    cache: PagedKVCache | None
+    pool: PagePool
+    runner: ModelRunner
+    link: KVLink | GroupLink | None
+    group: RankGroup | None = None
+
+
+def build_replica(spec: RankSpec, tp_size: int = 1, worker_id: str | None = None,
+                  actor_options: Sequence[dict[str, Any]] | None = None) -> ReplicaParts:
+    """Load ``spec`` on ``tp_size`` ranks and make the replica's page pool.
+
+    worker_id: open a NIXL link under that name (prefill and decode replicas; None: no link).
+    actor_options: the rank workers' Ray actor options, one dict per rank (tp_size > 1).
+    """
+    pool = PagePool(spec.num_pages)
+    if tp_size > 1:
+        group = RankGroup(spec, tp_size, actor_options)
+        link = group.link(worker_id) if worker_id is not None else None
+        return ReplicaParts(group.model, None, pool, group.runner, link, group)
+    rank = build_rank(spec)
+    link = rank.open_link(worker_id) if worker_id is not None else None
+    return ReplicaParts(rank.model, rank.cache, pool, rank.runner, link)
+
+
+def build_engine(parts: ReplicaParts, model_dir: str | Path, sched: SchedulerConfig, mtp_topk_reuse: bool,
+                 cuda_graphs: bool, cuda_graph_max_context: int | None = None) -> Engine:
+    """The continuous-batching engine over ``parts`` (stop strings through the checkpoint's tokenizer).
+
+    cuda_graphs: capture decode steps (as resolved by ``workers.decode_graphs.graphs_wanted``), for
+    contexts up to ``cuda_graph_max_context`` tokens (default: what the page pool holds for one
+    request, capped by the model's positions).
+    """
+    engine = Engine(parts.runner, parts.pool, sched, parts.model.cfg.eos_token_ids, mtp_topk_reuse,
+                    detokenize=load_detokenizer(model_dir))
+    if cuda_graphs:
+        engine.enable_cuda_graphs(cuda_graph_max_context or default_graph_context(parts.model.cfg, parts.pool.num_pages))
+    return engine

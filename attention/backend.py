@@ -69,11 +69,11 @@ def _accept_any_spec(spec) -> None:
     return None
 
 
-def _reference_ragged_topk(q, k, k_scale, weights, ks, ke, topk, block_table_rows=None, **_):
-    """``topk_slots(ragged_mqa_logits(q, k, k_scale, weights, ks, ke), ke, topk, block_table_rows)``."""
+def _reference_ragged_topk(q, k, k_scale, weights, ks, ke, topk, page_table_rows=None, **_):
+    """``topk_slots(ragged_mqa_logits(q, k, k_scale, weights, ks, ke), ke, topk, page_table_rows)``."""
     logits = indexer.ragged_mqa_logits(q, k, k_scale, weights, ks, ke)
     lengths = torch.as_tensor(ke, device=logits.device).reshape(-1).long().clamp(0, logits.shape[1])
-    return indexer.topk_slots(logits, lengths, topk, block_table_rows)
+    return indexer.topk_slots(logits, lengths, topk, page_table_rows)
 
 
 _REFERENCE = AttentionBackend(

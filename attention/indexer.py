@@ -172,7 +172,7 @@ def topk_slots(
     logits: torch.Tensor,
     lengths: torch.Tensor,
     topk: int,
-    block_table_rows: torch.Tensor | None,
+    page_table_rows: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k positions per row and their cache slots.
 
@@ -184,7 +184,7 @@ def topk_slots(
         logits: f32 ``[R, L]``.
         lengths: int ``[R]``, each in ``[0, L]``.
         topk: k > 0; may exceed L or a row's candidate count.
-        block_table_rows: int ``[R, max_pages]``, the page table of each row's
+        page_table_rows: int ``[R, max_pages]``, the page table of each row's
             request (repeat a request's row for each of its next_n draft rows);
             None returns the positions themselves as slots (contiguous kv, e.g.
             sparse prefill).
@@ -192,7 +192,7 @@ def topk_slots(
     Returns:
         ``(positions int32 [R, topk], slots int32 [R, topk])``: candidates in
         descending logit order (ties in unspecified order), then ``-1`` padding
-        where a row has fewer than topk candidates. ``slot = block_table_rows[r,
+        where a row has fewer than topk candidates. ``slot = page_table_rows[r,
         t // 64] * 64 + t % 64``; ``-1`` where the position is ``-1``.
     """
     if logits.dim() != 2:
@@ -215,12 +215,12 @@ def topk_slots(
     positions = torch.full((R, topk), -1, dtype=torch.long, device=dev)
     positions[:, :k] = torch.where(candidate.gather(1, order), order, -1)
 
-    if block_table_rows is None:
+    if page_table_rows is None:
         slots = positions.clone()
     else:
-        bt = torch.as_tensor(block_table_rows, device=dev).long()
+        bt = torch.as_tensor(page_table_rows, device=dev).long()
         if bt.dim() != 2 or bt.shape[0] != R:
-            raise ValueError(f"block_table_rows must be [R, max_pages] with R = {R}, got {tuple(bt.shape)}")
+            raise ValueError(f"page_table_rows must be [R, max_pages] with R = {R}, got {tuple(bt.shape)}")
         valid = positions >= 0
         page_idx = torch.where(valid, positions // PAGE_SIZE, 0)
         if bool((valid & (page_idx >= bt.shape[1])).any()):

@@ -16,9 +16,9 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 from attention.formats import pages_for_tokens
+from deployments.replica_stats import DecodeStats
 from deployments.worker_thread import WorkerThread
 from workers.decode_worker import DecodeWorker
 from workers.engine import RequestOutput
@@ -109,30 +109,30 @@ class DecodeThread(WorkerThread):
             self._admit()
         return computing
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> DecodeStats:
         w, eng = self.worker, self.worker.engine
         s = eng.stats
         running = len(eng.scheduler.running) + len(eng.scheduler.prefilling)
         queued = len(self.pending) + len(eng.scheduler.waiting)
-        return {
-            "agent": self.agent_name,
-            "free_pages": w.pool.free_count,
-            "total_pages": w.pool.num_pages,
-            "reserved_pages": 1,  # the warm-up page
-            "running": running,
-            "awaiting_kv": len(w.awaiting),
-            "held_pages": w.receiver.held_pages,  # ended requests' pages, until prefill settles them
-            "queued": queued,
-            "requests": running + len(w.awaiting) + queued,
-            "queued_prompt_pages": sum(pages_for_tokens(len(r.prompt)) for r in self.pending),
-            "decode_tokens": s.decode_tokens,
-            "mtp_drafted": s.mtp_drafted,
-            "mtp_accepted": s.mtp_accepted,
-            "mtp_acceptance_rate": s.mtp_acceptance_rate,
-            "preemptions": s.preemptions,
-            "decode_graph_replays": sum(g.replays for g in getattr(eng.runner, "decode_graphs", {}).values()),
-            "known_prefills": len(w.link.peers.peers()),
-        }
+        return DecodeStats(
+            agent=self.agent_name,
+            free_pages=w.pool.free_count,
+            total_pages=w.pool.num_pages,
+            queued=queued,
+            reserved_pages=1,  # the warm-up page
+            running=running,
+            awaiting_kv=len(w.awaiting),
+            held_pages=w.receiver.held_pages,
+            requests=running + len(w.awaiting) + queued,
+            queued_prompt_pages=sum(pages_for_tokens(len(r.prompt)) for r in self.pending),
+            decode_tokens=s.decode_tokens,
+            mtp_drafted=s.mtp_drafted,
+            mtp_accepted=s.mtp_accepted,
+            mtp_acceptance_rate=s.mtp_acceptance_rate,
+            preemptions=s.preemptions,
+            decode_graph_replays=sum(g.replays for g in getattr(eng.runner, "decode_graphs", {}).values()),
+            known_prefills=len(w.link.peers.peers()),
+        )
 
     def fail_all(self, message: str) -> None:
         for req in list(self.pending):

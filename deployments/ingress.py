@@ -55,6 +55,7 @@ from deployments.openai_protocol import (
     parse_request,
     sse_event,
 )
+from deployments.replica_stats import DecodeStats
 from deployments.router import prefix_hash
 from deployments.text_stream import TextStream
 from models.config import load_config
@@ -152,7 +153,7 @@ class OpenAIIngress:
     async def health(self) -> JSONResponse:
         snap = await self.directory.snapshot.remote()
         prefill, decode = snap["prefill"], snap["decode"]
-        ready = bool(prefill) and any(d["stats"].get("known_prefills", 0) > 0 for d in decode)
+        ready = bool(prefill) and any(DecodeStats.from_dict(d["stats"]).known_prefills > 0 for d in decode)
         body = {"status": "ok" if ready else "starting", "prefill_replicas": len(prefill),
                 "decode_replicas": len(decode)}
         return JSONResponse(body, status_code=200 if ready else 503)

@@ -9,24 +9,24 @@ leave: time to first token counts from the moment decode accepted the request
 between consecutive engine outputs (with MTP one output may carry several
 tokens). KV push figures are taken in the prefill replica, which pushes, as
 each prefill call returns (a push its decode caller cancelled is not
-counted). Pool gauges and MTP counters follow each replica's heartbeat
+counted). Page-pool gauges and MTP counters follow each replica's heartbeat
 snapshot (`deployments.peer_sync`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
-
 from ray.serve import metrics
+
+from deployments.replica_stats import DecodeStats, ReplicaStats
 
 _LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 # A DeepSeek-V3.2 8k prompt's pages copy in 0.3 ms on one H100, 1 ms between NVLink H200s.
 _PUSH_BUCKETS_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0]
 
 
-class PoolMetrics:
-    """Gauges every replica of a pool reports from its load snapshot."""
+class RoleMetrics:
+    """Gauges every replica of a role reports from its load snapshot."""
 
     def __init__(self, role: str):
         self.role = role
@@ -41,15 +41,13 @@ class PoolMetrics:
             m.set_default_tags({"role": role})
         self._warned = False
 
-    def update(self, stats: dict[str, Any]) -> None:
+    def update(self, stats: ReplicaStats) -> None:
         """Set the gauges from a load snapshot (`safe_update` when a failure must not propagate)."""
-        self.free_pages.set(stats.get("free_pages", 0))
-        self.total_pages.set(stats.get("total_pages", 0))
-        waiting = stats.get("queued", 0) + stats.get("awaiting_kv", 0)
-        self.queue_depth.set(waiting)
+        self.free_pages.set(stats.free_pages)
+        self.total_pages.set(stats.total_pages)
+        self.queue_depth.set(stats.waiting)
 
-
-    def safe_update(self, stats: dict[str, Any]) -> None:
+    def safe_update(self, stats: ReplicaStats) -> None:
         """`update`, logging instead of raising: metrics must never stop the heartbeat that carries the stats."""
         self._safely(self.update, stats)
 
@@ -62,8 +60,8 @@ class PoolMetrics:
                 logging.getLogger("ray.serve").warning("dsa-pd metrics update failed: %r", e)
 
 
-class PrefillMetrics(PoolMetrics):
-    """Pool gauges plus the KV pushes of a prefill replica."""
+class PrefillMetrics(RoleMetrics):
+    """Page-pool gauges plus the KV pushes of a prefill replica."""
 
     def __init__(self):
         super().__init__("prefill")
@@ -90,7 +88,7 @@ class PrefillMetrics(PoolMetrics):
         self._safely(self.observe_push, result)
 
 
-class DecodeMetrics(PoolMetrics):
+class DecodeMetrics(RoleMetrics):
     """Token and latency metrics of a decode replica, plus MTP acceptance."""
 
     def __init__(self):
@@ -109,13 +107,13 @@ class DecodeMetrics(PoolMetrics):
         self.mtp_rate = metrics.Gauge("dsa_pd_mtp_acceptance_rate", "Accepted / drafted MTP tokens so far.")
         self._last_drafted = self._last_accepted = 0
 
-    def update(self, stats: dict[str, Any]) -> None:
+    def update(self, stats: DecodeStats) -> None:
         super().update(stats)
-        drafted, accepted = stats.get("mtp_drafted", 0), stats.get("mtp_accepted", 0)
+        drafted, accepted = stats.mtp_drafted, stats.mtp_accepted
         # Counters only take positive increments (a step may accept no draft).
         if drafted > self._last_drafted:
             self.mtp_drafted.inc(drafted - self._last_drafted)
         if accepted > self._last_accepted:
             self.mtp_accepted.inc(accepted - self._last_accepted)
         self._last_drafted, self._last_accepted = drafted, accepted
-        self.mtp_rate.set(stats.get("mtp_acceptance_rate", 0.0))
+        self.mtp_rate.set(stats.mtp_acceptance_rate)

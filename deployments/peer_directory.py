@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from deployments.replica_stats import stats_class
+
 ROLES = ("prefill", "decode")
 
 
@@ -39,6 +41,7 @@ class PeerDirectory:
             self._entries[role][worker_id] = entry
         if offer is not None:
             entry["offer"] = offer
+        stats_class(role).from_dict(stats)  # a malformed report fails its sender's heartbeat, not a reader
         entry["stats"] = dict(stats)
         entry["extra"] = dict(extra or {})
         entry["seen"] = time.monotonic()
@@ -60,7 +63,7 @@ class PeerDirectory:
         return [dict(e) for e in self._live(role)]
 
     def snapshot(self) -> dict[str, list[dict[str, Any]]]:
-        """Live entries of both pools without offers, with the age of their last heartbeat."""
+        """Live entries of both roles without offers, with the age of their last heartbeat."""
         now = time.monotonic()
         return {
             role: [{"worker_id": e["worker_id"], "agent": e["agent"], "age_s": round(now - e["seen"], 3),

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any
 
+from deployments.replica_stats import PrefillStats
 from deployments.worker_thread import WorkerThread
 from workers.page_pool import PoolExhausted
 from workers.prefill_worker import PrefillResult, PrefillTask, PrefillWorker
@@ -106,20 +106,20 @@ class PrefillThread(WorkerThread):
         self._admit()
         return computing
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> PrefillStats:
         w = self.worker
         queued_tokens = sum(len(t.token_ids) for t in self.pending)
         queued_tokens += sum(len(a.task.token_ids) - a.done for a in w.active.values())
-        return {
-            "agent": self.agent_name,
-            "free_pages": w.pool.free_count,
-            "total_pages": w.pool.num_pages,
-            "active": len(w.active),
-            "queued": len(self.pending),
-            "queued_tokens": queued_tokens,
-            "completed": self.completed,
-            "known_decodes": len(w.link.peers.peers()),
-        }
+        return PrefillStats(
+            agent=self.agent_name,
+            free_pages=w.pool.free_count,
+            total_pages=w.pool.num_pages,
+            queued=len(self.pending),
+            active=len(w.active),
+            queued_tokens=queued_tokens,
+            completed=self.completed,
+            known_decodes=len(w.link.peers.peers()),
+        )
 
     def fail_all(self, message: str) -> None:
         for task in list(self.pending):

@@ -28,9 +28,10 @@ class ReplicaServer:
         return offer
 
     def _stats(self) -> dict[str, Any]:
+        """The latest snapshot for the directory (its wire form), updating this replica's gauges."""
         stats = self.thread.stats
         self.metrics.safe_update(stats)
-        return stats
+        return stats.to_dict()
 
     async def _learn(self, entry: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -40,7 +41,8 @@ class ReplicaServer:
 
     # ----------------------------------------------------------- Serve hooks
     def record_routing_stats(self) -> dict[str, Any]:
-        return dict(self.thread.stats)
+        """Serve's routing stats: the latest snapshot as a plain dict (the routers read it back with `from_routing`)."""
+        return self.thread.stats.to_dict()
 
     def check_health(self) -> None:
         self.thread.check()

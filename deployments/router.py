@@ -9,7 +9,7 @@ every ``ROUTING_STATS_PERIOD_S``) and, once, its NIXL agent name through
 ``record_replica_metadata``.
 
 Ranking (`rank`): by load — requests in flight, the fresher of Serve's own
-queue-length cache and the replica's report — then by pool pressure (used
+queue-length cache and the replica's report — then by page-pool pressure (used
 page share), then by a prefix-affinity hint: the rendezvous hash of the
 prompt's first full pages (`prefix_hash`) with the replica id, so requests
 sharing a prefix prefer the same replica when loads tie. ``prefix_affinity``
@@ -30,6 +30,7 @@ from typing import Any, Iterable, Sequence
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from attention.formats import PAGE_SIZE
+from deployments.replica_stats import DecodeStats, PrefillStats, ReplicaStats
 
 ROUTING_STATS_PERIOD_S = 1.0
 
@@ -91,10 +92,15 @@ class _LoadRouter(RequestRouter):
     def _load(self, r: RunningReplica) -> float:
         raise NotImplementedError
 
+    stats_class: type[ReplicaStats] = ReplicaStats
+
+    def _stats(self, r: RunningReplica) -> ReplicaStats | None:
+        """The replica's last report (None before its first)."""
+        return self.stats_class.from_routing(r.routing_stats)
+
     def _pressure(self, r: RunningReplica) -> float:
-        s = r.routing_stats or {}
-        total = s.get("total_pages") or 0
-        return 1.0 - s.get("free_pages", total) / total if total else 0.0
+        s = self._stats(r)
+        return 1.0 - s.free_pages / s.total_pages if s is not None and s.total_pages else 0.0
 
     def _eligible(self, replicas: list[RunningReplica], pending: PendingRequest | None) -> list[RunningReplica]:
         return replicas
@@ -119,18 +125,24 @@ class _LoadRouter(RequestRouter):
 class DecodeRouter(_LoadRouter):
     """Ingress -> decode: least loaded (requests, then free pages), prefix affinity as the tie-break."""
 
+    stats_class = DecodeStats
+
     def _load(self, r: RunningReplica) -> float:
-        return max(self._queue_len(r), (r.routing_stats or {}).get("requests", 0))
+        s = self._stats(r)
+        return max(self._queue_len(r), s.requests if s is not None else 0)
 
 
 class PrefillRouter(_LoadRouter):
     """Decode -> prefill: least loaded among the prefill agents the caller has handshaked with."""
 
+    stats_class = PrefillStats
+
     def _load(self, r: RunningReplica) -> float:
-        s = r.routing_stats or {}
-        # Requests in flight, then (fractionally) queued prompt tokens: a
-        # replica with one long prompt queued is busier than one with a short one.
-        return max(self._queue_len(r), s.get("active", 0) + s.get("queued", 0)) + s.get("queued_tokens", 0) / 1e6
+        s = self._stats(r)
+        if s is None:
+            return self._queue_len(r)
+        # Serve's own queue length when fresher; the replica's report adds queued prompt tokens.
+        return max(self._queue_len(r), s.active + s.queued) + s.queued_tokens / 1e6
 
     def _eligible(self, replicas: list[RunningReplica], pending: PendingRequest | None) -> list[RunningReplica]:
         known = None if pending is None else pending.kwargs.get("known_prefills")

@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from deployments.replica_stats import ReplicaStats
+
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
 
 
@@ -38,8 +40,9 @@ class WorkerThread:
     WAIT_SLEEP_S = 0.0005
     """Pause between ticks that only polled the network (waiting for KV or WRITE
     completions): a tight loop would take a core from the model on a small host.
-    It adds to a request's time to first token on both sides of a push, whose
-    copies take 0.3-1.2 ms for an 8k-token DeepSeek-V3.2 prompt (docs/perf.md)."""
+    It adds to a request's time to first token on both sides of a push, so it
+    stays well under a push's copy time (docs/perf.md, "Tuning choices and their
+    measurements")."""
 
     def __init__(self, name: str):
         self.name = name
@@ -49,8 +52,8 @@ class WorkerThread:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None
-        self.stats: dict[str, Any] = {}
-        """Latest `snapshot`, replaced whole after every round (readers never see a half-updated dict)."""
+        self.stats: ReplicaStats | None = None
+        """Latest `snapshot` (frozen), replaced whole after every round; set by `start`."""
 
     # ------------------------------------------------------------ asyncio side
     def start(self) -> None:
@@ -114,7 +117,7 @@ class WorkerThread:
         """One round of the worker; True if it computed (False: it only polled)."""
         raise NotImplementedError
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> ReplicaStats:
         raise NotImplementedError
 
     def fail_all(self, message: str) -> None:

@@ -9,24 +9,15 @@ from dataclasses import dataclass, replace
 # NIXL / UCX settings of an agent whose cache is in GPU memory. UCX's
 # cuda_ipc issues every copy to one peer GPU from one UCX worker on one CUDA
 # stream; splitting each WRITE over N posting threads on N UCX workers gives it
-# N streams. Streams of 32k-token DeepSeek-V3.2 requests, 8 in flight
-# (docs/perf.md, session 4), 8 threads: one H100 0.997-0.999 of a device copy
-# (one thread with scatter-gather offload, the previous setting: 0.55); 2 x H200
-# 0.94-0.96 of a peer copy (previous setting: 0.62). 16 threads measured worse
-# on the H100 (0.58), 2 and 4 slower for single requests. CPU (DRAM) agents
-# keep NIXL's defaults (UCX only emulates scatter-gather there).
+# N streams. CPU (DRAM) agents keep NIXL's defaults (UCX only emulates
+# scatter-gather there). Why 8: docs/perf.md, "Tuning choices and their measurements".
 DEFAULT_PUSH_THREADS = 8
 
 # A cross_layer cache pushes a request's run of pages as one descriptor (None:
 # runs are not cut). A WRITE of one descriptor (a request on contiguous pages)
 # is posted on the calling thread, one copy with no thread to wake; a
-# fragmented one (many runs) is spread over the threads. Against 16-page
-# descriptors spread over the threads (the session-5 setting), same calls
-# (docs/perf.md, session 7), contiguous pages: one H100, 8k streams 1.02-1.03
-# vs 0.77-0.78, first request 0.64-0.69 vs 0.54-0.56, 8k alone 0.65-0.74 vs
-# 0.67-0.68; 2 x H200, first request 0.83-0.91 vs 0.62-0.80, 32k alone
-# 0.96-0.98 vs 0.93-0.95, streams 1.00-1.07 vs 0.98-1.01. Fragmented pages:
-# alike, except an 8k request alone on the H100 (0.46-0.50 vs 0.52-0.57).
+# fragmented one (many runs) is spread over the threads. Measured against
+# 16-page descriptors: docs/perf.md, "Tuning choices and their measurements".
 DEFAULT_DESCRIPTOR_PAGES: int | None = None
 
 
@@ -39,8 +30,7 @@ def gpu_push_tuning(threads: int | None = None, pushes: bool = False) -> dict:
     ``pushes``: the agent posts WRITEs (a prefill replica's). It then runs
     without NIXL's progress thread: that thread spins over the calling
     thread's UCX worker under its lock, and a WRITE posted there waited for it
-    (one H100: a single-descriptor WRITE at 0.63-0.67 of a device copy with
-    the thread, 0.96-1.01 without). The pusher's own polls progress the worker
+    (docs/perf.md, "Tuning choices and their measurements"). The pusher's own polls progress the worker
     (each prefill round; a finished prompt's push is spun on). A receiving
     agent keeps the thread: decode must take notifications while it computes.
     """
@@ -51,8 +41,7 @@ def gpu_push_tuning(threads: int | None = None, pushes: bool = False) -> dict:
     if threads == 0:
         return {"ucx_sgl": True, **progress}
     # NIXL's split_batch_size is also the fewest descriptors per thread: 2 still spreads a
-    # fragmented 8k request (~30 runs) over all 8 threads; 8 gave it 4 (H100 fragmented 8k
-    # streams: 0.46-0.47 with 8, 0.60-0.81 with 2, 0.70-0.72 with session 5's 1).
+    # fragmented 8k request (~30 runs) over all 8 threads; 8 gave it 4 (docs/perf.md).
     return {"ucx_sgl": False, **progress,
             "backend_params": {"num_threads": str(threads), "num_workers": str(threads),
                                "split_batch_size": "2"}}

@@ -54,7 +54,7 @@ def topk_slots(
     logits: torch.Tensor,
     lengths: torch.Tensor,
     topk: int,
-    block_table_rows: torch.Tensor | None,
+    page_table_rows: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention.indexer.topk_slots`` on the Triton radix top-k.
 
@@ -72,10 +72,10 @@ def topk_slots(
     logits = logits if logits.dtype == torch.float32 else logits.float()
     lengths = torch.as_tensor(lengths, device=logits.device).reshape(-1).to(torch.int32).contiguous()
     cfg = topk_launch_config(logits.shape[1])
-    if block_table_rows is None:
+    if page_table_rows is None:
         positions = topk_positions(logits, lengths, topk, **cfg)
         return positions, positions.clone()
-    bt = torch.as_tensor(block_table_rows, device=logits.device).to(torch.int32)
+    bt = torch.as_tensor(page_table_rows, device=logits.device).to(torch.int32)
     return _topk_slots_kernel(logits, lengths, topk, bt, return_positions=True, **cfg)
 
 
@@ -85,9 +85,8 @@ def topk_launch_config(row_len: int) -> dict:
     Rows of ``>= topk.SAMPLED_MIN_LEN`` logits take the sampled kernels instead
     (``topk_slots(method="auto")``), which ignore these.
 
-    H100, 128 rows x ~34k, k = 2048 (bench/attention.py, 2026-11-22): block/warps
-    1024/8 0.293 ms, 2048/8 0.255, 4096/16 0.223 (torch.topk 0.195). Long rows take
-    4096/16; short rows (prefill chunks, tiny models) keep 1024/8.
+    Long rows take 4096/16, the fastest of an H100 sweep (docs/perf.md, "Tuning
+    choices and their measurements"); short rows (prefill chunks, tiny models) keep 1024/8.
     """
     return {"block": 4096, "num_warps": 16} if row_len >= 16384 else {"block": 1024, "num_warps": 8}
 

@@ -485,7 +485,7 @@ def ragged_topk(
     ks: torch.Tensor,
     ke: torch.Tensor,
     topk: int,
-    block_table_rows: torch.Tensor | None = None,
+    page_table_rows: torch.Tensor | None = None,
     *,
     logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
     topk_config: dict | None = None,
@@ -493,9 +493,9 @@ def ragged_topk(
     """Ragged logits + top-k, chunk by chunk: ``ragged_mqa_logits`` then ``topk_slots`` without ``[S, N]``.
 
     Returns ``(positions int32 [S, topk], slots int32 [S, topk])`` as the
-    reference's ``topk_slots(ragged_mqa_logits(...), ke, topk, block_table_rows)``
+    reference's ``topk_slots(ragged_mqa_logits(...), ke, topk, page_table_rows)``
     would (positions index the packed keys; ascending, ``-1`` padded; slots
-    through ``block_table_rows [S, max_pages]``, or the positions when None).
+    through ``page_table_rows [S, max_pages]``, or the positions when None).
     ``topk_config``: keyword arguments of ``topk_positions`` (``method``, ...); None: :data:`PREFILL_TOPK`.
     """
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
@@ -510,7 +510,7 @@ def ragged_topk(
         lengths = (ke_d[c.r0:c.r1] - c.k0).clamp(0, c.k1 - c.k0).to(torch.int32)
         pos = topk_positions(logits, lengths, topk, **(PREFILL_TOPK if topk_config is None else topk_config))
         positions[c.r0:c.r1] = torch.where(pos >= 0, pos + c.k0, -1)
-    if block_table_rows is None:
+    if page_table_rows is None:
         return positions, positions.clone()
-    bt = torch.as_tensor(block_table_rows, device=q.device).to(torch.int32)
+    bt = torch.as_tensor(page_table_rows, device=q.device).to(torch.int32)
     return positions, positions_to_slots(positions, bt)

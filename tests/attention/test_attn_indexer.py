@@ -38,7 +38,7 @@ def test_golden_paged_mqa_logits(load_golden):
     q = g["q_fp8_as_uint8"].view(FP8_DTYPE)
     want = g["logits"]
     for cache_form in (g["kv_cache_uint8"], g["kv_cache_uint8"].reshape(20, -1)):
-        got = paged_mqa_logits(q, cache_form, g["weights"], g["context_lens_2d"], g["page_table"], 256)
+        got = paged_mqa_logits(q, cache_form, g["weights"], g["context_lens_2d"], g["block_table"], 256)  # the recorded file keeps DeepGEMM's argument name
         assert got.shape == (6, 256) and got.dtype == torch.float32
         # -inf exactly where the golden has it (positions >= each row's context length)
         assert torch.equal(torch.isinf(got), torch.isinf(want))

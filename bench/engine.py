@@ -45,18 +45,6 @@ import torch  # noqa: E402
 from attention.formats import PAGE_SIZE  # noqa: E402
 from bench.cuda_profile import profile_calls  # noqa: E402
 
-DSV32_SHAPES = dict(
-    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-    num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_shared_experts=1,
-    num_experts_per_tok=8, first_k_dense_replace=1, index_n_heads=64, index_head_dim=128,
-    index_topk=2048, max_position_embeddings=163840, num_nextn_predict_layers=0,
-    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
-                     "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
-                     "mscale": 1.0, "mscale_all_dim": 1.0},
-)
-
-
 def versions() -> dict:
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
     for pkg in ("triton", "sgl-deep-gemm", "sgl-flash-mla"):
@@ -71,11 +59,10 @@ def build_model(layers: int, experts: int):
     """A random-weight DeepSeek-V3.2-shaped ``DsaForCausalLM`` on the GPU (no checkpoint written)."""
     from models.config import load_config
     from models.model import DsaForCausalLM
+    from bench.peers.checkpoint import dsv32_shaped_kwargs
     from models.tiny import _config_class, tiny_config_kwargs
 
-    n_group = 8 if experts % 8 == 0 else 1
-    kwargs = tiny_config_kwargs("deepseek_v32", **DSV32_SHAPES, num_hidden_layers=layers, n_routed_experts=experts,
-                                n_group=n_group, topk_group=min(4, n_group))
+    kwargs = tiny_config_kwargs("deepseek_v32", **dsv32_shaped_kwargs(layers, experts))
     with tempfile.TemporaryDirectory() as tmp:
         _config_class("deepseek_v32")(**kwargs).save_pretrained(tmp)
         cfg = load_config(tmp)

@@ -5,6 +5,7 @@
     dsa-pd generate --tiny ARCH ...   (makes the tiny model into a cache dir first)
     dsa-pd check CONFIG.yaml [...] [--gpu-memory-gib G]   (validate serve configs offline)
     dsa-pd serve CONFIG.yaml [SERVE RUN OPTIONS]   (check, then `serve run`; exit 1 on a violation)
+    dsa-pd bench serve [--base-url URL] [--num-prompts N] ...   (load an OpenAI-compatible server; docs/benchmarking.md)
 """
 
 from __future__ import annotations
@@ -109,6 +110,26 @@ def _serve(args) -> int:
     return 0  # not reached
 
 
+def _bench_serve(args) -> int:
+    from bench.serve import run
+
+    return run(args)
+
+
+def _add_bench(sub) -> None:
+    """``dsa-pd bench KIND``: one sub-subcommand per benchmark (``serve`` now;
+    ``offline`` etc. are one more ``add_parser`` here)."""
+    from bench.serve.cli import add_arguments as add_serve_arguments
+
+    p = sub.add_parser("bench", help="benchmarks (`bench serve`: load an OpenAI-compatible server)")
+    kinds = p.add_subparsers(dest="bench_command", required=True)
+    s = kinds.add_parser("serve", help="async load generator for any OpenAI-compatible server (vllm bench serve's flags)",
+                         description="Stream requests to an OpenAI-compatible server at a Poisson rate and report "
+                                     "TTFT, TPOT, ITL, E2E latency, throughput and goodput (docs/benchmarking.md).")
+    add_serve_arguments(s)
+    s.set_defaults(func=_bench_serve)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dsa-pd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="memory of one GPU for the budget rule (default: each role's gpu_memory_gib)")
     p.set_defaults(func=_serve)
+
+    _add_bench(sub)
 
     args = parser.parse_args(argv)
     from models.config import ConfigError

@@ -6,6 +6,7 @@
     dsa-pd check CONFIG.yaml [...] [--gpu-memory-gib G]   (validate serve configs offline)
     dsa-pd serve CONFIG.yaml [SERVE RUN OPTIONS]   (check, then `serve run`; exit 1 on a violation)
     dsa-pd bench serve [--base-url URL] [--num-prompts N] ...   (load an OpenAI-compatible server; docs/benchmarking.md)
+    dsa-pd bench offline --model CKPT [--backend cuda ...]   (the offline engine, per-step timeline)
 """
 
 from __future__ import annotations
@@ -116,9 +117,15 @@ def _bench_serve(args) -> int:
     return run(args)
 
 
+def _bench_offline(args) -> int:
+    from bench.offline import run
+
+    return run(args)
+
+
 def _add_bench(sub) -> None:
-    """``dsa-pd bench KIND``: one sub-subcommand per benchmark (``serve`` now;
-    ``offline`` etc. are one more ``add_parser`` here)."""
+    """``dsa-pd bench KIND``: one sub-subcommand per benchmark."""
+    from bench.offline import add_arguments as add_offline_arguments
     from bench.serve.cli import add_arguments as add_serve_arguments
 
     p = sub.add_parser("bench", help="benchmarks (`bench serve`: load an OpenAI-compatible server)")
@@ -128,6 +135,11 @@ def _add_bench(sub) -> None:
                                      "TTFT, TPOT, ITL, E2E latency, throughput and goodput (docs/benchmarking.md).")
     add_serve_arguments(s)
     s.set_defaults(func=_bench_serve)
+    o = kinds.add_parser("offline", help="the offline LLM on fixed prefill / decode workloads, a timestamp per step",
+                         description="Prefill tokens/s and decode TPOT of the offline engine from a per-step "
+                                     "timeline (bench/offline.py).")
+    add_offline_arguments(o)
+    o.set_defaults(func=_bench_offline)
 
 
 def main(argv: list[str] | None = None) -> int:

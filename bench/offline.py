@@ -1,0 +1,151 @@
+"""``dsa-pd bench offline``: the offline engine (`workers.offline.LLM`) on fixed workloads,
+with a timestamp per engine step.
+
+Workloads (the peer's offline mode runs the same ones: ``bench/peers/vllm_offline.py``):
+
+* prefill ``BxL``: B prompts of L random tokens, one new token each; tokens/s = B*L over
+  the time from the first step to the last prefill step.
+* decode at batch B: B prompts of ``--input-len`` tokens generating ``--output-len`` tokens
+  each (ignore EOS, greedy). TPOT is read from the step timeline, not from totals: the
+  median (and mean) duration of the steps that ran no prefill chunk while all B requests
+  were running.
+
+Every step's ``(start_s, end_s, prefill_tokens, decode_tokens)`` and every request's greedy
+token ids go to ``--json`` (the ids let ``bench/peers/agreement.py`` compare engines).
+
+    dsa-pd bench offline --model CKPT --backend cuda --device cuda --dtype bfloat16 \\
+        --kv-cache-dtype fp8 --prefill 8x4096 1x16000 --batch-sizes 1 32 128 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def random_prompts(n: int, length: int, seed: int, vocab: int = 256) -> list[list[int]]:
+    """``n`` prompts of ``length`` token ids in ``[0, vocab)``, from ``seed`` (the bench serve default range)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+
+
+def timed_run(llm, prompts: list[list[int]], max_new_tokens: int, tag: str) -> dict:
+    """Run ``prompts`` greedily to ``max_new_tokens`` each through ``llm.engine``, one timestamp per step."""
+    from workers.request import Request
+    from workers.sampler import SamplingParams
+
+    eng = llm.engine
+    sync = torch.cuda.synchronize if llm.runner.device.type == "cuda" else (lambda: None)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [Request(f"{tag}-{i}", list(p), params) for i, p in enumerate(prompts)]
+    for r in reqs:
+        rejected = eng.add_request(r)
+        if rejected is not None:
+            raise SystemExit(f"{tag}: request refused: {rejected.error}")
+    steps = []
+    sync()
+    t0 = time.perf_counter()
+    while any(not r.finished for r in reqs):
+        p0, d0 = eng.stats.prefill_tokens, eng.stats.decode_tokens
+        running = len(eng.scheduler.running)
+        start = time.perf_counter()
+        eng.step()
+        sync()
+        end = time.perf_counter()
+        steps.append({"start_s": start - t0, "end_s": end - t0, "prefill_tokens": eng.stats.prefill_tokens - p0,
+                      "decode_tokens": eng.stats.decode_tokens - d0, "running_before": running})
+    return {"steps": steps, "token_ids": [list(r.output) for r in reqs], "prompts": len(prompts),
+            "total_s": steps[-1]["end_s"] if steps else 0.0}
+
+
+def prefill_case(llm, batch: int, length: int, seed: int) -> dict:
+    run = timed_run(llm, random_prompts(batch, length, seed), 1, f"prefill{batch}x{length}")
+    last_prefill = max(s["end_s"] for s in run["steps"] if s["prefill_tokens"])
+    return {"case": f"prefill {batch}x{length}", "batch": batch, "input_len": length,
+            "prefill_tokens_per_s": batch * length / last_prefill, "prefill_s": last_prefill, **run}
+
+
+def decode_case(llm, batch: int, input_len: int, output_len: int, seed: int) -> dict:
+    run = timed_run(llm, random_prompts(batch, input_len, seed), output_len, f"decode{batch}")
+    # Steady state: no prefill chunk in the step and the whole batch running.
+    pure = [s["end_s"] - s["start_s"] for s in run["steps"]
+            if not s["prefill_tokens"] and s["running_before"] == batch and s["decode_tokens"]]
+    per_tok = [(s["end_s"] - s["start_s"]) / (s["decode_tokens"] / batch) for s in run["steps"]
+               if not s["prefill_tokens"] and s["running_before"] == batch and s["decode_tokens"]]
+    return {"case": f"decode batch {batch}", "batch": batch, "input_len": input_len, "output_len": output_len,
+            "steady_steps": len(pure),
+            "tpot_ms_median": 1e3 * statistics.median(per_tok) if per_tok else None,
+            "tpot_ms_mean": 1e3 * statistics.fmean(per_tok) if per_tok else None,
+            "step_ms_median": 1e3 * statistics.median(pure) if pure else None, **run}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--backend", default="reference", choices=["reference", "cuda"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-cache-dtype", default="fp8", choices=["auto", "fp8"])
+    p.add_argument("--prefill", nargs="*", default=["8x4096", "1x16000"], help="prefill cases BxL")
+    p.add_argument("--batch-sizes", nargs="*", type=int, default=[1, 32, 128], help="decode batch sizes")
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens of the decode cases")
+    p.add_argument("--output-len", type=int, default=256, help="tokens generated per decode request")
+    p.add_argument("--chunk-size", type=int, default=8192)
+    p.add_argument("--num-pages", type=int, default=None, help="default: what the largest case needs")
+    p.add_argument("--mtp-draft-tokens", type=int, default=0)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", default=None, help="write every case, with its step timeline and token ids")
+    return p
+
+
+def run(args) -> int:
+    from attention.formats import pages_for_tokens
+    from workers.offline import LLM
+
+    cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.prefill]
+    need = max([b * pages_for_tokens(n + 1) for b, n in cases]
+               + [b * pages_for_tokens(args.input_len + args.output_len) for b in args.batch_sizes] + [1])
+    num_pages = args.num_pages or need + 16
+    max_batch = max([b for b, _ in cases] + args.batch_sizes + [1])
+    t0 = time.perf_counter()
+    llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype,
+              kv_cache_dtype=args.kv_cache_dtype, num_pages=num_pages, chunk_size=args.chunk_size,
+              max_batch_size=max_batch, mtp_draft_tokens=args.mtp_draft_tokens,
+              cuda_graphs=False if args.no_cuda_graphs else None)
+    startup = time.perf_counter() - t0
+    out = {"model": args.model, "backend": args.backend, "device": args.device, "dtype": args.dtype,
+           "kv_cache_dtype": args.kv_cache_dtype, "startup_s": startup, "num_pages": num_pages, "cases": []}
+    if torch.cuda.is_available() and args.device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name()
+    # One untimed pass of each shape first: kernels compile on first use.
+    warm = [(b, n) for b, n in cases][:1]
+    for b, n in warm:
+        prefill_case(llm, min(b, 2), min(n, 512), args.seed + 99)
+    decode_case(llm, 1, 16, 4, args.seed + 98)
+    for b, n in cases:
+        c = prefill_case(llm, b, n, args.seed)
+        out["cases"].append(c)
+        print(f"{c['case']}: {c['prefill_tokens_per_s']:,.0f} tokens/s ({c['prefill_s']:.3f} s)", flush=True)
+    for b in args.batch_sizes:
+        c = decode_case(llm, b, args.input_len, args.output_len, args.seed)
+        out["cases"].append(c)
+        tpot = "-" if c["tpot_ms_median"] is None else f"{c['tpot_ms_median']:.2f}"
+        print(f"{c['case']}: TPOT median {tpot} ms over {c['steady_steps']} steady steps", flush=True)
+    print(f"start-up {startup:.1f} s; pool free {llm.pool.free_count}/{llm.pool.num_pages}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = add_arguments(argparse.ArgumentParser(prog="dsa-pd bench offline", description=__doc__.split("\n\n")[0]))
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""Greedy agreement between two engines on the same prompts: an independent correctness check.
+
+Reads two ``--json`` results (``dsa-pd bench offline`` and ``bench/peers/vllm_offline.py``),
+pairs their decode cases by batch size (same seed, same prompts), and reports per case how
+many requests agree token for token, the mean length of the agreeing prefix, and, where a
+request diverges, dsa-pd's logit margin at the first divergence: ``logit[dsa-pd's token] -
+logit[peer's token]`` from ``LLM.prompt_logits`` over the prompt and the agreed prefix. A
+small margin (a near-tie) says the two engines' numerics picked different sides of a coin
+flip; a large one would say one of them computes something else.
+
+    python -m bench.peers.agreement ours.json peer.json --model CKPT --backend cuda --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from bench.offline import random_prompts
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (None if one is a prefix of the other)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None
+
+
+def compare(ours: dict, peer: dict, llm=None, seed: int = 1, max_margins: int = 8) -> list[dict]:
+    """One row per batch size present in both results."""
+    theirs = {c["batch"]: c for c in peer["cases"] if c.get("token_ids")}
+    rows = []
+    for c in ours["cases"]:
+        if not c.get("token_ids") or c["batch"] not in theirs or "output_len" not in c:
+            continue
+        p = theirs[c["batch"]]
+        prompts = random_prompts(c["batch"], c["input_len"], seed)
+        divs = [first_divergence(a, b) for a, b in zip(c["token_ids"], p["token_ids"])]
+        agreed = [len(a) if d is None else d for a, d in zip(c["token_ids"], divs)]
+        margins = []
+        if llm is not None:
+            for i, d in enumerate(divs):
+                if d is None or len(margins) >= max_margins:
+                    continue
+                row = llm.prompt_logits(prompts[i] + c["token_ids"][i][:d])[-1]
+                margins.append(float(row[c["token_ids"][i][d]] - row[p["token_ids"][i][d]]))
+        rows.append({"batch": c["batch"], "requests": len(divs), "identical": sum(d is None for d in divs),
+                     "mean_agreed_tokens": statistics.fmean(agreed), "output_len": c["output_len"],
+                     "first_divergence_margins": margins})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("ours")
+    ap.add_argument("peer")
+    ap.add_argument("--model", default=None, help="checkpoint, to compute the logit margins (dsa-pd's LLM)")
+    ap.add_argument("--backend", default="reference")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    ours, peer = (json.load(open(p)) for p in (args.ours, args.peer))
+    llm = None
+    if args.model:
+        from workers.offline import LLM
+
+        llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype, kv_cache_dtype="fp8",
+                  num_pages=2048, cuda_graphs=False)
+    rows = compare(ours, peer, llm, args.seed)
+    print("| batch | identical / requests | mean agreed tokens | margins at first divergence |")
+    print("|---|---|---|---|")
+    for r in rows:
+        m = ", ".join(f"{x:.3f}" for x in r["first_divergence_margins"]) or "-"
+        print(f"| {r['batch']} | {r['identical']} / {r['requests']} | {r['mean_agreed_tokens']:.1f} of "
+              f"{r['output_len']} | {m} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The peer comparison on one warm GPU machine, one step per device call (repo root):
+#   bash bench/peers/run_peer.sh STEP [ARGS]
+# Steps (state lives in /tmp between calls while the machine stays warm):
+#   stage DIR...        copy carried folders (.devicewheels/*, .whl, .vllmparts/d_partNN) into /tmp/stage
+#   install             dsa-pd's stack -> /tmp/site; vLLM 0.26.0 (reassembled parts) + transformers -> /tmp/vsite
+#   ckpt [LAYERS EXPERTS]  /tmp/ckpt/bf16 and /tmp/ckpt/fp8 (bench/peers/checkpoint.py, built on the GPU)
+#   vllm-up NAME        `vllm serve /tmp/ckpt/NAME` on :8100 (setsid: it outlives the call), wait for /health
+#   dsa-up NAME MODE    `serve run` of bench/peers/serve_config.py's config (monolithic | pd) on :8000
+#   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results
+#   down                stop both servers
+# Every step ends by copying /tmp/results (tar), the server logs' tails and the table to $OUT.
+# Carry recipe: ../shared/offline-wheels (pack_wheels.py --groups kernels nixl ray; pack_vllm.sh).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/results /tmp/logs
+RES=/tmp/results
+DSA_ENV="PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0"
+OUT_LEN=${OUT_LEN:-256}
+
+wait_health() {  # URL SECONDS PIDFILE
+  local url=$1 secs=$2 pidf=$3 t0=$SECONDS
+  while (( SECONDS - t0 < secs )); do
+    curl -sf "$url" >/dev/null 2>&1 && { echo "up after $((SECONDS - t0)) s"; echo "$((SECONDS - t0))" > "$pidf.startup_s"; return 0; }
+    kill -0 "$(cat "$pidf")" 2>/dev/null || { echo "server exited"; return 1; }
+    sleep 3
+  done
+  echo "not up after $secs s"; return 1
+}
+
+collect() {
+  (cd "$RES" && tar czf "$OUT/results.tgz" . 2>/dev/null)
+  for f in /tmp/logs/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/$(basename "$f")"; done 2>/dev/null
+  ls /tmp/logs/*.log >/dev/null 2>&1 || true
+  if [ -d /tmp/site ]; then
+    env $DSA_ENV python3 -m bench.peers.table "$RES" --engines vllm dsa-mono dsa-pd > "$OUT/table.md" 2>/dev/null || true
+  fi
+}
+
+step=${1:?step}; shift
+case "$step" in
+  stage)
+    for d in "$@"; do cp -r "$d"/* /tmp/stage/ 2>/dev/null && echo "staged $d"; done
+    du -sh /tmp/stage ;;
+  install)
+    cd /tmp/stage || exit 1
+    rm -rf /tmp/site /tmp/vsite /tmp/vw
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+        $(ls *.whl | grep -v -E '^vllm-') 2>&1 | grep -v WARNING | tail -3
+    if ls part0* >/dev/null 2>&1; then
+      cat part0* > /tmp/vllm.tar && mkdir -p /tmp/vw && tar xf /tmp/vllm.tar -C /tmp/vw && rm /tmp/vllm.tar
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite /tmp/vw/*.whl transformers-*.whl \
+          2>&1 | grep -v WARNING | tail -3
+    fi
+    cd - >/dev/null
+    { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+      env $DSA_ENV python3 -c "import torch, ray, nixl, transformers, flash_mla, deep_gemm; print('dsa-pd stack: torch', torch.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__)"
+      PYTHONPATH=/tmp/vsite python3 -c "import vllm, transformers; print('peer: vllm', vllm.__version__, 'transformers', transformers.__version__)"
+    } 2>&1 | tee "$OUT/versions.txt" ;;
+  ckpt)
+    L=${1:-4}; E=${2:-16}
+    env $DSA_ENV python3 -m bench.peers.checkpoint /tmp/ckpt/bf16 --layers "$L" --experts "$E" --device cuda
+    env $DSA_ENV python3 -m bench.peers.checkpoint /tmp/ckpt/fp8 --layers "$L" --experts "$E" --fp8 --device cuda
+    du -sh /tmp/ckpt/* ;;
+  vllm-up)
+    name=${1:?checkpoint name}
+    PYTHONPATH=/tmp/vsite setsid nohup python3 -m vllm.entrypoints.openai.api_server --model "/tmp/ckpt/$name" \
+        --served-model-name peer-model --port 8100 --max-model-len 9216 --max-num-seqs 128 \
+        --kv-cache-dtype "${VLLM_KV:-fp8}" --gpu-memory-utilization 0.85 ${VLLM_ARGS:-} \
+        > "/tmp/logs/vllm-$name.log" 2>&1 < /dev/null &
+    echo $! > /tmp/vllm.pid
+    wait_health http://127.0.0.1:8100/health "${UP_S:-560}" /tmp/vllm.pid ;;
+  dsa-up)
+    name=${1:?checkpoint name}; mode=${2:?monolithic or pd}
+    env $DSA_ENV python3 -m bench.peers.serve_config "/tmp/ckpt/$name" --mode "$mode" --out "/tmp/dsa_$mode.yaml" \
+        --gpu-memory-gib "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print int($1/1024)}')"
+    env $DSA_ENV python3 -m deployments.cli check "/tmp/dsa_$mode.yaml" 2>&1 | tail -8
+    env $DSA_ENV setsid nohup serve run "/tmp/dsa_$mode.yaml" > "/tmp/logs/dsa-$mode-$name.log" 2>&1 < /dev/null &
+    echo $! > /tmp/dsa.pid
+    wait_health http://127.0.0.1:8000/health "${UP_S:-560}" /tmp/dsa.pid ;;
+  bench)
+    engine=${1:?}; name=${2:?}; port=${3:?}; ins=${4:-1024 8192}; concs=${5:-1 32 128}
+    for inp in $ins; do for c in $concs; do
+      n=$(( c == 1 ? 4 : (c == 32 ? 64 : c) ))
+      env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.serve --base-url "http://127.0.0.1:$port" --model peer-model \
+          --dataset-name random --random-input-len "$inp" --random-output-len "$OUT_LEN" --random-range-ratio 0 \
+          --num-prompts "$n" --max-concurrency "$c" --ignore-eos --num-warmups 2 --seed 1 --disable-tqdm \
+          --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$RES" \
+          --result-filename "${engine}__${name}__in${inp}__c${c}.json" 2>&1 | grep -E "Successful|Failed|throughput|Median TTFT|Median TPOT|#" | head -12
+      echo "== $engine $name in=$inp c=$c done"
+    done; done ;;
+  down)
+    for p in /tmp/vllm.pid /tmp/dsa.pid; do [ -f "$p" ] && kill -- -"$(cat "$p")" 2>/dev/null; done
+    env $DSA_ENV serve shutdown -y >/dev/null 2>&1; env $DSA_ENV ray stop -f >/dev/null 2>&1
+    pkill -f vllm.entrypoints 2>/dev/null; sleep 5; nvidia-smi --query-gpu=memory.used --format=csv ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac
+rc=$?
+collect
+exit $rc

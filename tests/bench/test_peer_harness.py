@@ -1,0 +1,70 @@
+"""The peer harness on CPU: the offline bench's step timeline and token ids, the greedy
+agreement check, the generated serve configs, and the ratio table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.offline import decode_case, prefill_case, random_prompts
+from bench.peers.agreement import compare, first_divergence
+from bench.peers.checkpoint import dsv32_shaped_kwargs
+from bench.peers.serve_config import serve_config
+from bench.peers.table import load, table
+from deployments.controller import check_args
+from models.tiny import _config_class, make_tiny
+from workers.offline import LLM
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    return LLM(make_tiny("deepseek_v32", tmp_path_factory.mktemp("peer-tiny"), seed=5), kv_cache_dtype="fp8",
+               num_pages=64, chunk_size=64, max_batch_size=8)
+
+
+def test_offline_timeline_counts_every_token_and_ids_match_generate(llm):
+    c = decode_case(llm, batch=3, input_len=40, output_len=6, seed=2)
+    steps = c["steps"]
+    assert all(s["end_s"] >= s["start_s"] >= 0 for s in steps)
+    assert all(a["end_s"] <= b["start_s"] for a, b in zip(steps, steps[1:]))  # one after the other
+    assert sum(s["prefill_tokens"] for s in steps) == 3 * 40
+    assert sum(s["decode_tokens"] for s in steps) == 3 * 5  # the first token of each comes from its prefill
+    assert c["steady_steps"] > 0 and c["tpot_ms_median"] > 0
+    assert c["token_ids"] == llm.generate(random_prompts(3, 40, 2), max_new_tokens=6, ignore_eos=True)
+    p = prefill_case(llm, batch=2, length=100, seed=3)  # 100 > chunk_size: two chunks each
+    assert p["prefill_tokens_per_s"] > 0 and sum(s["prefill_tokens"] for s in p["steps"]) == 200
+    assert llm.pool.free_count == llm.pool.num_pages
+
+
+def test_agreement_finds_the_divergence_and_a_non_negative_margin(llm):
+    ours = {"cases": [decode_case(llm, batch=2, input_len=30, output_len=5, seed=1)]}
+    peer = json.loads(json.dumps(ours))
+    changed = ours["cases"][0]["token_ids"][1][2]
+    peer["cases"][0]["token_ids"][1][2] = (changed + 1) % llm.cfg.vocab_size
+    (row,) = compare(ours, peer, llm, seed=1)
+    assert (row["identical"], row["requests"]) == (1, 2) and row["mean_agreed_tokens"] == (5 + 2) / 2
+    # Ours is the greedy argmax over the same logits: its margin over any other token is >= 0.
+    assert len(row["first_divergence_margins"]) == 1 and row["first_divergence_margins"][0] >= 0
+    assert first_divergence([1, 2, 3], [1, 2, 4]) == 2 and first_divergence([1, 2], [1, 2, 3]) is None
+
+
+@pytest.mark.parametrize("mode", ["pd", "monolithic"])
+def test_generated_serve_configs_pass_the_controller(tmp_path, mode):
+    ckpt = tmp_path / "dsv32"
+    _config_class("deepseek_v32")(**dsv32_shaped_kwargs(4, 16)).save_pretrained(ckpt)
+    doc = serve_config(ckpt, mode, gpu_memory_gib=80)
+    res = check_args(doc["applications"][0]["args"])
+    assert res.ok, [str(v) for v in res.violations]
+
+
+def test_table_divides_by_the_peer(tmp_path):
+    def doc(tok_s, tpot):
+        return {"output_throughput": tok_s, "median_ttft_ms": 10.0, "median_tpot_ms": tpot, "failed": 0,
+                "requested_output_lens": [256]}
+
+    for engine, tok_s, tpot in (("vllm", 1000.0, 2.0), ("dsa-mono", 500.0, 4.0)):
+        (tmp_path / f"{engine}__bf16__in1024__c32.json").write_text(json.dumps(doc(tok_s, tpot)))
+    md = table(load(tmp_path), ["vllm", "dsa-mono"])
+    row = md.splitlines()[2].split(" | ")
+    assert row[:3] == ["| bf16", "1024/256", "32"] and row[-3:-1] == ["0.50", "2.00"]

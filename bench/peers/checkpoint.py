@@ -70,10 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mtp", action="store_true", help="with the MTP (next-n) layer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="where transformers builds the model (cuda on the GPU host)")
+    ap.add_argument("--from-bf16", default=None, metavar="DIR",
+                    help="quantize this bf16 checkpoint instead of building one (--fp8 implied; the same weights)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    out = make_checkpoint(args.out_dir, args.layers, args.experts, fp8=args.fp8, mtp=args.mtp, seed=args.seed,
-                          device=args.device)
+    if args.from_bf16:
+        from models.weights import write_fp8_checkpoint
+
+        out = write_fp8_checkpoint(args.from_bf16, args.out_dir)
+    else:
+        out = make_checkpoint(args.out_dir, args.layers, args.experts, fp8=args.fp8, mtp=args.mtp, seed=args.seed,
+                              device=args.device)
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     cfg = json.loads((out / "config.json").read_text())
     print(json.dumps({"checkpoint": str(out), "bytes": size, "seconds": round(time.perf_counter() - t0, 1),

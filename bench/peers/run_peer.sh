@@ -4,7 +4,8 @@
 # Steps (state lives in /tmp between calls while the machine stays warm):
 #   stage DIR...        copy carried folders (.devicewheels/*, .whl, .vllmparts/d_partNN) into /tmp/stage
 #   install             dsa-pd's stack -> /tmp/site; vLLM 0.26.0 (reassembled parts) + transformers -> /tmp/vsite
-#   ckpt [LAYERS EXPERTS]  /tmp/ckpt/bf16 and /tmp/ckpt/fp8 (bench/peers/checkpoint.py, built on the GPU)
+#   ckpt bf16|fp8 [LAYERS EXPERTS]  /tmp/ckpt/bf16 (bench/peers/checkpoint.py, built on the GPU) or
+#                       /tmp/ckpt/fp8 (the same weights block-quantized)
 #   vllm-up NAME        `vllm serve /tmp/ckpt/NAME` on :8100 (setsid: it outlives the call), wait for /health
 #   dsa-up NAME MODE    `serve run` of bench/peers/serve_config.py's config (monolithic | pd) on :8000
 #   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results
@@ -57,18 +58,29 @@ case "$step" in
       PYTHONPATH=/tmp/vsite python3 -c "import vllm, transformers; print('peer: vllm', vllm.__version__, 'transformers', transformers.__version__)"
     } 2>&1 | tee "$OUT/versions.txt" ;;
   ckpt)
-    L=${1:-4}; E=${2:-16}
-    env $DSA_ENV python3 -m bench.peers.checkpoint /tmp/ckpt/bf16 --layers "$L" --experts "$E" --device cuda
-    env $DSA_ENV python3 -m bench.peers.checkpoint /tmp/ckpt/fp8 --layers "$L" --experts "$E" --fp8 --device cuda
+    kind=${1:?bf16 or fp8}; L=${2:-4}; E=${3:-16}
+    if [ "$kind" = bf16 ]; then
+      env $DSA_ENV python3 -m bench.peers.checkpoint /tmp/ckpt/bf16 --layers "$L" --experts "$E" --device "${CKPT_DEVICE:-cpu}"
+    else
+      env $DSA_ENV python3 -m bench.peers.checkpoint /tmp/ckpt/fp8 --from-bf16 /tmp/ckpt/bf16
+    fi
     du -sh /tmp/ckpt/* ;;
   vllm-up)
     name=${1:?checkpoint name}
-    PYTHONPATH=/tmp/vsite setsid nohup python3 -m vllm.entrypoints.openai.api_server --model "/tmp/ckpt/$name" \
-        --served-model-name peer-model --port 8100 --max-model-len 9216 --max-num-seqs 128 \
-        --kv-cache-dtype "${VLLM_KV:-fp8}" --gpu-memory-utilization 0.85 ${VLLM_ARGS:-} \
-        > "/tmp/logs/vllm-$name.log" 2>&1 < /dev/null &
-    echo $! > /tmp/vllm.pid
-    wait_health http://127.0.0.1:8100/health "${UP_S:-560}" /tmp/vllm.pid ;;
+    start_vllm() {  # KV_CACHE_DTYPE
+      echo "vllm serve /tmp/ckpt/$name --kv-cache-dtype $1"
+      PYTHONPATH=/tmp/vsite setsid nohup python3 -m vllm.entrypoints.openai.api_server --model "/tmp/ckpt/$name" \
+          --served-model-name peer-model --port 8100 --max-model-len 9216 --max-num-seqs 128 \
+          --kv-cache-dtype "$1" --gpu-memory-utilization 0.85 ${VLLM_ARGS:-} \
+          > "/tmp/logs/vllm-$name-$1.log" 2>&1 < /dev/null &
+      echo $! > /tmp/vllm.pid
+    }
+    start_vllm "${VLLM_KV:-fp8}"
+    # A refused cache dtype exits at once: say so and fall back to vLLM's default for the model.
+    wait_health http://127.0.0.1:8100/health "${UP_S:-560}" /tmp/vllm.pid \
+      || { kill -0 "$(cat /tmp/vllm.pid)" 2>/dev/null && false; } \
+      || { grep -m3 -iE "error|kv_cache" "/tmp/logs/vllm-$name-${VLLM_KV:-fp8}.log"; start_vllm auto;
+           wait_health http://127.0.0.1:8100/health "${UP_S:-480}" /tmp/vllm.pid; } ;;
   dsa-up)
     name=${1:?checkpoint name}; mode=${2:?monolithic or pd}
     env $DSA_ENV python3 -m bench.peers.serve_config "/tmp/ckpt/$name" --mode "$mode" --out "/tmp/dsa_$mode.yaml" \

@@ -29,8 +29,9 @@ def serve_config(checkpoint: str | Path, mode: str, *, max_model_len: int = 9216
     num_pages = max_batch_size * pages_for_tokens(max_model_len) + 64
     role = dict(num_replicas=1, num_cpus=2, backend="cuda", device="cuda", dtype="bfloat16", kv_cache_dtype="fp8",
                 gpu_memory_gib=gpu_memory_gib, chunk_size=chunk_size, num_pages=num_pages)
+    # Graphs sized for the served context, not the model's 160k positions.
     decode = dict(role, num_gpus=1.0 if mode == "monolithic" else 0.5, max_batch_size=max_batch_size,
-                  max_ongoing_requests=2 * max_batch_size)
+                  max_ongoing_requests=2 * max_batch_size, cuda_graph_max_context=max_model_len)
     args: dict = {"model": {"path": str(checkpoint), "max_model_len": max_model_len}, "served_model_name": name,
                   "decode": decode}
     if mode == "monolithic":

@@ -8,6 +8,10 @@ on first start, then build the graph with the placement plan's options:
            \\                              |                               |
             `-------------- PeerDirectory <-------------------------------'
 
+In monolithic mode (``mode: monolithic``) there is no prefill deployment:
+the ingress, the directory (behind ``/health`` and ``/stats``) and decode
+replicas that prefill their own requests, without NIXL.
+
 `serve run configs/tiny_pd.yaml` calls this in Serve's build task; a
 violation raises `AppConfigError`, whose message lists every violation with
 its path, and the application goes to DEPLOY_FAILED with that message
@@ -62,9 +66,10 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
     from deployments.router import DecodeRouter, PrefillRouter
 
     model_dir = str(cfg.model.checkpoint_dir(make=True))
-    log.info("serving %s from %s", cfg.model_name, model_dir)
+    log.info("serving %s from %s (%s mode)", cfg.model_name, model_dir, cfg.mode)
     plan = plan_placement(cfg)
-    app_args = cfg.model_dump(mode="json")
+    # Monolithic: no prefill section reaches the replicas (there is none to configure).
+    app_args = cfg.model_dump(mode="json", exclude={"prefill"} if cfg.monolithic else None)
 
     directory = serve.deployment(PeerDirectory).options(
         name="PeerDirectory", num_replicas=1, ray_actor_options={"num_cpus": 0},
@@ -72,10 +77,12 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
         # Every replica heartbeats twice a second: access logs would drown the rest.
         logging_config={"enable_access_log": False},
     ).bind(ttl_s=DIRECTORY_TTL_S)
-    prefill = serve.deployment(PrefillServer).options(
-        name="PrefillServer", request_router_config=_router_config(PrefillRouter, cfg, "prefill"),
-        **plan.prefill.deployment_options(),
-    ).bind(app_args, model_dir, directory)
+    prefill = None
+    if not cfg.monolithic:
+        prefill = serve.deployment(PrefillServer).options(
+            name="PrefillServer", request_router_config=_router_config(PrefillRouter, cfg, "prefill"),
+            **plan.for_role("prefill").deployment_options(),
+        ).bind(app_args, model_dir, directory)
     decode = serve.deployment(DecodeServer).options(
         name="DecodeServer", request_router_config=_router_config(DecodeRouter, cfg, "decode"),
         **plan.decode.deployment_options(),

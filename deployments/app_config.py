@@ -35,6 +35,7 @@ __all__ = [
     "ModelSource",
     "RoleConfig",
     "RouterConfig",
+    "ServingMode",
     "TinyModelSpec",
     "TransferConfig",
     "default_cache_dir",
@@ -44,6 +45,7 @@ APP_IMPORT_PATH = "deployments.app:build_app"
 """The ``import_path`` every serve config of this project uses."""
 
 RouterPolicy = Literal["least_loaded", "prefix_affinity", "round_robin"]
+ServingMode = Literal["pd", "monolithic"]
 
 
 def default_cache_dir() -> Path:
@@ -193,7 +195,9 @@ class RoleConfig(_Strict):
     """The replicas of one role (prefill or decode) and the engine settings of each replica.
 
     A replica is one Serve replica that owns ``tensor_parallel_size`` rank
-    workers; with one rank the worker runs in-process. ``num_gpus`` is per
+    workers; with one rank the worker runs in-process. In monolithic mode
+    (``AppConfig.mode``) the decode section is the only one and its replicas
+    prefill their own requests. ``num_gpus`` is per
     replica: a fraction (e.g. 0.5) lets both roles share one GPU for the
     single-GPU demo; with tensor parallelism it must equal the rank count.
     """
@@ -224,7 +228,10 @@ class RoleConfig(_Strict):
         "every layer's MLA + indexer bytes, so a run of pages is one transfer descriptor) or 'per_layer' (a "
         "buffer per layer: one descriptor per layer and run). Prefill and decode must agree (docs/perf.md).",
     )
-    chunk_size: int = Field(4096, ge=1, description="Prefill tokens per forward chunk (pages are pushed per chunk).")
+    chunk_size: int = Field(
+        4096, ge=1, description="Prefill tokens per forward chunk (prefill role: pages are pushed per chunk; decode "
+        "role: the engine's prefill budget per step, for prompts in monolithic mode and re-prefills after preemption)."
+    )
     num_pages: int = Field(512, ge=1, description="Page pool size per rank (every layer's caches share page ids).")
     mtp_draft_tokens: int = Field(
         0,
@@ -284,7 +291,7 @@ class RouterConfig(_Strict):
 
 
 class TransferConfig(_Strict):
-    """KV page transfer (prefill -> decode over NIXL)."""
+    """KV page transfer (prefill -> decode over NIXL). Ignored in monolithic mode, which transfers nothing."""
 
     deadline_s: float = Field(30.0, gt=0, description="A transfer not complete by then is aborted, pages freed.")
     warmup_at_start: bool = Field(
@@ -328,16 +335,39 @@ class AppConfig(_Strict):
 
     model: ModelSource
     served_model_name: str | None = Field(None, description="The OpenAI `model` name; default from the source.")
-    prefill: RoleConfig = Field(default_factory=RoleConfig)
-    decode: RoleConfig = Field(default_factory=RoleConfig)
+    mode: ServingMode = Field(
+        "pd",
+        description="'pd': disaggregated prefill and decode roles, KV pages pushed over NIXL. 'monolithic': "
+        "decode replicas only, each prefilling its own requests with the engine's chunked prefill "
+        "(decode.chunk_size, decode.max_batch_size), no NIXL agent: to compare with monolithic servers "
+        "(vLLM) or serve from one GPU. Monolithic mode takes no prefill section and ignores transfer.",
+    )
+    prefill: RoleConfig = Field(
+        default_factory=RoleConfig, description="The prefill role (pd mode only; not given in monolithic mode)."
+    )
+    decode: RoleConfig = Field(
+        default_factory=RoleConfig, description="The decode role; in monolithic mode the only one (it prefills too)."
+    )
     router: RouterConfig = Field(default_factory=RouterConfig)
-    transfer: TransferConfig = Field(default_factory=TransferConfig)
+    transfer: TransferConfig = Field(
+        default_factory=TransferConfig, description="KV transfer settings (pd mode; ignored in monolithic mode)."
+    )
     features: Features = Field(default_factory=Features)
 
     @property
     def model_name(self) -> str:
         """The name clients pass as ``model``."""
         return self.served_model_name or self.model.default_served_name
+
+    @property
+    def monolithic(self) -> bool:
+        """Decode replicas prefill locally; no prefill role, no KV transfer."""
+        return self.mode == "monolithic"
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The roles deployed: ``("prefill", "decode")`` in pd mode, ``("decode",)`` in monolithic mode."""
+        return ("decode",) if self.monolithic else ("prefill", "decode")
 
     def for_role(self, role: str) -> RoleConfig:
         """The ``"prefill"`` or ``"decode"`` role."""

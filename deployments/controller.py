@@ -12,6 +12,11 @@ the rules — what ``dsa-pd check`` and the app builder call.
 (placement-group bundles for tensor-parallel replicas); it is pure
 computation, no Ray import.
 
+In monolithic mode (``AppConfig.mode``) only the decode role is deployed:
+the rules, the placement and the memory plan cover it alone, the
+prefill/decode agreement rules do not apply, and a ``prefill`` section is a
+violation (it would configure nothing).
+
 The estimates here (weight bytes, page bytes) follow the model code in
 ``models/`` (which projections are sharded by rank, which are replicated)
 and the byte formats of ``attention/``, so they change when those do.
@@ -372,6 +377,16 @@ def _device_rules(role: str, role_cfg: RoleConfig, out: list[Violation]) -> None
         ))
 
 
+def _mode_rules(app_cfg: AppConfig, out: list[Violation]) -> None:
+    if app_cfg.monolithic and "prefill" in app_cfg.model_fields_set:
+        out.append(Violation(
+            "prefill",
+            "mode 'monolithic' deploys decode replicas only, which prefill their own requests with the decode "
+            "section's chunk_size and max_batch_size: a prefill section would configure nothing. Remove it, "
+            "or set mode to 'pd'",
+        ))
+
+
 def _agreement_rules(app_cfg: AppConfig, model_cfg: ModelConfig | None, out: list[Violation]) -> None:
     """Prefill and decode exchange raw pages, so they must agree on what a page means.
 
@@ -528,14 +543,21 @@ def _model_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: ModelCo
 
     max_len = app_cfg.model.max_model_len or m.max_position_embeddings
     tokens = max_len
-    if role == "decode" and role_cfg.mtp_draft_tokens:
+    held_by = "written by MTP drafts"
+    if role == "decode" and app_cfg.monolithic:
+        # The engine admits a prompt only if its pages for the whole request
+        # (prompt + max_new_tokens, with what its last step may write) fit
+        # the pool: workers.scheduler.Scheduler.add refuses it otherwise.
+        tokens = tokens_to_hold(max_len, role_cfg.mtp_draft_tokens)
+        held_by = "the engine holds at admission (workers.scheduler.tokens_to_hold)"
+    elif role == "decode" and role_cfg.mtp_draft_tokens:
         # A running request is at most max_len - 1 tokens long, but its verify
         # step and draft chain write cache positions past its length: hold
         # what the engine's scheduler reserves.
         tokens = tokens_to_hold(max_len - 1, role_cfg.mtp_draft_tokens)
     need = pages_for_tokens(tokens, role_cfg.page_size)
     if role_cfg.num_pages < need:
-        extra = f" + {tokens - max_len} positions written by MTP drafts" if tokens > max_len else ""
+        extra = f" + {tokens - max_len} positions {held_by}" if tokens > max_len else ""
         out.append(Violation(
             f"{role}.num_pages",
             f"{role_cfg.num_pages} pages hold {role_cfg.num_pages * role_cfg.page_size} tokens, less than one request of "
@@ -564,12 +586,15 @@ def validate(app_cfg: AppConfig, model_cfg: ModelConfig | None, gpu_memory_bytes
 
     ``model_cfg`` None (the checkpoint config could not be read) skips the
     rules that need it. ``gpu_memory_bytes`` overrides each role's
-    ``gpu_memory_gib`` for the memory-budget rule.
+    ``gpu_memory_gib`` for the memory-budget rule. Only the deployed roles
+    (`AppConfig.roles`) are checked; the agreement rules only in pd mode.
     """
     out: list[Violation] = []
-    for role in ROLES:
+    _mode_rules(app_cfg, out)
+    for role in app_cfg.roles:
         _device_rules(role, app_cfg.for_role(role), out)
-    _agreement_rules(app_cfg, model_cfg, out)
+    if not app_cfg.monolithic:
+        _agreement_rules(app_cfg, model_cfg, out)
     _feature_rules(app_cfg, model_cfg, out)
     if model_cfg is not None:
         max_len = app_cfg.model.max_model_len
@@ -578,7 +603,7 @@ def validate(app_cfg: AppConfig, model_cfg: ModelConfig | None, gpu_memory_bytes
                 "model.max_model_len",
                 f"{max_len} exceeds the model's max_position_embeddings ({model_cfg.max_position_embeddings})",
             ))
-        for role in ROLES:
+        for role in app_cfg.roles:
             _model_rules(role, app_cfg.for_role(role), app_cfg, model_cfg, gpu_memory_bytes, out)
     return out
 
@@ -719,18 +744,27 @@ class RolePlacement:
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    """Placement of both roles; ``gpus`` is the (min, max) GPU total over the replica range."""
+    """Placement of the deployed roles (``prefill`` None in monolithic mode); ``gpus`` is the
+    (min, max) GPU total over the replica range."""
 
-    prefill: RolePlacement
+    prefill: RolePlacement | None
     decode: RolePlacement
 
+    @property
+    def placements(self) -> tuple[RolePlacement, ...]:
+        """The placements of the deployed roles, prefill first."""
+        return tuple(p for p in (self.prefill, self.decode) if p is not None)
+
     def for_role(self, role: str) -> RolePlacement:
-        return {"prefill": self.prefill, "decode": self.decode}[role]
+        place = {"prefill": self.prefill, "decode": self.decode}[role]
+        if place is None:
+            raise ValueError(f"no {role} role is deployed in monolithic mode")
+        return place
 
     @property
     def gpus(self) -> tuple[float, float]:
-        lo = sum(p.gpus_per_replica * p.replica_range[0] for p in (self.prefill, self.decode))
-        hi = sum(p.gpus_per_replica * p.replica_range[1] for p in (self.prefill, self.decode))
+        lo = sum(p.gpus_per_replica * p.replica_range[0] for p in self.placements)
+        hi = sum(p.gpus_per_replica * p.replica_range[1] for p in self.placements)
         return lo, hi
 
 
@@ -774,5 +808,6 @@ def _plan_pool(role: Role, role_cfg: RoleConfig) -> RolePlacement:
 
 
 def plan_placement(app_cfg: AppConfig) -> PlacementPlan:
-    """Ray resources per replica of both roles (pure computation; run ``validate`` first)."""
-    return PlacementPlan(prefill=_plan_pool("prefill", app_cfg.prefill), decode=_plan_pool("decode", app_cfg.decode))
+    """Ray resources per replica of the deployed roles (pure computation; run ``validate`` first)."""
+    prefill = None if app_cfg.monolithic else _plan_pool("prefill", app_cfg.prefill)
+    return PlacementPlan(prefill=prefill, decode=_plan_pool("decode", app_cfg.decode))

@@ -15,6 +15,10 @@ A cancelled call (client disconnect: Serve cancels the ingress request and
 its calls here) aborts the request on the worker thread, which frees its
 pages, and cancels the prefill call, which frees prefill's. A failed prefill
 call or transfer ends the request with an error output.
+
+In monolithic mode (no ``prefill`` handle; the worker has no NIXL agent)
+steps 1-3 are one: the worker thread hands the request to the engine, which
+prefills it in chunks between decode steps; the replica waits for no peer.
 """
 
 from __future__ import annotations
@@ -43,17 +47,20 @@ PEER_WAIT_S = 300.0
 
 
 class DecodeServer(ReplicaServer):
-    async def __init__(self, app_args: dict[str, Any], model_dir: str, directory, prefill):
+    async def __init__(self, app_args: dict[str, Any], model_dir: str, directory, prefill=None):
+        """``prefill``: the prefill deployment's handle; None in monolithic mode."""
         cfg = AppConfig.model_validate(app_args)
+        if cfg.monolithic != (prefill is None):
+            raise ValueError(f"mode {cfg.mode!r} with{'out' if prefill is None else ''} a prefill deployment")
         self.prefill = prefill
         self.worker_id = f"decode-{serve.get_replica_context().replica_id.unique_id}"
         worker = await asyncio.to_thread(build_decode_worker, cfg, model_dir, self.worker_id)
-        thread = DecodeThread(worker)
-        self.offer = await self._start(thread, worker, "decode", DecodeMetrics(), directory,
-                                       {"warmup_page": thread.warmup_page})
+        thread = DecodeThread(worker, self.worker_id)
+        extra = {} if prefill is None else {"warmup_page": thread.warmup_page}
+        self.offer = await self._start(thread, worker, "decode", DecodeMetrics(), directory, extra)
         # Ready = able to serve: at least one prefill replica handshaked (and
         # warmed up by it), unless prefill takes unusually long to come up.
-        if not await self.sync.wait_for_peer(PEER_WAIT_S):
+        if prefill is not None and not await self.sync.wait_for_peer(PEER_WAIT_S):
             log.warning("decode %s: no prefill replica after %.0fs; serving anyway", self.agent, PEER_WAIT_S)
 
     async def _learn(self, entry: dict[str, Any]) -> None:
@@ -79,19 +86,23 @@ class DecodeServer(ReplicaServer):
         prefill_call = None
         finished = False
         try:
-            if not self.sync.known:
-                await self.sync.wait_for_peer(PEER_WAIT_S)
-            self.thread.post(self.thread.reserve, Request(request_id, list(prompt), params))
-            item = await stream.get()
-            if isinstance(item, RequestOutput):  # refused before any page was taken
-                finished = True
-                yield item
-                return
-            assert isinstance(item, Reserved)
-            task = PrefillTask(request_id, list(prompt), params, self.agent, item.pages)
-            prefill_call = self.prefill.prefill.remote(
-                task, self.offer, known_prefills=tuple(sorted(self.sync.known)), prefix_hash=prefix_hash)
-            waiter = asyncio.create_task(self._await_prefill(task, prefill_call))
+            if self.prefill is None:
+                # Monolithic: the engine prefills the prompt itself; a refusal is the stream's first output.
+                self.thread.post(self.thread.add, Request(request_id, list(prompt), params))
+            else:
+                if not self.sync.known:
+                    await self.sync.wait_for_peer(PEER_WAIT_S)
+                self.thread.post(self.thread.reserve, Request(request_id, list(prompt), params))
+                item = await stream.get()
+                if isinstance(item, RequestOutput):  # refused before any page was taken
+                    finished = True
+                    yield item
+                    return
+                assert isinstance(item, Reserved)
+                task = PrefillTask(request_id, list(prompt), params, self.agent, item.pages)
+                prefill_call = self.prefill.prefill.remote(
+                    task, self.offer, known_prefills=tuple(sorted(self.sync.known)), prefix_hash=prefix_hash)
+                waiter = asyncio.create_task(self._await_prefill(task, prefill_call))
             last = None
             while not finished:
                 out = await stream.get()

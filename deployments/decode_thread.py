@@ -9,6 +9,11 @@ request's stream. The replica calls a prefill replica and hands its answer to
 running batch and every step's `RequestOutput` is emitted on its stream.
 Requests that find the pool full wait here, in arrival order, until pages
 come back.
+
+In monolithic mode the worker has no KV link: `add` hands a request to the
+engine, which queues it, prefills it in chunks and decodes it; the request's
+outputs are emitted the same way, and one the pool can never hold is refused
+with the same error output as a PD request the decode pool cannot take.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from workers.engine import RequestOutput
 from workers.page_pool import PoolExhausted
 from workers.prefill_worker import PrefillResult
 from workers.request import FinishReason, Request
+from workers.scheduler import prefill_length
 
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
 
@@ -40,20 +46,43 @@ def error_output(request_id: str, message: str) -> RequestOutput:
     return RequestOutput(request_id, [], [], True, FinishReason.ERROR.value, message)
 
 
+def _overloaded(request_id: str, reason: str) -> RequestOutput:
+    """The refusal of a request the decode page pool cannot take (503 ``overloaded`` at the ingress)."""
+    return error_output(request_id, f"overloaded: decode page pool: {reason}")
+
+
 class DecodeThread(WorkerThread):
-    def __init__(self, worker: DecodeWorker):
-        super().__init__(f"decode:{worker.link.agent.worker_id}")
+    def __init__(self, worker: DecodeWorker, worker_id: str | None = None):
+        """``worker_id``: the replica's name; default its link's (required for a worker without a link)."""
+        if worker_id is None:
+            if worker.link is None:
+                raise ValueError("a decode worker without a KV link needs a worker_id")
+            worker_id = worker.link.agent.worker_id
+        super().__init__(f"decode:{worker_id}")
         self.worker = worker
+        self.worker_id = worker_id
         # One page no request ever uses: prefill replicas write their warm-up
-        # WRITE of a new pair into it.
-        self.warmup_page = worker.pool.allocate(1)[0]
+        # WRITE of a new pair into it (none without a link: no prefill peers).
+        self.warmup_page = worker.pool.allocate(1)[0] if worker.link is not None else None
         self.pending: deque[Request] = deque()
 
     @property
     def agent_name(self) -> str:
-        return self.worker.link.agent.name
+        """The NIXL agent's name; without a link, the worker id (what stats and logs call the replica)."""
+        return self.worker.link.agent.name if self.worker.link is not None else self.worker_id
 
     # ------------------------------------------------- commands (worker thread)
+    def add(self, req: Request) -> None:
+        """Monolithic mode: queue ``req`` for the engine's own chunked prefill, then decode.
+        A request the pool can never hold (or a duplicate id) gets its error output now."""
+        try:
+            refused = self.worker.add_request(req)
+        except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: this request fails alone
+            self.emit(req.request_id, error_output(req.request_id, str(e)))
+            return
+        if refused is not None:
+            self.emit(req.request_id, _overloaded(req.request_id, refused.error or "refused"))
+
     def reserve(self, req: Request) -> None:
         """Reserve pages for ``req`` now or when some come back; emits `Reserved` (or an error output)."""
         self.pending.append(req)
@@ -89,7 +118,7 @@ class DecodeThread(WorkerThread):
                 if self.worker.has_work:
                     return  # running requests will free pages
                 self.pending.popleft()
-                self.emit(req.request_id, error_output(req.request_id, f"overloaded: decode page pool: {e}"))
+                self.emit(req.request_id, _overloaded(req.request_id, str(e)))
                 continue
             except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: this request fails alone
                 self.pending.popleft()
@@ -119,19 +148,21 @@ class DecodeThread(WorkerThread):
             free_pages=w.pool.free_count,
             total_pages=w.pool.num_pages,
             queued=queued,
-            reserved_pages=1,  # the warm-up page
+            reserved_pages=0 if self.warmup_page is None else 1,  # the warm-up page
             running=running,
             awaiting_kv=len(w.awaiting),
-            held_pages=w.receiver.held_pages,
+            held_pages=w.receiver.held_pages if w.receiver is not None else 0,
             requests=running + len(w.awaiting) + queued,
-            queued_prompt_pages=sum(pages_for_tokens(len(r.prompt)) for r in self.pending),
+            # Queued here for pages (pd), or in the engine for a (re-)prefill.
+            queued_prompt_pages=sum(pages_for_tokens(len(r.prompt)) for r in self.pending)
+            + sum(pages_for_tokens(prefill_length(r)) for r in eng.scheduler.waiting),
             decode_tokens=s.decode_tokens,
             mtp_drafted=s.mtp_drafted,
             mtp_accepted=s.mtp_accepted,
             mtp_acceptance_rate=s.mtp_acceptance_rate,
             preemptions=s.preemptions,
             decode_graph_replays=sum(g.replays for g in getattr(eng.runner, "decode_graphs", {}).values()),
-            known_prefills=len(w.link.peers.peers()),
+            known_prefills=len(w.link.peers.peers()) if w.link is not None else 0,
         )
 
     def fail_all(self, message: str) -> None:

@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as
 server-sent events or not), ``GET /v1/models``, ``GET /health`` (200 once
-every pool has a live replica and a decode replica has handshaked with a
-prefill one; 503 before) and ``GET /stats`` (every replica's load figures
+every role has a live replica and a decode replica has handshaked with a
+prefill one — in monolithic mode, once a decode replica is up; 503 before)
+and ``GET /stats`` (every replica's load figures
 from the peer directory: free pages, queues, MTP counts).
 
 The ingress tokenizes (the checkpoint's tokenizer; chat through its chat
@@ -143,6 +144,7 @@ class OpenAIIngress:
         self.max_model_len = cfg.model.max_model_len or model_cfg.max_position_embeddings
         self.vocab_size = model_cfg.vocab_size
         self.prefix_pages = cfg.router.prefix_affinity_pages
+        self.mode = cfg.mode
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.decode = decode.options(stream=True)
         self.directory = directory
@@ -153,8 +155,11 @@ class OpenAIIngress:
     async def health(self) -> JSONResponse:
         snap = await self.directory.snapshot.remote()
         prefill, decode = snap["prefill"], snap["decode"]
-        ready = bool(prefill) and any(DecodeStats.from_dict(d["stats"]).known_prefills > 0 for d in decode)
-        body = {"status": "ok" if ready else "starting", "prefill_replicas": len(prefill),
+        if self.mode == "monolithic":  # decode replicas prefill themselves: no handshake to wait for
+            ready = bool(decode)
+        else:
+            ready = bool(prefill) and any(DecodeStats.from_dict(d["stats"]).known_prefills > 0 for d in decode)
+        body = {"status": "ok" if ready else "starting", "mode": self.mode, "prefill_replicas": len(prefill),
                 "decode_replicas": len(decode)}
         return JSONResponse(body, status_code=200 if ready else 503)
 

@@ -8,7 +8,9 @@ slow on its first transfer: DESIGN.md) and to notice new epochs and departed
 peers. An entry whose heartbeat stopped for ``ttl_s`` is gone: its replica
 died or was replaced, and peers forget its agent (failing its transfers at
 once instead of at their deadline). The ingress reads the entries (without
-offers) for ``/health`` and ``/stats``.
+offers) for ``/health`` and ``/stats``. A monolithic decode replica has no
+NIXL agent and publishes no offer: it is listed there, but never handed to
+a peer.
 """
 
 from __future__ import annotations
@@ -56,14 +58,16 @@ class PeerDirectory:
         table = self._entries[role]
         for wid in [w for w, e in table.items() if now - e["seen"] > self.ttl_s]:
             del table[wid]
-        return [e for e in table.values() if e["offer"] is not None]
+        return list(table.values())
 
     def entries(self, role: str) -> list[dict[str, Any]]:
-        """Live entries of ``role`` with their offers (what a peer handshakes from)."""
-        return [dict(e) for e in self._live(role)]
+        """Live entries of ``role`` with their offers (what a peer handshakes from); an entry
+        without one (no link, or an offer a restarted directory has yet to get back) is left out."""
+        return [dict(e) for e in self._live(role) if e["offer"] is not None]
 
     def snapshot(self) -> dict[str, list[dict[str, Any]]]:
-        """Live entries of both roles without offers, with the age of their last heartbeat."""
+        """Live entries of both roles without offers (with or without a link), with the age of
+        their last heartbeat."""
         now = time.monotonic()
         return {
             role: [{"worker_id": e["worker_id"], "agent": e["agent"], "age_s": round(now - e["seen"], 3),

@@ -5,7 +5,8 @@ time, its handshake offer) and reads the other pool's live entries: an agent
 it has not handshaked with (a new replica, or a new epoch of a restarted
 one) is handed to ``learn``; an agent that left the directory is handed to
 ``forget``. ``learn`` / ``forget`` run the handshake on the replica's engine
-thread, which owns the NIXL agent.
+thread, which owns the NIXL agent. A replica without an offer (a
+monolithic decode replica has no NIXL agent) only heartbeats its load.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and th
 
 
 class PeerSync:
-    def __init__(self, directory, role: str, worker_id: str, agent: str, offer: bytes,
+    def __init__(self, directory, role: str, worker_id: str, agent: str, offer: bytes | None,
                  stats: Callable[[], dict[str, Any]], learn: Callable[[dict[str, Any]], Awaitable[None]],
                  forget: Callable[[str], Awaitable[None]], extra: dict[str, Any] | None = None,
                  period_s: float = 0.5):
@@ -52,6 +53,8 @@ class PeerSync:
         offer = None if self._offer_held else self.offer
         self._offer_held = await self.directory.publish.remote(
             self.role, self.worker_id, self.agent, offer, self.stats(), self.extra)
+        if self.offer is None:
+            return  # no link: no peers to learn
         entries = await self.directory.entries.remote(self.other)
         live = {e["agent"] for e in entries}
         for e in entries:

@@ -5,7 +5,9 @@ The config's role section becomes a `RankSpec` (`RoleConfig.rank_spec`) and
 with one rank everything runs in the Serve replica's process; with
 ``tensor_parallel_size`` ranks the replica process keeps the page pool and
 the engine and drives one rank worker actor per rank, in the bundles of the
-placement group Serve reserved for the replica.
+placement group Serve reserved for the replica. In monolithic mode the
+decode replica is built without a NIXL link (``worker_id=None`` to
+``build_replica``): its `DecodeWorker` prefills locally.
 """
 
 from __future__ import annotations
@@ -43,11 +45,14 @@ def rank_actor_options(place: RolePlacement) -> list[dict[str, Any]]:
     return out
 
 
-def _build(app_cfg: AppConfig, role: str, model_dir: str | Path, worker_id: str, push: PushTuning) -> ReplicaParts:
+def _build(app_cfg: AppConfig, role: str, model_dir: str | Path, worker_id: str, push: PushTuning,
+           link: bool = True) -> ReplicaParts:
+    """``link``: open the replica's NIXL link under ``worker_id`` (False: none, monolithic mode)."""
     role_cfg = app_cfg.for_role(role)
     place = plan_placement(app_cfg).for_role(role)
     options = rank_actor_options(place) if role_cfg.tensor_parallel_size > 1 else None
-    parts = build_replica(role_cfg.rank_spec(model_dir, push), role_cfg.tensor_parallel_size, worker_id, options)
+    parts = build_replica(role_cfg.rank_spec(model_dir, push), role_cfg.tensor_parallel_size,
+                          worker_id if link else None, options)
     if parts.group is not None:
         where = (f"bundles {list(place.rank_bundle_indices)} of the replica's placement group"
                  if "scheduling_strategy" in options[0] else "no placement group")
@@ -63,8 +68,11 @@ def build_prefill_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: s
 
 
 def build_decode_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: str) -> DecodeWorker:
+    """The decode replica's worker; in monolithic mode without a link (the transfer settings are unused)."""
     role_cfg = app_cfg.decode
-    p = _build(app_cfg, "decode", model_dir, worker_id, app_cfg.transfer.push_tuning())
+    linked = not app_cfg.monolithic
+    push = app_cfg.transfer.push_tuning() if linked else PushTuning()
+    p = _build(app_cfg, "decode", model_dir, worker_id, push, link=linked)
     sched = SchedulerConfig(max_batch_size=role_cfg.max_batch_size, chunk_size=role_cfg.chunk_size,
                             mtp_draft_tokens=role_cfg.mtp_draft_tokens)
     graphs = graphs_wanted(role_cfg.cuda_graphs, role_cfg.backend, role_cfg.device, role_cfg.tensor_parallel_size)

@@ -15,11 +15,13 @@ class ReplicaServer:
 
     worker_id: str
 
-    async def _start(self, thread, worker, role: str, metrics, directory, extra: dict[str, Any]) -> bytes:
-        """Start ``thread`` and publish this replica in ``directory``; returns the handshake offer."""
+    async def _start(self, thread, worker, role: str, metrics, directory, extra: dict[str, Any]) -> bytes | None:
+        """Start ``thread`` and publish this replica in ``directory``; returns the handshake offer
+        (None for a worker without a KV link: a monolithic decode replica, which learns no peers)."""
         self.thread = thread
         self.agent = thread.agent_name
-        offer = worker.link.peers.offer().to_bytes()  # before the thread starts: nothing else uses the agent yet
+        # Before the thread starts: nothing else uses the agent yet.
+        offer = worker.link.peers.offer().to_bytes() if worker.link is not None else None
         thread.start()
         self.metrics = metrics
         self.sync = PeerSync(directory, role, self.worker_id, self.agent, offer, self._stats,

@@ -64,12 +64,13 @@ class PrefillStats(ReplicaStats):
 
 @dataclass(frozen=True)
 class DecodeStats(ReplicaStats):
-    """``reserved_pages``: pages no request uses (the warm-up page); ``running``: requests in the
-    batch or prefilling; ``awaiting_kv``: pages reserved, push in flight; ``held_pages``: ended
-    requests' pages until prefill settles them; ``requests``: running + awaiting KV + queued;
-    ``queued_prompt_pages``: pages the queued prompts will need; the engine's counters
+    """``reserved_pages``: pages no request uses (the warm-up page; none in monolithic mode);
+    ``running``: requests in the batch or prefilling; ``awaiting_kv``: pages reserved, push in
+    flight; ``held_pages``: ended requests' pages until prefill settles them; ``requests``:
+    running + awaiting KV + queued; ``queued_prompt_pages``: pages the queued prompts will need
+    (waiting for pages to be reserved, or in the engine's queue for a prefill); the engine's counters
     (``decode_tokens``, MTP drafts and acceptances, ``preemptions``, ``decode_graph_replays``);
-    ``known_prefills``: handshaked prefill agents."""
+    ``known_prefills``: handshaked prefill agents (0 in monolithic mode: no link)."""
 
     reserved_pages: int
     running: int

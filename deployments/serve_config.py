@@ -19,7 +19,6 @@ import pydantic
 
 from deployments.app_config import APP_IMPORT_PATH
 from deployments.controller import (
-    ROLES,
     CheckResult,
     Violation,
     check_args,
@@ -120,7 +119,10 @@ def _summary(result: CheckResult, gpu_memory_bytes: int | None) -> list[str]:
         f"{m.num_attention_heads} heads, top-k computed in {sum(plan_.computes[:plan_.num_layers])} of "
         f"{plan_.num_layers} layers, weights {'fp8' if m.is_fp8 else 'bf16'}",
     ]
-    for role in ROLES:
+    if app_cfg.monolithic:
+        lines.append(f"mode monolithic: decode replicas only, each prefilling its own requests (chunk_size "
+                     f"{app_cfg.decode.chunk_size}); no prefill role, no NIXL (transfer settings ignored)")
+    for role in app_cfg.roles:
         role_cfg, place = app_cfg.for_role(role), plan.for_role(role)
         lo, hi = place.replica_range
         reps = f"{lo}" if lo == hi else f"{lo}-{hi}"

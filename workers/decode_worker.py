@@ -1,5 +1,11 @@
 """DecodeWorker: reserves pages for a request, waits for its KV to arrive from
-a prefill peer, then decodes it in the engine's running batch."""
+a prefill peer, then decodes it in the engine's running batch.
+
+Without a KV link (``link=None``: monolithic serving, no NIXL agent) it
+takes requests with `add_request` instead, which the engine prefills itself
+in chunks (as the offline ``LLM(pd=False)`` does) before decoding them in the
+same batch. Both kinds can share one engine: stepping is the engine's either
+way."""
 
 from __future__ import annotations
 
@@ -24,22 +30,35 @@ class _Awaiting:
 
 
 class DecodeWorker:
-    def __init__(self, engine: Engine, link: KVLink, deadline_s: float = 60.0):
+    def __init__(self, engine: Engine, link: KVLink | None, deadline_s: float = 60.0):
+        """``link`` None: no prefill peers; requests come through `add_request` only."""
         self.engine, self.link, self.deadline_s = engine, link, deadline_s
         # Pages of a request that ended without its KV go back through the
         # receiver: only once no prefill WRITE can still land in them.
-        self.receiver = link.receiver(release_pages=lambda pages: self.pool.free(list(pages)))
+        self.receiver = None if link is None else link.receiver(release_pages=lambda pages: self.pool.free(list(pages)))
         self.awaiting: dict[str, _Awaiting] = {}
 
     @property
     def pool(self):
         return self.engine.pool
 
+    def _check_new(self, req: Request) -> None:
+        if req.request_id in self.awaiting or req.request_id in self.engine.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+
+    def add_request(self, req: Request) -> RequestOutput | None:
+        """Queue ``req`` for local prefill by the engine (pages are taken as its chunks are
+        scheduled); returns the engine's final error output at once if the pool can never
+        hold it. Raises ``ValueError`` (duplicate id, stop strings without a tokenizer)."""
+        self._check_new(req)
+        return self.engine.add_request(req)
+
     def reserve(self, req: Request, prefill_agent: str) -> list[int]:
         """Reserve ``ceil(prompt_len / 64)`` pages (the shared helper) and expect
         them from ``prefill_agent``. Raises ``PoolExhausted`` / ``ValueError``."""
-        if req.request_id in self.awaiting or req.request_id in self.engine.requests:
-            raise ValueError(f"duplicate request id {req.request_id!r}")
+        if self.receiver is None:
+            raise RuntimeError("this decode worker has no KV link: prefill locally with add_request")
+        self._check_new(req)
         pages = self.pool.allocate(pages_for_tokens(len(req.prompt)))
         try:
             self.receiver.expect(req.request_id, prefill_agent, len(req.prompt), pages, self.deadline_s)
@@ -75,7 +94,7 @@ class DecodeWorker:
 
     def step(self) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
-        for res in self.receiver.poll():
+        for res in self.receiver.poll() if self.receiver is not None else ():
             a = self.awaiting.get(res.request_id)
             if a is None:
                 continue
@@ -91,7 +110,7 @@ class DecodeWorker:
     @property
     def has_work(self) -> bool:
         """Requests, or pages the receiver holds until prefill settles (they return to the pool on `step`)."""
-        return bool(self.awaiting) or self.engine.has_work or self.receiver.has_work
+        return bool(self.awaiting) or self.engine.has_work or (self.receiver is not None and self.receiver.has_work)
 
     def _fail(self, a: _Awaiting, reason: str, free_pages: bool) -> RequestOutput:
         """``free_pages``: False when the receiver ended the wait (it gives the pages back itself)."""

@@ -13,7 +13,7 @@ from models.config import config_from_dict
 from models.tiny import tiny_config_kwargs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-YAMLS = ("tiny_pd.yaml", "tiny_pd_gpu.yaml", "dsv32_pd.yaml", "glm5_pd.yaml")
+YAMLS = ("tiny_pd.yaml", "tiny_pd_gpu.yaml", "tiny_mono.yaml", "tiny_mono_gpu.yaml", "dsv32_pd.yaml", "glm5_pd.yaml")
 
 
 def yaml_args(name: str) -> dict:
@@ -46,6 +46,15 @@ def gpu_model(arch: str = "deepseek_v32", **overrides):
     """A tiny model with the serving attention dims (``attention: serving``),
     the only ones the cuda backend's kernels run."""
     return tiny_model(arch, **{**SERVING_ATTENTION_DIMS, **overrides})
+
+
+def shipped_model(name: str):
+    """The ``ModelConfig`` ``configs/<name>`` serves: a tiny spec's (with the serving attention dims
+    where it asks for them, as the cuda configs do), or the inline config.json copy."""
+    tiny = yaml_args(name)["model"].get("tiny")
+    if tiny is None:
+        return real_model(name)
+    return gpu_model(tiny["arch"]) if tiny.get("attention") == "serving" else tiny_model(tiny["arch"])
 
 
 @functools.cache

@@ -22,7 +22,8 @@ def test_shipped_configs_pass_the_console_script(tmp_path):
     r = subprocess.run(cmd + ["check", *(str(CONFIGS / y) for y in YAMLS)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count(": OK") == 4
+    assert r.stdout.count(": OK") == len(YAMLS)
+    assert r.stdout.count("mode monolithic: decode replicas only") == 2  # tiny_mono.yaml, tiny_mono_gpu.yaml
     assert "GPUs: 16 to 40" in r.stdout  # the real-scale placements
     assert "top-k computed in 21 of 78 layers" in r.stdout  # GLM-5's sharing plan
     assert not (tmp_path / "cache").exists()
@@ -66,6 +67,18 @@ def test_field_errors_and_gpu_memory_override(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "args.prefill.tensor_parallel_size: does not fit a GPU" in out
     assert "args.decode.tensor_parallel_size: does not fit a GPU" in out
+
+
+def test_monolithic_plan_and_its_prefill_violation(tmp_path, capsys):
+    assert main(["check", str(CONFIGS / "tiny_mono_gpu.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "mode monolithic: decode replicas only" in out and "transfer settings ignored" in out
+    assert "  decode: 1 replica(s) x tp 1 (1 GPU each)" in out and "  prefill:" not in out
+    assert "per GPU: weights" in out and "GPUs: 1\n" in out + "\n"
+    path = _write(tmp_path, _serve_doc(merged(yaml_args("tiny_mono.yaml"), prefill={"num_cpus": 1})))
+    assert main(["check", path]) == 1
+    out = capsys.readouterr().out
+    assert "1 violation(s)" in out and "args.prefill: mode 'monolithic' deploys decode replicas only" in out
 
 
 def test_serve_schema_and_import_path(tmp_path, capsys):

@@ -26,10 +26,21 @@ from deployments.controller import (
 )
 from models.model import DsaForCausalLM
 from workers.scheduler import tokens_to_hold
-from tests.deployments.app_fixtures import gpu_model, merged, real_model, tiny_model, tiny_raw, yaml_args
+from tests.deployments.app_fixtures import (
+    YAMLS,
+    gpu_model,
+    merged,
+    real_model,
+    shipped_model,
+    tiny_model,
+    tiny_raw,
+    yaml_args,
+)
 
 CPU = yaml_args("tiny_pd.yaml")
 GPU = yaml_args("tiny_pd_gpu.yaml")
+MONO = yaml_args("tiny_mono.yaml")
+MONO_GPU = yaml_args("tiny_mono_gpu.yaml")
 DSV32 = yaml_args("dsv32_pd.yaml")
 GLM5 = yaml_args("glm5_pd.yaml")
 
@@ -52,11 +63,9 @@ def only(violations, path: str) -> Violation:
 # --------------------------------------------------------------------------- valid configs
 
 
-@pytest.mark.parametrize("args, model", [
-    (CPU, "tiny"), (GPU, "tiny"), (DSV32, "dsv32_pd.yaml"), (GLM5, "glm5_pd.yaml"),
-])
-def test_shipped_configs_are_valid(args, model):
-    m = (gpu_model() if args is GPU else tiny_model()) if model == "tiny" else real_model(model)
+@pytest.mark.parametrize("name", YAMLS)
+def test_shipped_configs_are_valid(name):
+    args, m = yaml_args(name), shipped_model(name)
     assert validate(app(args), m) == []
     check_or_raise(app(args), m)  # no exception
 
@@ -416,3 +425,91 @@ def test_placement_tensor_parallel_on_cpu_has_no_gpu_bundles():
     plan = plan_placement(app(merged(CPU, prefill={"tensor_parallel_size": 2, "num_cpus": 3})))
     assert plan.prefill.placement_group_bundles == ({"CPU": 3.0}, {"CPU": 3.0})
     assert plan.prefill.rank_actor_options == {"num_cpus": 3.0, "num_gpus": 0.0}
+
+
+# --------------------------------------------------------------------------- monolithic mode
+
+
+def test_monolithic_refuses_a_prefill_section_by_name():
+    assert "prefill" not in MONO and validate(app(MONO), tiny_model()) == []
+    vs = validate(app(merged(MONO, prefill={"num_pages": 64})), tiny_model())
+    v = only(vs, "prefill")
+    assert "mode 'monolithic'" in v.message and "Remove it, or set mode to 'pd'" in v.message
+    # An empty section is a section too; reported with every other violation, as always.
+    res = check_args(merged(MONO, prefill={}, decode={"num_pages": 8, "backend": "cuda"}))
+    assert {"prefill", "decode.num_pages", "decode.device", "decode.dtype"} <= set(paths(res.violations))
+    # The same section is what pd mode wants.
+    assert validate(app(merged(MONO, mode="pd", prefill=CPU["prefill"])), tiny_model()) == []
+
+
+def test_mode_is_pd_or_monolithic():
+    assert app(CPU).mode == "pd" and app(MONO).mode == "monolithic"
+    assert (app(CPU).roles, app(MONO).roles) == (("prefill", "decode"), ("decode",))
+    v = only(check_args(merged(MONO, mode="disaggregated")).violations, "mode")
+    assert "'pd' or 'monolithic'" in v.message
+
+
+def test_pd_rules_do_not_fire_in_monolithic_mode():
+    # A decode section that disagrees with the (default) prefill role on every PD rule:
+    # cache format, page layout, MTP presence, tensor-parallel size.
+    decode = {"kv_cache_dtype": "fp8", "page_layout": "per_layer", "mtp_draft_tokens": 1,
+              "tensor_parallel_size": 2}
+    pd = validate(app(merged(MONO, mode="pd", decode=decode)), tiny_model())
+    assert {"decode.kv_cache_dtype", "decode.page_layout", "decode.mtp_draft_tokens",
+            "decode.tensor_parallel_size"} <= set(paths(pd))
+    assert validate(app(merged(MONO, decode=decode)), tiny_model()) == []
+    # Transfer settings are ignored, not refused.
+    assert validate(app(merged(MONO, transfer={"deadline_s": 5, "push_threads": 0})), tiny_model()) == []
+
+
+def test_monolithic_checks_only_the_decode_role():
+    # The prefill role is not deployed: its (default) settings break no rule, whatever the model.
+    m = gpu_model()
+    assert validate(app(MONO_GPU), m) == []
+    assert validate(app(merged(MONO_GPU, model={"max_model_len": 2048}, decode={"num_pages": 64})), m) == []
+    # Device and memory rules apply to decode as in pd mode.
+    v = only(validate(app(merged(MONO_GPU, decode={"num_gpus": 0.5, "num_pages": 400_000})), m), "decode.num_pages")
+    assert "does not fit a GPU" in v.message
+
+
+def test_monolithic_num_pages_hold_what_the_engine_admits():
+    # The engine admits a request only if prompt + max_new_tokens fits the pool with what its
+    # last step may write (Scheduler.add): one position more than max_model_len without MTP.
+    from workers.page_pool import PagePool
+    from workers.request import Request
+    from workers.sampler import SamplingParams
+    from workers.scheduler import Scheduler, SchedulerConfig
+
+    m = tiny_model()  # max_position_embeddings 2048 = 32 pages
+    v = only(validate(app(merged(MONO, decode={"num_pages": 32})), m), "decode.num_pages")
+    assert "+ 1 positions the engine holds at admission" in v.message and "at least 33 pages" in v.message
+    assert validate(app(merged(MONO, decode={"num_pages": 33})), m) == []
+    assert validate(app(merged(CPU, decode={"num_pages": 32})), m) == []  # pd: decode never admits a prompt
+    v = only(validate(app(merged(MONO, decode={"num_pages": 32, "mtp_draft_tokens": 2})), m), "decode.num_pages")
+    assert "+ 5 positions" in v.message and "at least 33 pages" in v.message
+    # With a max_model_len one page short of the pool, the positions MTP holds need one more page.
+    args = merged(MONO, model={"max_model_len": 2044}, decode={"num_pages": 32, "mtp_draft_tokens": 2})
+    assert "at least 33 pages" in only(validate(app(args), m), "decode.num_pages").message
+    assert validate(app(merged(args, model={"max_model_len": 2043})), m) == []
+
+    def admitted(num_pages: int, k: int = 0, total: int = 2048) -> bool:
+        req = Request("r", [1] * 2000, SamplingParams(max_new_tokens=total - 2000))
+        Scheduler(PagePool(num_pages), SchedulerConfig(mtp_draft_tokens=k)).add(req)
+        return not req.finished
+
+    assert (admitted(32), admitted(33)) == (False, True)
+    assert (admitted(32, k=2, total=2044), admitted(32, k=2, total=2043)) == (False, True)
+
+
+def test_monolithic_placement_has_no_prefill_role():
+    plan = plan_placement(app(MONO))
+    assert plan.prefill is None and plan.placements == (plan.decode,)
+    assert plan.decode.ray_actor_options == {"num_cpus": 1.0, "num_gpus": 0.0}
+    with pytest.raises(ValueError, match="no prefill role"):
+        plan.for_role("prefill")
+    gpu = plan_placement(app(MONO_GPU))
+    assert gpu.decode.ray_actor_options == {"num_cpus": 2.0, "num_gpus": 1.0} and gpu.gpus == (1.0, 1.0)
+    # Tensor parallel: the decode replica's bundles only.
+    tp = plan_placement(app(merged(MONO_GPU, decode={"tensor_parallel_size": 2, "num_gpus": 2, "num_replicas": None,
+                                                     "autoscaling": {"min_replicas": 1, "max_replicas": 3}})))
+    assert tp.decode.placement_group_bundles == ({"CPU": 2.0, "GPU": 1.0},) * 2 and tp.gpus == (2.0, 6.0)

@@ -50,3 +50,13 @@ def test_the_directory_refuses_a_malformed_heartbeat_and_keeps_good_ones():
     with pytest.raises(TypeError, match="unknown fields"):
         d.publish("prefill", "p1", "prefill-x@1", None, {**good, "free_page": 1})
     assert d.snapshot()["prefill"][0]["stats"] == good
+
+
+def test_a_replica_without_a_link_is_listed_but_never_handed_to_a_peer():
+    # A monolithic decode replica publishes no offer: /stats and /health see it, no peer handshakes with it.
+    d = PeerDirectory()
+    assert not d.publish("decode", "d1", "d1", None, _decode(agent="d1").to_dict())
+    assert [e["worker_id"] for e in d.snapshot()["decode"]] == ["d1"] and d.snapshot()["prefill"] == []
+    assert d.entries("decode") == []
+    assert d.publish("decode", "d2", "decode-y@1", b"offer", _decode().to_dict())
+    assert [e["worker_id"] for e in d.entries("decode")] == ["d2"]

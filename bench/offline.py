@@ -121,11 +121,11 @@ def run(args) -> int:
            "kv_cache_dtype": args.kv_cache_dtype, "startup_s": startup, "num_pages": num_pages, "cases": []}
     if torch.cuda.is_available() and args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name()
-    # One untimed pass of each shape first: kernels compile on first use.
-    warm = [(b, n) for b, n in cases][:1]
-    for b, n in warm:
-        prefill_case(llm, min(b, 2), min(n, 512), args.seed + 99)
-    decode_case(llm, 1, 16, 4, args.seed + 98)
+    # One untimed pass of every case first: kernels compile (Triton JIT) on a shape's first use.
+    for b, n in cases:
+        prefill_case(llm, b, n, args.seed + 99)
+    for b in args.batch_sizes:
+        decode_case(llm, b, args.input_len, 4, args.seed + 98)
     for b, n in cases:
         c = prefill_case(llm, b, n, args.seed)
         out["cases"].append(c)

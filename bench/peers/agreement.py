@@ -4,7 +4,8 @@ Reads two ``--json`` results (``dsa-pd bench offline`` and ``bench/peers/vllm_of
 pairs their decode cases by batch size (same seed, same prompts), and reports per case how
 many requests agree token for token, the mean length of the agreeing prefix, and, where a
 request diverges, dsa-pd's logit margin at the first divergence: ``logit[dsa-pd's token] -
-logit[peer's token]`` from ``LLM.prompt_logits`` over the prompt and the agreed prefix. A
+logit[peer's token]`` from ``LLM.prompt_logits`` over the prompt and the agreed prefix, divided
+by the standard deviation of that logit row (so random-weight logit scales compare). A
 small margin (a near-tie) says the two engines' numerics picked different sides of a coin
 flip; a large one would say one of them computes something else.
 
@@ -45,7 +46,8 @@ def compare(ours: dict, peer: dict, llm=None, seed: int = 1, max_margins: int = 
                 if d is None or len(margins) >= max_margins:
                     continue
                 row = llm.prompt_logits(prompts[i] + c["token_ids"][i][:d])[-1]
-                margins.append(float(row[c["token_ids"][i][d]] - row[p["token_ids"][i][d]]))
+                # In units of the row's logit spread: random weights can make logits large.
+                margins.append(float(row[c["token_ids"][i][d]] - row[p["token_ids"][i][d]]) / float(row.std()))
         rows.append({"batch": c["batch"], "requests": len(divs), "identical": sum(d is None for d in divs),
                      "mean_agreed_tokens": statistics.fmean(agreed), "output_len": c["output_len"],
                      "first_divergence_margins": margins})
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype, kv_cache_dtype="fp8",
                   num_pages=2048, cuda_graphs=False)
     rows = compare(ours, peer, llm, args.seed)
-    print("| batch | identical / requests | mean agreed tokens | margins at first divergence |")
+    print("| batch | identical / requests | mean agreed tokens | margins at first divergence (logit std units) |")
     print("|---|---|---|---|")
     for r in rows:
         m = ", ".join(f"{x:.3f}" for x in r["first_divergence_margins"]) or "-"

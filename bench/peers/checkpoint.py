@@ -31,6 +31,9 @@ DSV32_SHAPES = dict(
     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_shared_experts=1,
     num_experts_per_tok=8, first_k_dense_replace=1, index_n_heads=64, index_head_dim=128,
     index_topk=2048, max_position_embeddings=163840, num_nextn_predict_layers=0,
+    # Routing fields of the release's config.json that transformers' class drops but other
+    # engines read (vLLM creates the router's e_score_correction_bias only for noaux_tc).
+    topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5, norm_topk_prob=True,
     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
                      "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
                      "mscale": 1.0, "mscale_all_dim": 1.0},

@@ -9,6 +9,7 @@
 #   vllm-up NAME        `vllm serve /tmp/ckpt/NAME` on :8100 (setsid: it outlives the call), wait for /health
 #   dsa-up NAME MODE    `serve run` of bench/peers/serve_config.py's config (monolithic | pd) on :8000
 #   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results
+#   offline [NAME]      dsa-pd bench offline and vLLM's offline LLM on the same prompts, then the greedy agreement
 #   down                stop both servers
 # Every step ends by copying /tmp/results (tar), the server logs' tails and the table to $OUT.
 # Carry recipe: ../shared/offline-wheels (pack_wheels.py --groups kernels nixl ray; pack_vllm.sh).
@@ -77,10 +78,11 @@ case "$step" in
     }
     start_vllm "${VLLM_KV:-fp8}"
     # A refused cache dtype exits at once: say so and fall back to vLLM's default for the model.
-    wait_health http://127.0.0.1:8100/health "${UP_S:-560}" /tmp/vllm.pid \
-      || { kill -0 "$(cat /tmp/vllm.pid)" 2>/dev/null && false; } \
-      || { grep -m3 -iE "error|kv_cache" "/tmp/logs/vllm-$name-${VLLM_KV:-fp8}.log"; start_vllm auto;
-           wait_health http://127.0.0.1:8100/health "${UP_S:-480}" /tmp/vllm.pid; } ;;
+    if ! wait_health http://127.0.0.1:8100/health "${UP_S:-560}" /tmp/vllm.pid; then
+      kill -0 "$(cat /tmp/vllm.pid)" 2>/dev/null && { echo "still starting: not restarted"; false; } || {
+        grep -m3 -iE "error|kv_cache" "/tmp/logs/vllm-$name-${VLLM_KV:-fp8}.log"; start_vllm auto
+        wait_health http://127.0.0.1:8100/health "${UP_S:-480}" /tmp/vllm.pid; }
+    fi ;;
   dsa-up)
     name=${1:?checkpoint name}; mode=${2:?monolithic or pd}
     env $DSA_ENV python3 -m bench.peers.serve_config "/tmp/ckpt/$name" --mode "$mode" --out "/tmp/dsa_$mode.yaml" \
@@ -100,6 +102,17 @@ case "$step" in
           --result-filename "${engine}__${name}__in${inp}__c${c}.json" 2>&1 | grep -E "Successful|Failed|throughput|Median TTFT|Median TPOT|#" | head -12
       echo "== $engine $name in=$inp c=$c done"
     done; done ;;
+  offline)
+    # Both engines' offline mode on the same prompts, then the greedy agreement (dsa-pd's margins).
+    name=${1:-bf16}
+    env $DSA_ENV timeout "${DSA_OFF_S:-280}" python3 -m deployments.cli bench offline --model "/tmp/ckpt/$name" \
+        --backend cuda --device cuda --dtype bfloat16 --kv-cache-dtype fp8 --json "$RES/offline_dsa_$name.json" \
+        2>&1 | grep -vE "NIXL|Writing" | tail -8
+    PYTHONPATH=/tmp/vsite:$PWD timeout "${VLLM_OFF_S:-300}" python3 -m bench.peers.vllm_offline --model "/tmp/ckpt/$name" \
+        --json "$RES/offline_vllm_$name.json" 2>&1 | grep -E "prefill|decode|start-up|Error|error" | tail -8
+    env $DSA_ENV python3 -m bench.peers.agreement "$RES/offline_dsa_$name.json" "$RES/offline_vllm_$name.json" \
+        --model "/tmp/ckpt/$name" --backend cuda --device cuda --dtype bfloat16 --json "$RES/agreement_$name.json" \
+        2>&1 | tee "$RES/agreement_$name.md" | tail -6 ;;
   down)
     for p in /tmp/vllm.pid /tmp/dsa.pid; do [ -f "$p" ] && kill -- -"$(cat "$p")" 2>/dev/null; done
     env $DSA_ENV serve shutdown -y >/dev/null 2>&1; env $DSA_ENV ray stop -f >/dev/null 2>&1

@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
               max_num_seqs=max([b for b, _ in cases] + args.batch_sizes), gpu_memory_utilization=0.85,
-              enforce_eager=args.enforce_eager, seed=0)
+              enforce_eager=args.enforce_eager, seed=0,
+              # The TPOT difference re-runs the same prompts: a prefix cache would skip their prefill.
+              enable_prefix_caching=False)
     startup = time.perf_counter() - t0
 
     def gen(prompts, n):

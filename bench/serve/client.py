@@ -52,6 +52,20 @@ def request_body(req: SampleRequest, *, model: str, chat: bool, temperature: flo
     return body
 
 
+async def sse_lines(chunks):
+    """Lines of an SSE body split at ``\n`` only. httpx's ``aiter_lines`` also splits at the
+    Unicode line breaks (U+0085, U+2028, ...) that a server may send raw inside a JSON
+    string (generated text), cutting one event in two."""
+    buf = ""
+    async for chunk in chunks:
+        buf += chunk
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            yield line
+    if buf:
+        yield buf
+
+
 def error_message(status: int, content: bytes) -> str:
     """``"HTTP <status>: <message>"`` from an OpenAI error body (``{"error": {"message": ...}}``,
     or vLLM's ``{"message": ...}``), else from the raw body (truncated)."""
@@ -102,7 +116,7 @@ async def send_request(http: httpx.AsyncClient, url: str, body: dict[str, Any], 
                 r.error = error_message(resp.status_code, await resp.aread())
                 r.e2el = time.perf_counter() - r.start
                 return r
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp.aiter_text()):
                 now = time.perf_counter()
                 line = line.strip()
                 if not line.startswith("data:"):

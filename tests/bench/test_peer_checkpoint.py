@@ -35,6 +35,7 @@ def test_checkpoint_loads_in_transformers_format_and_here(tmp_path, fp8):
     raw = json.loads((out / "config.json").read_text())
     assert raw["model_type"] == "deepseek_v32" and raw["architectures"] == ["DeepseekV32ForCausalLM"]
     assert raw["rope_parameters"]["rope_type"] == "yarn" and raw["index_topk"] == 16
+    assert (raw["topk_method"], raw["scoring_func"]) == ("noaux_tc", "sigmoid")  # what vLLM's loader keys on
     names = set()
     for f in checkpoint_files(out):
         with safe_open(str(f), framework="pt") as h:

@@ -177,3 +177,11 @@ def test_bench_serve_is_a_dsa_pd_subcommand(capsys):
     # Bad arguments are the user's to fix: exit 2 with a message, before any request.
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--percentile-metrics", "ttft,foo"]) == 2
     assert "--percentile-metrics" in capsys.readouterr().err
+
+
+def test_unicode_line_breaks_inside_an_event_do_not_split_it():
+    # vLLM sends generated text raw: U+2028 / U+0085 inside a JSON string are not SSE line ends.
+    raw = 'data: {"choices": [{"index": 0, "text": "a\u2028b\x85c", "finish_reason": "length"}]}\n\n'
+    events = [raw.encode(), *sse(USAGE, "[DONE]")]
+    r = asyncio.run(one(lambda req: streaming(events)))
+    assert r.success and r.generated_text == "a\u2028b\x85c", r.error

@@ -14,7 +14,6 @@ non-streamed request timing out) frees its pages on both sides.
 from __future__ import annotations
 
 import json
-import random
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -24,6 +23,7 @@ import yaml
 
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import CONFIGS
+from tests.deployments.offline_reference import Reference, prompt_ids, reference_llm
 from tests.deployments.serve_process import ServeProcess, stats, wait_until
 
 pytestmark = pytest.mark.slow
@@ -41,14 +41,8 @@ def server(tmp_path_factory):
     proc.stop()
 
 
-def prompt_ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(0, 256) for _ in range(n)]
-
-
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
 TEXT_PROMPT = "Sparse attention is"
-MAX_REF_TOKENS = 40
 # Prompts whose offline greedy continuations the tests compare against (token-id prompts; the
 # text and chat prompts are tokenized in the fixture, as the ingress does).
 ID_PROMPTS = {
@@ -58,53 +52,13 @@ ID_PROMPTS = {
 }
 
 
-class Reference:
-    """Greedy continuations of the offline engine, all computed in one batch (``MAX_REF_TOKENS``
-    each, EOS ignored): a shorter or EOS-stopping request's answer is a prefix of it."""
-
-    def __init__(self, llm, tok, prompts: dict[str, list[int]]):
-        self.llm, self.tok, self.prompts = llm, tok, prompts
-        names = list(prompts)
-        outs = llm.generate([prompts[n] for n in names], max_new_tokens=MAX_REF_TOKENS, ignore_eos=True)
-        self.out = dict(zip(names, outs))
-
-    def expect(self, name: str, max_tokens: int, ignore_eos: bool = False) -> tuple[str, int, str]:
-        """(text, completion tokens, finish reason) for prompt ``name``."""
-        assert max_tokens <= MAX_REF_TOKENS
-        out, finish = self.out[name][:max_tokens], "length"
-        if not ignore_eos:
-            for i, t in enumerate(out):
-                if t in self.llm.cfg.eos_token_ids:
-                    out, finish = out[: i + 1], "stop"
-                    break
-        return self.tok.decode(out, skip_special_tokens=True), len(out), finish
-
-
 @pytest.fixture(scope="module")
 def reference(server, tmp_path_factory):
     """Computed while the server starts (both take CPU-minutes on a small machine)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from workers.offline import LLM
-
-    # One thread: next to the server's processes, two OpenMP threads spin at
-    # every barrier while the other waits for a core (10x slower here).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-
-    src = ARGS.model.model_copy(update={"cache_dir": str(tmp_path_factory.mktemp("ref-cache"))})
-    model_dir = src.checkpoint_dir(make=True)
-    pool = ARGS.decode
-    llm = LLM(model_dir, backend=pool.backend, device=pool.device, dtype=pool.dtype,
-              kv_cache_dtype=pool.kv_cache_dtype)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    chat = tok(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
-               add_special_tokens=False)["input_ids"]
-    try:
+    with reference_llm(ARGS, tmp_path_factory) as (llm, tok, _):
+        chat = tok(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"]
         yield Reference(llm, tok, {**ID_PROMPTS, "text": tok(TEXT_PROMPT)["input_ids"], "chat": chat})
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import yaml
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import CONFIGS
 from tests.deployments.serve_process import ServeProcess, stats, wait_until
-from tests.deployments.test_serve_app import Reference, prompt_ids
+from tests.deployments.offline_reference import Reference, prompt_ids, reference_llm
 
 pytestmark = pytest.mark.slow
 
@@ -50,23 +50,11 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(server, tmp_path_factory):
-    """Computed while the server starts; one torch thread (the server's processes share the cores)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from workers.offline import LLM
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    src = ARGS.model.model_copy(update={"cache_dir": str(tmp_path_factory.mktemp("ref-cache"))})
-    model_dir = src.checkpoint_dir(make=True)
+    """Computed while the server starts, with the decode section's pool, chunk and batch sizes."""
     d = ARGS.decode
-    llm = LLM(model_dir, backend=d.backend, device=d.device, dtype=d.dtype, kv_cache_dtype=d.kv_cache_dtype,
-              num_pages=d.num_pages, chunk_size=d.chunk_size, max_batch_size=d.max_batch_size, pd=False)
-    try:
-        yield Reference(llm, AutoTokenizer.from_pretrained(model_dir), ID_PROMPTS)
-    finally:
-        torch.set_num_threads(threads)
+    with reference_llm(ARGS, tmp_path_factory, num_pages=d.num_pages, chunk_size=d.chunk_size,
+                       max_batch_size=d.max_batch_size, pd=False) as (llm, tok, _):
+        yield Reference(llm, tok, ID_PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +148,11 @@ def test_client_disconnect_mid_stream_frees_pages(ready):
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", ready.url + "/v1/completions", json=body) as resp:
             assert resp.status_code == 200
-            events = [line for line, _ in zip((x for x in resp.iter_lines() if x.startswith("data:")), range(10))]
-            assert len(events) == 10 and json.loads(events[0][5:])["choices"][0]["text"] is not None
+            # Hold the line iterator: a dropped one is closed by the garbage collector, and
+            # httpx then closes the stream, which is the disconnect this test makes later.
+            lines = (x for x in resp.iter_lines() if x.startswith("data:"))
+            events = [next(lines) for _ in range(10)]
+            assert json.loads(events[0][5:])["choices"][0]["text"] is not None
             busy = wait_until(lambda: (s := decode_stats(ready))["running"] == 1 and s, 10, "the request running")
             assert busy["free_pages"] < POOL
         # Leaving the `with` closes the connection mid-stream: the engine aborts the request.

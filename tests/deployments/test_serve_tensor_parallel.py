@@ -20,7 +20,7 @@ import pytest
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import merged, yaml_args
 from tests.deployments.serve_process import served_and_offline_fixtures, stats
-from tests.deployments.test_serve_app import prompt_ids
+from tests.deployments.offline_reference import prompt_ids
 
 pytestmark = pytest.mark.slow
 

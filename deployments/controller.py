@@ -66,7 +66,6 @@ __all__ = [
 ]
 
 Role = Literal["prefill", "decode"]
-ROLES: tuple[Role, Role] = ("prefill", "decode")
 
 GiB = 1 << 30
 

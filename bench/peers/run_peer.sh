@@ -32,7 +32,6 @@ wait_health() {  # URL SECONDS PIDFILE
 collect() {
   (cd "$RES" && tar czf "$OUT/results.tgz" . 2>/dev/null)
   for f in /tmp/logs/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/$(basename "$f")"; done 2>/dev/null
-  ls /tmp/logs/*.log >/dev/null 2>&1 || true
   if [ -d /tmp/site ]; then
     env $DSA_ENV python3 -m bench.peers.table "$RES" --engines vllm dsa-mono dsa-pd > "$OUT/table.md" 2>/dev/null || true
   fi

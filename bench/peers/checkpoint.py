@@ -8,10 +8,10 @@ fp8 block-quantized (128x128 ``weight_scale_inv`` and a ``quantization_config`` 
 release's), so both engines run their fp8 paths. The tokenizer is the tiny models'
 byte-level one (ids 0-260); benchmarks send token ids.
 
-    python -m bench.peers.checkpoint /tmp/dsv32-4l --layers 4 --experts 16 [--fp8] [--mtp] [--device cuda]
+    python -m bench.peers.checkpoint /tmp/dsv32-4l --layers 4 --experts 16 [--fp8] [--mtp]
 
-At 4 layers and 16 experts the bf16 checkpoint is ~10.6 GB: make it on the GPU host
-(``--device cuda`` builds the model there), never ship it.
+At 4 layers and 16 experts the bf16 checkpoint is ~10.6 GB (~70 s on the GPU host's
+CPU): make it there, never ship it.
 """
 
 from __future__ import annotations
@@ -54,14 +54,15 @@ def dsv32_shaped_kwargs(layers: int, experts: int, mtp: bool = False, **override
 
 
 def make_checkpoint(out_dir: str | Path, layers: int = 4, experts: int = 16, *, fp8: bool = False,
-                    mtp: bool = False, seed: int = 0, device: str = "cpu", **overrides) -> Path:
+                    mtp: bool = False, seed: int = 0, **overrides) -> Path:
     """Write the checkpoint to ``out_dir`` (config.json, safetensors, tokenizer); returns it.
     ``overrides``: any config field (e.g. smaller dims for a CPU test)."""
     from models.tiny import make_tiny
 
     kwargs = dsv32_shaped_kwargs(layers, experts, mtp, **overrides)
-    with torch.device(device):
-        return make_tiny("deepseek_v32", out_dir, seed=seed, fp8=fp8, **kwargs)
+    # Built on the CPU: its seeded generators are CPU ones, so the weights
+    # are the same on every host (a CUDA default device made them fail).
+    return make_tiny("deepseek_v32", out_dir, seed=seed, fp8=fp8, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8", action="store_true", help="block-quantized fp8 projections (128x128 weight_scale_inv)")
     ap.add_argument("--mtp", action="store_true", help="with the MTP (next-n) layer")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu", help="where transformers builds the model (cuda on the GPU host)")
     ap.add_argument("--from-bf16", default=None, metavar="DIR",
                     help="quantize this bf16 checkpoint instead of building one (--fp8 implied; the same weights)")
     args = ap.parse_args(argv)
@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
         out = write_fp8_checkpoint(args.from_bf16, args.out_dir)
     else:
-        out = make_checkpoint(args.out_dir, args.layers, args.experts, fp8=args.fp8, mtp=args.mtp, seed=args.seed,
-                              device=args.device)
+        out = make_checkpoint(args.out_dir, args.layers, args.experts, fp8=args.fp8, mtp=args.mtp, seed=args.seed)
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     cfg = json.loads((out / "config.json").read_text())
     print(json.dumps({"checkpoint": str(out), "bytes": size, "seconds": round(time.perf_counter() - t0, 1),

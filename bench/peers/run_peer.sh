@@ -4,9 +4,10 @@
 # Steps (state lives in /tmp between calls while the machine stays warm):
 #   stage DIR...        copy carried folders (.devicewheels/*, .whl, .vllmparts/d_partNN) into /tmp/stage
 #   install             dsa-pd's stack -> /tmp/site; vLLM 0.26.0 (reassembled parts) + transformers -> /tmp/vsite
-#   ckpt bf16|fp8 [LAYERS EXPERTS]  /tmp/ckpt/bf16 (bench/peers/checkpoint.py, built on the GPU) or
+#   ckpt bf16|fp8 [LAYERS EXPERTS]  /tmp/ckpt/bf16 (bench/peers/checkpoint.py) or
 #                       /tmp/ckpt/fp8 (the same weights block-quantized)
 #   vllm-up NAME        `vllm serve /tmp/ckpt/NAME` on :8100 (setsid: it outlives the call), wait for /health
+#   vllm-wait           wait longer for a vLLM server still starting (UP_S seconds)
 #   dsa-up NAME MODE    `serve run` of bench/peers/serve_config.py's config (monolithic | pd) on :8000
 #   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results
 #   offline [NAME]      dsa-pd bench offline and vLLM's offline LLM on the same prompts, then the greedy agreement
@@ -60,7 +61,7 @@ case "$step" in
   ckpt)
     kind=${1:?bf16 or fp8}; L=${2:-4}; E=${3:-16}
     if [ "$kind" = bf16 ]; then
-      env $DSA_ENV python3 -m bench.peers.checkpoint /tmp/ckpt/bf16 --layers "$L" --experts "$E" --device "${CKPT_DEVICE:-cpu}"
+      env $DSA_ENV python3 -m bench.peers.checkpoint /tmp/ckpt/bf16 --layers "$L" --experts "$E"
     else
       env $DSA_ENV python3 -m bench.peers.checkpoint /tmp/ckpt/fp8 --from-bf16 /tmp/ckpt/bf16
     fi
@@ -77,11 +78,18 @@ case "$step" in
     }
     start_vllm "${VLLM_KV:-fp8}"
     # A refused cache dtype exits at once: say so and fall back to vLLM's default for the model.
+    # One still starting when the wait ends is left running (the next call can wait for it):
+    # a second server beside it would only fail for want of GPU memory.
     if ! wait_health http://127.0.0.1:8100/health "${UP_S:-560}" /tmp/vllm.pid; then
-      kill -0 "$(cat /tmp/vllm.pid)" 2>/dev/null && { echo "still starting: not restarted"; false; } || {
+      if kill -0 "$(cat /tmp/vllm.pid)" 2>/dev/null; then
+        echo "still starting: left running (wait again with: vllm-wait)"; false
+      else
         grep -m3 -iE "error|kv_cache" "/tmp/logs/vllm-$name-${VLLM_KV:-fp8}.log"; start_vllm auto
-        wait_health http://127.0.0.1:8100/health "${UP_S:-480}" /tmp/vllm.pid; }
+        wait_health http://127.0.0.1:8100/health "${UP_S:-480}" /tmp/vllm.pid
+      fi
     fi ;;
+  vllm-wait)
+    wait_health http://127.0.0.1:8100/health "${UP_S:-560}" /tmp/vllm.pid ;;
   dsa-up)
     name=${1:?checkpoint name}; mode=${2:?monolithic or pd}
     env $DSA_ENV python3 -m bench.peers.serve_config "/tmp/ckpt/$name" --mode "$mode" --out "/tmp/dsa_$mode.yaml" \

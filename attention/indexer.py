@@ -11,6 +11,12 @@ Positions a row cannot see are set to ``-inf`` explicitly.
 
 Then :func:`topk_slots` picks the top-k positions per row and maps them through
 the page table to the slots FlashMLA's sparse decode reads.
+
+Tie rule (both backends, every batch layout): among equal logits the lower
+position is selected first. A row's selection therefore depends on its own
+candidates only, never on the width of the logits tensor or on the other rows
+of the batch (``torch.topk`` alone breaks exact ties differently at different
+row widths, so a request's output would change with what it is batched with).
 """
 
 from __future__ import annotations
@@ -57,6 +63,23 @@ def _gather_pages(index_cache_layer: torch.Tensor, pages: torch.Tensor, head_dim
         raise ValueError(f"indexer cache head_dim {cache.shape[2]} != q head_dim {head_dim}")
     k = _as_f32(cache[pages])
     return k, torch.ones(k.shape[:-1], dtype=torch.float32, device=k.device)
+
+
+def _head_weighted_sum(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_h weights[..., h] * scores[..., h, :]``, bit-identical whatever the width.
+
+    Batch invariance: a row's logits must not depend on the number of keys the
+    tensor holds (the longest request of a decode batch sets it) or on the
+    other rows. ``scores [..., H, T]`` come from matmuls over at least 64 keys
+    (the callers pad the keys to whole pages: torch's CPU matmul sums a dot
+    product in another order when fewer than ~12 columns are asked for). The
+    head sum runs one head at a time, as elementwise ops, because
+    ``(scores * w).sum(dim=-2)`` adds in an order that depends on ``T``.
+    """
+    out = scores[..., 0, :] * weights[..., 0, None]
+    for h in range(1, scores.shape[-2]):
+        out = out + scores[..., h, :] * weights[..., h, None]
+    return out
 
 
 def paged_mqa_logits(
@@ -115,14 +138,13 @@ def paged_mqa_logits(
     if bool((needed & ((bt < 0) | (bt >= num_pool_pages))).any()):
         raise IndexError(f"page_table points outside the pool [0, {num_pool_pages}) for a visible token")
     k, k_scale = _gather_pages(index_cache_layer, bt.clamp(0, num_pool_pages - 1), D)
-    k = k.reshape(B, n_pages * PAGE_SIZE, D)[:, :max_len]
+    k = k.reshape(B, n_pages * PAGE_SIZE, D)  # whole pages: see _head_weighted_sum
     k_scale = k_scale.reshape(B, n_pages * PAGE_SIZE)[:, :max_len]
 
-    # [B, next_n * H, D] x [B, D, T]: one matmul per request.
+    # [B, next_n * H, D] x [B, D, pages * 64]: one matmul per request.
     scores = torch.bmm(_as_f32(q).reshape(B, next_n * H, D), k.transpose(1, 2)).relu_()
-    scores = scores.view(B, next_n, H, max_len)
-    w = weights.float().view(B, next_n, H, 1)
-    logits = (scores * w).sum(dim=2) * k_scale[:, None, :]  # [B, next_n, T]
+    scores = scores[..., :max_len].reshape(B, next_n, H, max_len)
+    logits = _head_weighted_sum(scores, weights.float().view(B, next_n, H)) * k_scale[:, None, :]  # [B, next_n, T]
     pos = torch.arange(max_len, device=q.device)
     logits = logits.masked_fill(pos >= ctx[..., None], NEG_INF)
     return logits.reshape(B * next_n, max_len)
@@ -159,13 +181,32 @@ def ragged_mqa_logits(
     ke = torch.as_tensor(ke, device=q.device).long().reshape(-1)
     if ks.numel() != S or ke.numel() != S:
         raise ValueError(f"ks and ke must have S = {S} entries")
-    scores = torch.einsum("shd,nd->shn", _as_f32(q), _as_f32(k)).relu_()
-    logits = torch.einsum("shn,sh->sn", scores, weights.float())
+    n_pad = max(PAGE_SIZE, -(-N // PAGE_SIZE) * PAGE_SIZE)  # see _head_weighted_sum
+    k_pad = torch.nn.functional.pad(_as_f32(k), (0, 0, 0, n_pad - N))
+    scores = torch.einsum("shd,nd->shn", _as_f32(q), k_pad)[..., :N].relu_()
+    logits = _head_weighted_sum(scores, weights.float())
     if k_scale is not None:
         logits = logits * k_scale.float().reshape(1, N)
     pos = torch.arange(N, device=q.device)
     visible = (pos[None, :] >= ks[:, None]) & (pos[None, :] < ke[:, None])
     return logits.masked_fill(~visible, NEG_INF)
+
+
+def _selection_key(logits: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """int64 ``[R, L]`` keys whose descending order is the selection order.
+
+    High 32 bits: the fp32 logit's order-preserving key (positive floats get
+    the sign bit set, negative ones are bit-inverted; ``-0.0`` is folded onto
+    ``+0.0`` and every NaN onto the largest key, as the cuda kernels'
+    ``float_order_key``), shifted to a signed range. Low 32 bits: ``2^32 - 1 -
+    position``, so equal logits rank the lower position higher and every key
+    of a row is distinct (``torch.topk`` over them has nothing left to break).
+    """
+    bits = logits.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    bits = torch.where(logits == 0, 0, bits)
+    order = torch.where(bits >= 1 << 31, bits ^ 0xFFFFFFFF, bits | (1 << 31))
+    order = torch.where(torch.isnan(logits), 0xFFFFFFFF, order)
+    return (order - (1 << 31)) * (1 << 32) + ((1 << 32) - 1 - pos)[None, :]
 
 
 def topk_slots(
@@ -191,9 +232,13 @@ def topk_slots(
 
     Returns:
         ``(positions int32 [R, topk], slots int32 [R, topk])``: candidates in
-        descending logit order (ties in unspecified order), then ``-1`` padding
-        where a row has fewer than topk candidates. ``slot = page_table_rows[r,
-        t // 64] * 64 + t % 64``; ``-1`` where the position is ``-1``.
+        descending logit order, equal logits in ascending position order (so of
+        a tie straddling the k-th place the lowest positions are selected), then
+        ``-1`` padding where a row has fewer than topk candidates. ``-0.0``
+        equals ``+0.0``; NaN ranks above ``+inf``. Rows are independent: a
+        row's result depends neither on ``L`` nor on the other rows.
+        ``slot = page_table_rows[r, t // 64] * 64 + t % 64``; ``-1`` where the
+        position is ``-1``.
     """
     if logits.dim() != 2:
         raise ValueError(f"expected logits [R, L], got {tuple(logits.shape)}")
@@ -207,11 +252,13 @@ def topk_slots(
 
     pos = torch.arange(L, device=dev)
     candidate = (pos[None, :] < lengths[:, None]) & (logits != NEG_INF)
-    # Non-candidates sort after every candidate (even a candidate that is NaN).
-    masked = logits.float().masked_fill(~candidate, NEG_INF)
+    # One distinct int64 key per position: the logit's order in the high 32
+    # bits, the inverted position in the low 32 (equal logits: lower position
+    # ranks higher). Non-candidates get the smallest int64, below every
+    # candidate (even a NaN one); they come last and are turned into -1 below.
+    key = _selection_key(logits.float(), pos).masked_fill(~candidate, torch.iinfo(torch.int64).min)
     k = min(topk, L)
-    # Candidates are > -inf, so a sorted topk lists them before any non-candidate.
-    _, order = masked.topk(k, dim=1, sorted=True)
+    _, order = key.topk(k, dim=1, sorted=True)
     positions = torch.full((R, topk), -1, dtype=torch.long, device=dev)
     positions[:, :k] = torch.where(candidate.gather(1, order), order, -1)
 

@@ -113,7 +113,6 @@ def main() -> None:
     from attention.backend import get_backend
     from attention.cache import PagedKVCache
     from workers.decode_graphs import DecodeGraphPlan, DecodeGraphs
-    from workers.model_runner import WorkItem, host_batch
     from workers.rank_build import RankSpec
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -147,17 +146,18 @@ def main() -> None:
         page_tables = perm.view(B, pages_per_req).tolist()
         ctx = torch.randint(args.context // 2, args.context * 3 // 2 + 1, (B,), generator=hg).tolist()
         for width in sorted({1, args.next_n}):
-            items = [WorkItem(tuple(torch.randint(2, 1000, (width,), generator=hg).tolist()), ctx[b] - width,
-                              tuple(page_tables[b])) for b in range(B)]
-            hb = host_batch(items)
+            # One decode step: request b's ``width`` new tokens end at context ctx[b].
+            step_args = ([str(b) for b in range(B)], torch.randint(2, 1000, (B * width,), generator=hg).tolist(),
+                         ctx, page_tables)
             plan = DecodeGraphPlan(width, (B,), pages_per_req)
             graphs = DecodeGraphs(model, cache, backend, plan, "cuda", capture=True)
             graphs.capture_all()
-            graphs.inputs.fill(B, hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables)
+            rows = graphs.inputs.assign(step_args[0], page_tables)
+            graphs.inputs.write_step(rows, step_args[1], ctx)
             g = graphs.graphs[B]
             graph_ms = float(triton.testing.do_bench(g.replay, warmup=10, rep=300, return_mode="median"))
             eager = DecodeGraphs(model, cache, backend, plan, "cuda", capture=False)
-            eager.inputs.fill(B, hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables)
+            eager.inputs.write_step(eager.inputs.assign(step_args[0], page_tables), step_args[1], ctx)
             batch = eager.inputs.batch(B)
 
             def step():
@@ -167,8 +167,7 @@ def main() -> None:
             eager_ms = float(triton.testing.do_bench(step, warmup=3, rep=300, return_mode="median"))
             ksum = kernel_ms(step)
             with torch.inference_mode():
-                same = torch.equal(eager.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables),
-                                   graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables))
+                same = torch.equal(eager.run(*step_args), graphs.run(*step_args))
             row = {"batch": B, "width": width, "mean_context": sum(ctx) / B, "graph_ms": graph_ms,
                    "eager_ms": eager_ms, "kernel_sum_ms": ksum, "graph_over_kernels": graph_ms / ksum,
                    "eager_over_kernels": eager_ms / ksum, "replay_equals_eager": same,

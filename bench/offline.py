@@ -8,7 +8,8 @@ Workloads (the peer's offline mode runs the same ones: ``bench/peers/vllm_offlin
 * decode at batch B: B prompts of ``--input-len`` tokens generating ``--output-len`` tokens
   each (ignore EOS, greedy). TPOT is read from the step timeline, not from totals: the
   median (and mean) duration of the steps that ran no prefill chunk while all B requests
-  were running.
+  were running (each `Engine.step` call, without a device sync between calls: under
+  overlap scheduling a call returns the previous step's tokens).
 
 Every step's ``(start_s, end_s, prefill_tokens, decode_tokens)`` and every request's greedy
 token ids go to ``--json`` (the ids let ``bench/peers/agreement.py`` compare engines).
@@ -36,7 +37,7 @@ def random_prompts(n: int, length: int, seed: int, vocab: int = 256) -> list[lis
 def timed_run(llm, prompts: list[list[int]], max_new_tokens: int, tag: str) -> dict:
     """Run ``prompts`` greedily to ``max_new_tokens`` each through ``llm.engine``, one timestamp per step."""
     from workers.request import Request
-    from workers.sampler import SamplingParams
+    from workers.sample.params import SamplingParams
 
     eng = llm.engine
     sync = torch.cuda.synchronize if llm.runner.device.type == "cuda" else (lambda: None)
@@ -53,11 +54,15 @@ def timed_run(llm, prompts: list[list[int]], max_new_tokens: int, tag: str) -> d
         p0, d0 = eng.stats.prefill_tokens, eng.stats.decode_tokens
         running = len(eng.scheduler.running)
         start = time.perf_counter()
+        # No sync per step: with overlap scheduling a call launches one step and reads the
+        # previous one back, so in the steady state a call lasts one device step (or the
+        # host's work, when that is longer), which is the pace tokens come out at.
         eng.step()
-        sync()
         end = time.perf_counter()
         steps.append({"start_s": start - t0, "end_s": end - t0, "prefill_tokens": eng.stats.prefill_tokens - p0,
                       "decode_tokens": eng.stats.decode_tokens - d0, "running_before": running})
+    eng.flush()  # a step launched after the last tokens: not part of the timeline
+    sync()
     return {"steps": steps, "token_ids": [list(r.output) for r in reqs], "prompts": len(prompts),
             "total_s": steps[-1]["end_s"] if steps else 0.0}
 

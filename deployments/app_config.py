@@ -246,6 +246,11 @@ class RoleConfig(_Strict):
         description="Decode steps from one captured CUDA graph per batch-size bucket (decode role). Default: on "
         "for backend 'cuda' on a GPU with one rank; True elsewhere is an error.",
     )
+    overlap_scheduling: bool = Field(
+        True, description="Decode role: launch a pure-decode step before reading the previous one back, so the "
+        "host's per-step work (stop checks, streaming, scheduling) runs while the device computes "
+        "(workers.engine.Engine.step). Steps with prefill chunks, MTP or penalties read back at once.",
+    )
     cuda_graph_max_context: int | None = Field(
         None, ge=64, description="Longest context a captured decode step serves (longer ones run eagerly); "
         "default: what the page pool holds for one request, capped by the model's max positions.",

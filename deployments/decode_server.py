@@ -24,6 +24,7 @@ prefills it in chunks between decode steps; the replica waits for no peer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any, AsyncIterator
@@ -38,12 +39,30 @@ from deployments.replica_build import build_decode_worker
 from workers.engine import RequestOutput
 from workers.prefill_worker import PrefillResult, PrefillTask
 from workers.request import Request
-from workers.sampler import SamplingParams
+from workers.sample.params import SamplingParams
 
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
 
 PEER_WAIT_S = 300.0
 """How long a new decode replica waits for a prefill peer before it reports ready anyway."""
+
+
+def take_ready(stream: asyncio.Queue, out: RequestOutput) -> RequestOutput:
+    """``out`` merged with the outputs already queued behind it on ``stream``.
+
+    When the event loop falls behind the engine (many requests, a fast step),
+    a request's steps queue up here; sending them as one output costs one
+    Ray streaming item and one SSE event instead of one per step, so the
+    loop catches up instead of falling further behind.
+    """
+    while not out.finished and not stream.empty():
+        nxt = stream.get_nowait()
+        merged = {}
+        for f in dataclasses.fields(out):
+            a, b = getattr(out, f.name), getattr(nxt, f.name)
+            merged[f.name] = a + b if isinstance(a, list) and isinstance(b, list) else (a if f.name == "request_id" else b)
+        out = RequestOutput(**merged)
+    return out
 
 
 class DecodeServer(ReplicaServer):
@@ -105,7 +124,7 @@ class DecodeServer(ReplicaServer):
                 waiter = asyncio.create_task(self._await_prefill(task, prefill_call))
             last = None
             while not finished:
-                out = await stream.get()
+                out = take_ready(stream, await stream.get())
                 now = time.monotonic()
                 if out.token_ids:
                     if last is None:

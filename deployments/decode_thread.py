@@ -132,8 +132,7 @@ class DecodeThread(WorkerThread):
 
     def tick(self) -> bool:
         computing = self.worker.engine.has_work
-        for out in self.worker.step():
-            self.emit(out.request_id, out)
+        self.emit_many([(out.request_id, out) for out in self.worker.step()])
         if self.pending:
             self._admit()
         return computing

@@ -4,9 +4,10 @@ Covers ``POST /v1/completions`` and ``POST /v1/chat/completions``. Pure data
 and conversions; the ingress deployment does the I/O. What we do not
 support is an error, never silently ignored: ``n`` other than 1, a batch of
 prompts, tools, or any field OpenAI does not define (OpenAI itself answers
-"Unrecognized request argument supplied"). ``top_k`` (0 or -1 = off) and
-``ignore_eos`` (keep generating past EOS, for load tests and benchmarks) are
-extensions, as in vLLM.
+"Unrecognized request argument supplied"). ``top_k`` (0 or -1 = off),
+``min_p`` (0 = off), ``repetition_penalty`` (1 = off) and ``ignore_eos``
+(keep generating past EOS, for load tests and benchmarks) are extensions, as
+in vLLM.
 
 Errors follow OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``; :func:`error_from_exception` maps our exceptions to an
@@ -240,9 +241,11 @@ class _Request(BaseModel):
     stream_options: "StreamOptions | None" = None
     n: int = 1
     user: str | None = None
-    # Accepted only at their neutral values: anything else would be ignored.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Extension: drop tokens below min_p x the top probability.")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="Extension (HF / vLLM): penalise prompt and "
+                                      "generated tokens; 1 = off.")
 
     @field_validator("n")
     @classmethod
@@ -250,13 +253,6 @@ class _Request(BaseModel):
         if n != 1:
             raise ValueError(f"n must be 1 (one choice per request), got {n}")
         return n
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float, info) -> float:
-        if v != 0.0:
-            raise ValueError(f"{info.field_name} is not supported; it must be 0, got {v}")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -281,17 +277,22 @@ class _Request(BaseModel):
 
     @property
     def effective_top_k(self) -> int:
-        """``top_k`` for ``workers.sampler.SamplingParams`` (0 = off)."""
+        """``top_k`` for ``workers.sample.params.SamplingParams`` (0 = off)."""
         return max(self.top_k, 0)
 
+    @property
+    def engine_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs``: top log-probabilities per token, None = the chosen token's only."""
+        return None
+
     def sampling_params(self, max_new_tokens: int, stop_token_ids: tuple[int, ...] = ()):
-        """``workers.sampler.SamplingParams`` for this request.
+        """``workers.sample.params.SamplingParams`` for this request.
 
         ``max_new_tokens`` comes from :func:`check_prompt_length` (it needs
         the prompt's token count); ``stop`` strings travel as
         ``stop_strings`` (the engine matches them on detokenized text).
         """
-        from workers.sampler import SamplingParams
+        from workers.sample.params import SamplingParams
 
         return SamplingParams(
             max_new_tokens=max_new_tokens,
@@ -302,6 +303,11 @@ class _Request(BaseModel):
             stop_token_ids=tuple(stop_token_ids),
             ignore_eos=self.ignore_eos,
             stop_strings=self.stop_sequences,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logprobs=self.engine_logprobs,
         )
 
 
@@ -336,6 +342,10 @@ class CompletionRequest(_Request):
         if v:
             raise ValueError("echo is not supported")
         return v
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -377,6 +387,10 @@ class ChatCompletionRequest(_Request):
                 and self.max_tokens != self.max_completion_tokens:
             raise ValueError("give max_tokens or max_completion_tokens, not two different values")
         return self
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def completion_limit(self) -> int | None:

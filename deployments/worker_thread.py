@@ -30,6 +30,11 @@ from deployments.replica_stats import ReplicaStats
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
 
 
+def _deliver(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
+
+
 class WorkerThreadFailed(RuntimeError):
     """The worker thread died; the replica must be replaced."""
 
@@ -107,6 +112,26 @@ class WorkerThread:
             loop, q = entry
             try:
                 loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the loop closed (replica shutting down)
+                pass
+
+    def emit_many(self, items: list[tuple[str, Any]]) -> None:
+        """`emit` for a whole round's items with one wake-up of each event loop.
+
+        A decode step produces one output per running request; one
+        ``call_soon_threadsafe`` each (a write to the loop's self-pipe and a
+        callback) made the thread and the event loop contend for the GIL
+        once per request per step. Items keep their order per key.
+        """
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        with self._streams_lock:
+            for key, item in items:
+                entry = self._streams.get(key)
+                if entry is not None:
+                    by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
             except RuntimeError:  # the loop closed (replica shutting down)
                 pass
 

@@ -4,23 +4,24 @@ A decode step's shapes depend only on the number of requests ``B`` and the
 new tokens per request ``width`` (1 for plain decode, ``k + 1`` for MTP
 verification). So each bucket ``B_b`` of a :class:`DecodeGraphPlan` gets one
 captured CUDA graph of the whole target-model forward, reading its inputs from
-static buffers that are overwritten in place before every replay:
+device buffers that persist between steps (:class:`DecodeInputs`):
 
-* ``input_ids``, ``positions``, ``out_slots`` ``[B_b * width]`` and
-  ``seq_lens``, ``q_lens`` ``[B_b]`` (int64) and ``page_tables``
-  ``[B_b, max_pages]`` (int32);
-* everything derived per step -- the indexer's context lengths, DeepGEMM's
-  paged-logits schedule (``get_paged_mqa_logits_metadata`` runs inside the
-  graph on the context lengths), the top-k selection and the FlashMLA indices
-  -- is computed by kernels inside the graph from those buffers, so nothing
-  is rebuilt on the host. FlashMLA's sparse-decode scheduling metadata
-  depends only on the shapes and top-k width: it is made by the warm-up run
-  before capture and stays fixed for the graph's life.
+* each running request owns a row; per step the host writes one packed int64
+  block (the rows' new tokens, context lengths and live flags) and only the
+  page-table rows that changed;
+* everything derived per step -- positions and cache slots, the indexer's
+  context lengths, DeepGEMM's paged-logits schedule
+  (``get_paged_mqa_logits_metadata`` runs inside the graph on the context
+  lengths), the top-k selection and the FlashMLA indices -- is computed by
+  kernels inside the graph from those buffers, so nothing is rebuilt on the
+  host. FlashMLA's sparse-decode scheduling metadata depends only on the
+  shapes and top-k width: it is made by the warm-up run before capture and
+  stays fixed for the graph's life.
 
 Rows past the live requests are padding: position 0 of page 0 (context 1:
 they read one key and attend to it, harmlessly), cache slot ``-1`` (the
-cache writes skip it), page table zeros. They are rewritten on every step, so a row that held a
-request in the previous replay can never write into that request's pages.
+cache writes skip it; their live flag is rewritten on every step, so a row that held a
+request in the previous replay can never write into that request's pages).
 
 The forward runs with ``ForwardBatch.static_shapes`` (the MoE takes every
 expert over every token instead of gathering tokens per expert) and with
@@ -111,60 +112,140 @@ class DecodeGraphPlan:
         return None
 
 
-class _StaticInputs:
-    """The buffers one plan's graphs read, sized for its largest bucket."""
+class DecodeInputs:
+    """The decode batch's inputs, kept on the device between steps and read by
+    one plan's graphs (sized for its largest bucket ``B``).
+
+    Each running request owns a row while it decodes (`assign`); rows are kept
+    compact (``0 .. R-1``; a leaving request's row is taken over by the last
+    one). Per step the host sends one packed int64 block -- each row's new
+    tokens, context length and a live flag -- and the page-table rows that
+    changed (a request joined, moved or reached a new page); positions and
+    cache slots are computed from those on the device, inside the graph. So
+    the host's work per step grows with the batch only by a list of ints,
+    not by page tables or per-row tensors.
+
+    Device buffers: ``packed`` int64 ``[B * width + 2 * B]`` (tokens, seq_lens,
+    live), ``page_tables`` int32 ``[B, max_pages]``; ``q_lens`` int64 ``[B]``
+    (constant ``width``).
+    """
 
     def __init__(self, plan: DecodeGraphPlan, device: torch.device):
         B, w = plan.max_batch_size, plan.width
-        self.plan = plan
-        # One int64 block for the per-token and per-request fields: one
-        # host-to-device copy per step instead of five.
-        self.packed = torch.zeros(3 * B * w + 2 * B, dtype=torch.int64, device=device)
+        self.plan, self.device = plan, device
+        self.packed = torch.zeros(B * w + 2 * B, dtype=torch.int64, device=device)
+        self.packed[B * w: B * w + B] = 1  # padding rows: context 1 (see `batch`)
         self.page_tables = torch.zeros(B, plan.max_pages, dtype=torch.int32, device=device)
+        self.q_lens = torch.full((B,), w, dtype=torch.int64, device=device)
+        self._offsets = torch.arange(w, dtype=torch.int64, device=device)
+        # Host mirror of the page tables and of who owns which row.
+        self._host_tables = torch.zeros(B, plan.max_pages, dtype=torch.int32)
+        self._keys: list[str] = []            # row -> request key
+        self._row: dict[str, int] = {}        # request key -> row
+        self._written: list[int] = []         # row -> page ids written so far
 
-    def views(self, bucket: int) -> dict[str, torch.Tensor]:
+    @property
+    def num_rows(self) -> int:
+        return len(self._keys)
+
+    def assign(self, keys: list[str], page_tables: list[list[int]]) -> list[int]:
+        """Rows for the requests ``keys`` (in order), with their current page
+        tables (the requests' own lists: only pages beyond those already
+        written are read). Rows of keys not in ``keys`` are released. Returns
+        each key's row."""
+        if len(keys) > self.plan.max_batch_size:
+            raise ValueError(f"{len(keys)} requests exceed this plan's {self.plan.max_batch_size} rows")
+        wanted = set(keys)
+        if len(wanted) != len(keys):
+            raise ValueError("duplicate request keys in one decode step")
+        dirty: set[int] = set()
+        for key in [k for k in self._keys if k not in wanted]:
+            self._release(key, dirty)
+        for key, table in zip(keys, page_tables):
+            if len(table) > self.plan.max_pages:
+                raise ValueError(f"request {key!r} has {len(table)} pages, beyond this plan's {self.plan.max_pages}")
+            row = self._row.get(key)
+            if row is None:
+                row = len(self._keys)
+                self._keys.append(key)
+                self._row[key] = row
+                self._written.append(0)
+                self._host_tables[row].zero_()
+            done = self._written[row]
+            if len(table) != done:
+                if len(table) < done:
+                    self._host_tables[row].zero_()
+                    done = 0
+                self._host_tables[row, done:len(table)] = torch.tensor(table[done:], dtype=torch.int32)
+                self._written[row] = len(table)
+                dirty.add(row)
+        if dirty:
+            rows = torch.tensor(sorted(dirty), dtype=torch.int64)
+            self.page_tables[rows.to(self.device)] = self._host_tables[rows].to(self.device)
+        return [self._row[k] for k in keys]
+
+    def _release(self, key: str, dirty: set[int]) -> None:
+        row = self._row.pop(key)
+        last = len(self._keys) - 1
+        if row != last:  # the last row moves into the hole: rows stay compact
+            moved = self._keys[last]
+            self._keys[row], self._row[moved], self._written[row] = moved, row, self._written[last]
+            self._host_tables[row] = self._host_tables[last]
+            dirty.add(row)
+        self._keys.pop()
+        self._written.pop()
+        self._host_tables[last].zero_()
+        dirty.add(last)
+
+    def clear(self) -> None:
+        """Release every row (page-table rows back to zeros)."""
+        dirty: set[int] = set()
+        for key in list(self._keys):
+            self._release(key, dirty)
+        if dirty:
+            rows = torch.tensor(sorted(dirty), dtype=torch.int64)
+            self.page_tables[rows.to(self.device)] = self._host_tables[rows].to(self.device)
+
+    def write_step(self, rows: list[int], tokens: list[int], seq_lens: list[int]) -> None:
+        """This step's new tokens (``len(rows) * width`` ints, by request) and
+        context lengths (after the step) of the requests in ``rows``; every
+        other row is padding. One host-to-device copy."""
         B, w = self.plan.max_batch_size, self.plan.width
-        p = self.packed
-        n = bucket * w
-        return {
-            "input_ids": p[0:n],
-            "positions": p[B * w: B * w + n],
-            "out_slots": p[2 * B * w: 2 * B * w + n],
-            "seq_lens": p[3 * B * w: 3 * B * w + bucket],
-            "q_lens": p[3 * B * w + B: 3 * B * w + B + bucket],
-            "page_tables": self.page_tables[:bucket],
-        }
+        tok = [0] * (B * w)
+        lens = [1] * B
+        live = [0] * B
+        for i, row in enumerate(rows):
+            tok[row * w:(row + 1) * w] = tokens[i * w:(i + 1) * w]
+            lens[row] = seq_lens[i]
+            live[row] = 1
+        self.packed.copy_(torch.tensor(tok + lens + live, dtype=torch.int64))
+
+    def patch_tokens(self, rows: list[int], values: torch.Tensor) -> None:
+        """Set the new token of ``rows`` (width 1) from int64 device ``values`` ``[len(rows)]``."""
+        if self.plan.width != 1:
+            raise ValueError("device-fed tokens are for width-1 steps")
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        self.packed.index_copy_(0, index, values.to(self.device, torch.int64))
 
     def batch(self, bucket: int) -> ForwardBatch:
-        v = self.views(bucket)
-        return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=v["input_ids"], positions=v["positions"],
-            out_slots=v["out_slots"], page_tables=v["page_tables"], seq_lens=v["seq_lens"],
-            q_lens=v["q_lens"], max_seq_len=self.plan.max_context, static_shapes=True,
-        )
-
-    def fill(self, bucket: int, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-             seq_lens: torch.Tensor, page_tables: torch.Tensor) -> None:
-        """Write ``R <= bucket`` live rows (host tensors: ``tokens``, ``positions``,
-        ``slots`` int64 ``[R * width]``; ``seq_lens`` int64 ``[R]``; ``page_tables``
-        int32 ``[R, <= max_pages]``) and padding for the rest of the bucket."""
+        """The forward over rows ``0 .. bucket-1``. Positions and cache slots are
+        computed here from the buffers, so under capture they are part of the
+        graph. Padding rows sit at position 0 of page 0 with context 1: they
+        read one key (DeepGEMM's paged logits faulted on a step whose every row
+        had context 0, H100 2026-11-22) and write none (slot -1)."""
         B, w = self.plan.max_batch_size, self.plan.width
-        R, n = seq_lens.shape[0], bucket * w
-        host = torch.zeros(3 * B * w + 2 * B, dtype=torch.int64)
-        host[0: R * w] = tokens
-        host[B * w: B * w + R * w] = positions
-        # Padding rows sit at position 0 of page 0: context 1, so they read one
-        # key (DeepGEMM's paged logits faulted on a step whose every row had
-        # context 0, H100 2026-11-22) and write none (slot -1).
-        host[2 * B * w: 2 * B * w + R * w] = slots
-        host[2 * B * w + R * w: 2 * B * w + n] = -1
-        host[3 * B * w: 3 * B * w + R] = seq_lens
-        host[3 * B * w + R: 3 * B * w + bucket] = 1
-        host[3 * B * w + B: 3 * B * w + B + bucket] = w
-        bt = torch.zeros(bucket, self.plan.max_pages, dtype=torch.int32)
-        bt[:R, : page_tables.shape[1]] = page_tables
-        self.packed.copy_(host)
-        self.page_tables[:bucket].copy_(bt)
+        p = self.packed
+        seq_lens = p[B * w: B * w + bucket]
+        live = p[B * w + B: B * w + B + bucket]
+        positions = (seq_lens[:, None] - w + self._offsets).clamp_min(0)          # [bucket, w]
+        page_tables = self.page_tables[:bucket]
+        pages = torch.gather(page_tables.long(), 1, positions // PAGE_SIZE)
+        slots = torch.where(live[:, None] > 0, pages * PAGE_SIZE + positions % PAGE_SIZE, -1)
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=p[: bucket * w], positions=positions.reshape(-1),
+            out_slots=slots.reshape(-1), page_tables=page_tables, seq_lens=seq_lens,
+            q_lens=self.q_lens[:bucket], max_seq_len=self.plan.max_context, static_shapes=True,
+        )
 
 
 class DecodeGraphs:
@@ -178,7 +259,7 @@ class DecodeGraphs:
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         self.capture = capture
-        self.inputs = _StaticInputs(plan, self.device)
+        self.inputs = DecodeInputs(plan, self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0
@@ -200,10 +281,10 @@ class DecodeGraphs:
         if not self.capture:
             return
         pool = torch.cuda.graph_pool_handle()
-        empty = torch.zeros(0, dtype=torch.int64)
         stream = torch.cuda.Stream(self.device)
+        self.inputs.clear()
+        self.inputs.write_step([], [], [])
         for bucket in sorted(self.plan.batch_sizes, reverse=True):
-            self.inputs.fill(bucket, empty, empty, empty, empty, torch.zeros(0, 1, dtype=torch.int32))
             batch = self.inputs.batch(bucket)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -212,24 +293,35 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bucket] = self.model(batch, self.cache, self.backend)
+                # The batch is rebuilt inside the capture: its positions and slots are graph kernels.
+                self.outputs[bucket] = self.model(self.inputs.batch(bucket), self.cache, self.backend)
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            seq_lens: torch.Tensor, page_tables: torch.Tensor) -> torch.Tensor:
-        """One decode step of ``R`` requests (host tensors as in ``_StaticInputs.fill``).
+    def run(self, keys: list[str], tokens: list[int], seq_lens: list[int],
+            page_tables: list[list[int]], token_patch: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """One decode step of ``R`` requests, in the order of ``keys`` (their
+        stable ids): ``tokens`` the ``R * width`` new tokens by request,
+        ``seq_lens`` each context length after the step, ``page_tables`` each
+        request's page ids (its live list: only new pages are copied).
+        ``token_patch``: (request indices, int64 device tokens) replacing those
+        requests' tokens (width 1; `workers.model_runner.TokenPatch`).
 
-        Returns normed hidden ``[R * width, hidden]``: a view of the graph's
-        output buffer, valid until the next step of this plan (clone to keep).
+        Returns normed hidden ``[R * width, hidden]`` in ``keys`` order: a
+        view of the graph's output buffer when the rows are in that order
+        (valid until the next step of this plan: clone to keep), else a gather.
         """
-        R = seq_lens.shape[0]
+        R = len(keys)
         bucket = self.plan.bucket(R)
-        if bucket is None or page_tables.shape[1] > self.plan.max_pages:
-            raise ValueError(f"a decode step of {R} requests x {page_tables.shape[1]} pages is outside this plan "
+        max_pages = max((len(t) for t in page_tables), default=0)
+        if bucket is None or max_pages > self.plan.max_pages:
+            raise ValueError(f"a decode step of {R} requests x {max_pages} pages is outside this plan "
                              f"({self.plan.max_batch_size} requests x {self.plan.max_pages} pages)")
-        self.inputs.fill(bucket, tokens, positions, slots, seq_lens, page_tables)
+        rows = self.inputs.assign(keys, page_tables)
+        self.inputs.write_step(rows, tokens, seq_lens)
+        if token_patch is not None:
+            self.inputs.patch_tokens([rows[i] for i in token_patch[0]], token_patch[1])
         if self.capture:
             if bucket not in self.graphs:
                 raise RuntimeError("capture_all() must run before the first replay")
@@ -238,4 +330,8 @@ class DecodeGraphs:
             hidden = self.outputs[bucket]
         else:
             hidden = self.model(self.inputs.batch(bucket), self.cache, self.backend)
-        return hidden[: R * self.plan.width]
+        w = self.plan.width
+        if rows == list(range(R)):
+            return hidden[: R * w]
+        index = torch.tensor([row * w + j for row in rows for j in range(w)], dtype=torch.int64)
+        return hidden.index_select(0, index.to(hidden.device))

@@ -9,10 +9,7 @@ way."""
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
-
-import torch
 
 from attention.formats import pages_for_tokens
 from transfer import ReceiveStatus
@@ -126,7 +123,7 @@ class DecodeWorker:
             return []
         self.awaiting.pop(a.request.request_id)
         req, res = a.request, a.result
-        if res.generator_state is not None:
-            req.generator = torch.Generator()
-            req.generator.set_state(torch.load(io.BytesIO(res.generator_state)))
-        return self.engine.admit_prefilled(req, res.first_token, res.first_logprob, res.last_hidden)
+        if res.seed is not None:  # continue prefill's stream after its draw of token 1
+            req.seed, req.rng_offset = res.seed, res.rng_offset
+        return self.engine.admit_prefilled(req, res.first_token, res.first_logprob, res.last_hidden,
+                                           res.first_top_logprobs)

@@ -4,29 +4,43 @@
 forward), then one decode step for every running request (a DECODE forward
 with one token each, or with MTP a draft phase and a ``next_n = k + 1`` verify
 forward) — and returns what each request produced.
+
+Sampling runs on the device for the whole batch: one `sample` (or, with
+MTP, one `accept`) call per forward, and the step's results come to the host
+in one read-back at its end (`_Sampled`). An MTP step reads its drafts back
+once more, before the verify forward that takes them as input.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from attention.formats import pages_for_tokens
 from models.batch import ForwardMode
-from workers.model_runner import ModelRunner, WorkItem
-from workers.mtp import accept_drafts, check_topk_reuse, draft_slot_layout
+from workers.model_runner import DecodeStep, ModelRunner, WorkItem
+from workers.mtp import check_topk_reuse, draft_slot_layout
 from workers.page_pool import PagePool
 from workers.request import FinishReason, Request
-from workers.sampler import draw, sample, sampling_probs
-from workers.scheduler import PrefillChunk, Scheduler, SchedulerConfig, prefill_length
+from workers.sample.metadata import SamplingMetadata, TokenHistory
+from workers.sample.output import AcceptOutput, SampleOutput, read_back
+from workers.sample.rejection import accept
+from workers.sample.sampler import sample
+from workers.scheduler import PrefillChunk, Scheduler, SchedulerConfig, prefill_length, tokens_to_hold
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class RequestOutput:
-    """What one request produced in one step (``token_ids`` may be empty)."""
+    """What one request produced in one step (``token_ids`` may be empty).
+
+    top_logprobs: one ``{token id: logprob}`` per token, when the request
+    asked for top log-probabilities (``SamplingParams.logprobs`` > 0)."""
 
     request_id: str
     token_ids: list[int]
@@ -34,6 +48,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -49,6 +64,34 @@ class EngineStats:
     @property
     def mtp_acceptance_rate(self) -> float:
         return self.mtp_accepted / self.mtp_drafted if self.mtp_drafted else 0.0
+
+
+@dataclass
+class _Sampled:
+    """One sampling site's results, still on the device until the step's one read-back.
+
+    packed: fp32 ``[R, C]`` (`SampleOutput.packed` / `AcceptOutput.packed`);
+    emit: takes the host rows of ``packed`` and the step's outputs."""
+
+    packed: torch.Tensor
+    emit: Callable[[list[list[float]], dict], None]
+    tokens: torch.Tensor | None = None
+    """int64 ``[R]`` each row's sampled token, on the device (one-token sites only)."""
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched and not read back yet (overlap scheduling).
+
+    tag: the step's number (the page pool holds frees until it completed);
+    host: the packed results' host copy, filled asynchronously until ``done``;
+    index: request id -> row of ``sampled.tokens``."""
+
+    tag: int
+    sampled: _Sampled
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+    index: dict[str, int]
 
 
 class Engine:
@@ -67,6 +110,9 @@ class Engine:
         self.detokenize = detokenize
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        # The replica's RNG: only the seeds of requests that bring none come from it.
+        self._seeds = random.Random()
+        self._inflight: _InFlight | None = None
 
     # ----------------------------------------------------------------- API
     def add_request(self, req: Request) -> RequestOutput | None:
@@ -75,6 +121,7 @@ class Engine:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if req.params.stop_strings and self.detokenize is None:
             raise ValueError("stop strings need a tokenizer")
+        self._give_seed(req)
         self.scheduler.add(req)
         if req.finished:
             return RequestOutput(req.request_id, [], [], True, req.finish_reason.value, req.error)
@@ -82,11 +129,14 @@ class Engine:
         return None
 
     def admit_prefilled(self, req: Request, first_token: int, first_logprob: float,
-                        last_hidden: torch.Tensor) -> list[RequestOutput]:
+                        last_hidden: torch.Tensor, first_top_logprobs: dict[int, float] | None = None
+                        ) -> list[RequestOutput]:
         """Join a request whose prompt KV is already in ``req.page_table`` (pushed by a
         prefill peer) to the running batch. ``last_hidden`` ``[hidden]``: the
-        target hidden state of the last prompt position."""
+        target hidden state of the last prompt position. ``req.seed`` /
+        ``req.rng_offset`` are prefill's (its stream after token 1)."""
         self.requests[req.request_id] = req
+        self._give_seed(req)
         req.num_computed = len(req.prompt)
         if self.k:
             # The MTP entry of the last prompt position needs token 1: written
@@ -96,7 +146,7 @@ class Engine:
             req.pending_start = len(req.prompt) - 1
         self.scheduler.add_running(req)
         out = RequestOutput(req.request_id, [], [])
-        self._emit(req, first_token, first_logprob, out)
+        self._emit(req, first_token, first_logprob, out, first_top_logprobs)
         return [out]
 
     def abort(self, request_id: str) -> bool:
@@ -120,23 +170,122 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One scheduling round; returns what requests produced.
+
+        Overlap scheduling: a pure-decode round (no prompt to prefill, no MTP,
+        no penalties, pages for every running request's next token free)
+        launches its forward and sampling, then reads back and emits the
+        *previous* round's tokens while the device runs this one; the next
+        round feeds this round's tokens to the model straight from the
+        device. So a round's outputs come one call later, and the host's
+        per-round work (stop checks, outputs, scheduling) hides behind the
+        device's. Any other round first reads back what is in flight.
+        """
+        outs: dict[str, RequestOutput] = {}
+        if self._inflight is not None and not self._can_overlap():
+            self._drain(self._inflight, outs)
         sched = self.scheduler.schedule()
         self.stats.steps += 1
         self.stats.preemptions += len(sched.preempted)
-        outs: dict[str, RequestOutput] = {}
         decode = [r for r in sched.decode if not r.finished]
+        # A request whose last token is already in flight needs no further step.
+        ahead = [r for r in decode if len(r.output) + self._pending(r) < r.params.max_new_tokens]
+        if self._can_overlap() and ahead and not sched.prefill and not sched.preempted:
+            prev, self._inflight = self._inflight, self._launch(ahead)
+            if prev is not None:
+                self._drain(prev, outs)
+            return list(outs.values())
+        if self._inflight is not None:  # late, but safe: pages cover the pending tokens
+            self._drain(self._inflight, outs)
+            decode = [r for r in decode if not r.finished]
+        sampled: list[_Sampled] = []
         if sched.prefill:
-            self._prefill(sched.prefill, outs)
+            sampled.append(self._prefill(sched.prefill))
         if decode:
-            if self.k:
-                self._verify(decode, outs)
-            else:
-                self._decode(decode, outs)
+            sampled.append(self._verify(decode) if self.k else self._decode(decode))
+        sampled = [s for s in sampled if s is not None]
+        # The step's one read-back: every site's tokens and logprobs in one copy.
+        for s, host in zip(sampled, read_back(*(s.packed for s in sampled))):
+            s.emit(host.tolist(), outs)
         return list(outs.values())
+
+    def flush(self) -> list[RequestOutput]:
+        """Read back the step in flight, if any (a caller that stops stepping once its
+        own requests finished: the engine may have launched a step for them that turns
+        out to follow their last token)."""
+        outs: dict[str, RequestOutput] = {}
+        if self._inflight is not None:
+            self._drain(self._inflight, outs)
+        return list(outs.values())
+
+    # ------------------------------------------------------ overlap scheduling
+    def _can_overlap(self) -> bool:
+        """Whether the next round can launch before the one in flight is read back:
+        decode only (nothing waiting or prefilling), no MTP (the drafts would need
+        the tokens on the host), no penalties (they need every token on the host),
+        and pages for each running request's next token free without preempting."""
+        s = self.scheduler
+        if not self.cfg.overlap or self.k or s.waiting or s.prefilling or not s.running:
+            return False
+        need = 0
+        for r in s.running:
+            if r.params.uses_penalties:
+                return False
+            # What `schedule` grows each request to: the launch writes position num_tokens - 1
+            # + pending (its token in flight), within tokens_to_hold(num_tokens).
+            need += max(0, pages_for_tokens(tokens_to_hold(r.num_tokens, 0)) - len(r.page_table))
+        return need <= self.pool.free_count
+
+    def _pending(self, req: Request) -> int:
+        """Tokens of ``req`` sampled by the step in flight, not on the host yet (0 or 1)."""
+        return int(self._inflight is not None and req.request_id in self._inflight.index)
+
+    def _launch(self, reqs: list[Request]) -> _InFlight:
+        """Launch one decode step of ``reqs`` and its sampling without waiting for either.
+        A request with a token in flight takes it as input from the device."""
+        prev = self._inflight
+        pending = [self._pending(r) for r in reqs]
+        step = DecodeStep([r.request_id for r in reqs], [0 if p else r.last_token for r, p in zip(reqs, pending)],
+                          [r.num_tokens + p for r, p in zip(reqs, pending)], [r.page_table for r in reqs], 1)
+        patch = None
+        if any(pending):
+            at = [i for i, p in enumerate(pending) if p]
+            src = torch.tensor([prev.index[reqs[i].request_id] for i in at], dtype=torch.int64)
+            tokens = prev.sampled.tokens
+            patch = (at, tokens.index_select(0, src.to(tokens.device)))
+        logits = self.model.logits(self.runner.decode(step, token_patch=patch))
+        self.stats.decode_tokens += len(reqs)
+        for r, n in zip(reqs, step.seq_lens):
+            r.num_computed = n
+        sampled = self._sample(reqs, logits, skip_finished=True)
+        tag = self.stats.steps
+        # Frees from now on wait for this step: it may still write the KV of a
+        # request that ends meanwhile into that request's pages.
+        self.pool.hold_frees(tag)
+        if sampled.packed.device.type == "cuda":
+            host = torch.empty(sampled.packed.shape, dtype=sampled.packed.dtype, pin_memory=True)
+            host.copy_(sampled.packed, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host, done = sampled.packed, None
+        return _InFlight(tag, sampled, host, done, {r.request_id: i for i, r in enumerate(reqs)})
+
+    def _drain(self, f: _InFlight, outs: dict) -> None:
+        """Read back the launched step ``f`` (waiting for it) and emit its tokens."""
+        if self._inflight is f:
+            self._inflight = None
+        if f.done is not None:
+            f.done.synchronize()
+        # Steps complete in order: every step up to this one has run.
+        self.pool.release_held(f.tag)
+        if self._inflight is None:
+            self.pool.hold_frees(None)
+        f.sampled.emit(f.host.tolist(), outs)
 
     # ----------------------------------------------------------- internals
     def _out(self, outs, req: Request) -> RequestOutput:
@@ -144,21 +293,47 @@ class Engine:
             outs[req.request_id] = RequestOutput(req.request_id, [], [])
         return outs[req.request_id]
 
-    def _append(self, req: Request, tokens: list[int], logits: torch.Tensor, outs) -> None:
-        """Append tokens (scored by fp32 ``logits`` ``[len(tokens), vocab]``), stopping
-        at max tokens / EOS / stop ids / stop strings."""
-        out = self._out(outs, req)
-        logprobs = torch.log_softmax(logits.float(), -1)
-        for i, t in enumerate(tokens):
-            if self._emit(req, t, float(logprobs[i, t]), out):
-                return
+    def _give_seed(self, req: Request) -> None:
+        if req.seed is None:
+            req.seed = self._seeds.getrandbits(64)
 
-    def _emit(self, req: Request, token: int, logprob: float, out: RequestOutput) -> bool:
+    def _sampling_inputs(self, reqs: list[Request]) -> tuple[SamplingMetadata, TokenHistory | None]:
+        """The rows' sampling metadata on the logits' device, and their token history when
+        a row uses penalties (rows without get none: padding only)."""
+        dev = self.runner.device
+        meta = SamplingMetadata.build([r.params for r in reqs], [r.seed for r in reqs],
+                                      [r.rng_offset for r in reqs], dev)
+        if meta.penalties is None:
+            return meta, None
+        history = TokenHistory.build([r.prompt_ids() if r.params.repetition_penalty != 1.0 else None for r in reqs],
+                                     [r.output if r.params.uses_penalties else None for r in reqs], dev)
+        return meta, history
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, skip_finished: bool = False) -> _Sampled:
+        """One token for each of ``reqs`` from fp32 ``logits`` ``[len(reqs), vocab]`` (one draw each).
+        ``skip_finished``: emit nothing for a request that ended (or was aborted) before
+        the read-back (a step launched ahead of it: overlap scheduling)."""
+        meta, history = self._sampling_inputs(reqs)
+        out = sample(logits, meta, history)
+        for r in reqs:
+            r.rng_offset += 1
+
+        def emit(rows: list[list[float]], outs) -> None:
+            for r, s in zip(reqs, SampleOutput.unpack(rows, meta.top_logprobs)):
+                if skip_finished and (r.finished or r.request_id not in self.requests):
+                    continue
+                self._emit(r, s.token, s.logprob, self._out(outs, r), s.top_logprobs)
+        return _Sampled(out.packed(), emit, out.tokens)
+
+    def _emit(self, req: Request, token: int, logprob: float, out: RequestOutput,
+              top_logprobs: dict[int, float] | None = None) -> bool:
         """Append one token; finish the request (True) on a stop condition."""
         req.output.append(token)
         req.logprobs.append(logprob)
         out.token_ids.append(token)
         out.logprobs.append(logprob)
+        if req.params.top_logprobs:
+            out.top_logprobs = (out.top_logprobs or []) + [top_logprobs or {}]
         p = req.params
         reason = None
         if token in p.stop_token_ids or (token in self.eos and not p.ignore_eos):
@@ -178,7 +353,7 @@ class Engine:
         self.requests.pop(req.request_id, None)
         out.finished, out.finish_reason = True, reason.value
 
-    def _prefill(self, chunks: list[PrefillChunk], outs) -> None:
+    def _prefill(self, chunks: list[PrefillChunk]) -> _Sampled | None:
         items = [WorkItem(tuple(c.request.token_ids[c.start:c.end]), c.start, tuple(c.request.page_table)) for c in chunks]
         batch, hidden = self.runner.forward(ForwardMode.PREFILL, items)
         self.stats.prefill_tokens += batch.num_tokens
@@ -203,25 +378,29 @@ class Engine:
             mbatch = self.runner.build_batch(ForwardMode.PREFILL, mtp_items)
             self.model.mtp_forward(mbatch, torch.cat(mtp_hidden), self.runner.cache, self.runner.backend,
                                    draft=False)
-        for req, row in finishing:
+        for req, _ in finishing:
             self.scheduler.prefill_done(req)
-            if req.output:  # resumed after preemption: its next input is known
-                continue
-            logits = self.model.logits(hidden[row:row + 1])
-            self._append(req, [sample(logits[0], req.params, req.generator)], logits, outs)
+        # Resumed after preemption: their next input is known, nothing to sample.
+        fresh = [(req, row) for req, row in finishing if not req.output]
+        if not fresh:
+            return None
+        rows = torch.tensor([row for _, row in fresh], device=hidden.device)
+        return self._sample([req for req, _ in fresh], self.model.logits(hidden.index_select(0, rows)))
 
-    def _decode(self, reqs: list[Request], outs) -> None:
-        items = [WorkItem((r.token_ids[-1],), r.num_tokens - 1, tuple(r.page_table)) for r in reqs]
-        logits = self.model.logits(self.runner.decode(items))
+    def _decode(self, reqs: list[Request]) -> _Sampled:
+        step = DecodeStep([r.request_id for r in reqs], [r.last_token for r in reqs], [r.num_tokens for r in reqs],
+                          [r.page_table for r in reqs], 1)
+        logits = self.model.logits(self.runner.decode(step))
         self.stats.decode_tokens += len(reqs)
-        for i, r in enumerate(reqs):
+        for r in reqs:
             r.num_computed = r.num_tokens
-            self._append(r, [sample(logits[i], r.params, r.generator)], logits[i:i + 1], outs)
+        return self._sample(reqs, logits)
 
     # ------------------------------------------------------------------ MTP
-    def _draft(self, reqs: list[Request]) -> None:
+    def _draft(self, reqs: list[Request], meta: SamplingMetadata) -> None:
         """Write the MTP cache for each request's pending positions and chain
-        ``k`` draft tokens from the last one."""
+        ``k`` draft tokens from the last one. ``meta``: the requests' sampling
+        metadata (draft step ``s`` uses their draw ``s``; the verify, draw ``k``)."""
         items = [WorkItem(tuple(r.token_ids[r.pending_start + 1:r.pending_start + 1 + r.pending_hidden.shape[0]]),
                           r.pending_start, tuple(r.page_table)) for r in reqs]
         batch = self.runner.build_batch(ForwardMode.PREFILL, items)
@@ -235,54 +414,71 @@ class Engine:
             sel = SelectedTokens(selected.slots[last], selected.positions[last])
         for r in reqs:
             r.drafts, r.pending_hidden = [], None
-        probs = []
+        # Drafts are proposals: no penalties (the acceptance rule holds for any q).
+        meta = replace(meta, penalties=None)
+        drafts, probs = [], []
         # Chained steps s = 1 .. k-1 write positions first_pos + s - 1, laid out
         # by the one authoritative helper.
         first_pos = torch.tensor([r.num_tokens for r in reqs])
         layout = None
         for step in range(self.k):
-            step_probs = []
-            for i, r in enumerate(reqs):
-                if r.params.greedy:
-                    r.drafts.append(int(logits[i].argmax()))
-                else:
-                    q = sampling_probs(logits[i], r.params)
-                    r.drafts.append(draw(q, r.generator))
-                    step_probs.append(q)
-            probs.append(step_probs)
+            out = sample(logits, meta, draw_index=step, want_logprobs=False, want_probs=not meta.all_greedy)
+            drafts.append(out.tokens)
+            if out.probs is not None:
+                probs.append(out.probs)
             if step == self.k - 1:
                 break
-            items = [WorkItem((r.drafts[-1],), r.num_tokens + step, tuple(r.page_table)) for r in reqs]
+            # The next step's input is this step's drafts, straight from the device: the
+            # items' token is a placeholder that input_ids replaces.
+            items = [WorkItem((0,), r.num_tokens + step, tuple(r.page_table)) for r in reqs]
             batch = self.runner.build_batch(ForwardMode.DECODE, items)
+            batch.input_ids = out.tokens.to(batch.input_ids.device)
             if layout is None:
                 layout = draft_slot_layout(batch.page_tables, first_pos.to(batch.page_tables.device), self.k - 1)
             batch.out_slots = layout[step]
             logits, h, selected = self.model.mtp_forward(batch, h, self.runner.cache, self.runner.backend, reuse=sel)
             if self.topk_reuse:
                 sel = selected
-        for i, r in enumerate(reqs):
-            if not r.params.greedy:
-                r.draft_probs = torch.stack([probs[s][i] for s in range(self.k)])
+        # The verify forward takes the drafts as host token ids: the draft phase's one read-back.
+        for r, ds in zip(reqs, torch.stack(drafts, dim=1).tolist()):
+            r.drafts = ds
+        if probs:
+            q = torch.stack(probs, dim=1)  # [S, k, vocab], the sampled requests in batch order
+            for r, q_r in zip((r for r in reqs if not r.params.greedy), q):
+                r.draft_probs = q_r
 
-    def _verify(self, reqs: list[Request], outs) -> None:
+    def _verify(self, reqs: list[Request]) -> _Sampled:
+        meta, history = self._sampling_inputs(reqs)
         need = [r for r in reqs if r.pending_hidden is not None]
         if need:
-            self._draft(need)
+            self._draft(need, meta if len(need) == len(reqs) else self._sampling_inputs(need)[0])
         n = self.k + 1
-        items = [WorkItem((r.token_ids[-1], *r.drafts), r.num_tokens - 1, tuple(r.page_table)) for r in reqs]
-        hidden = self.runner.decode(items)
+        step = DecodeStep([r.request_id for r in reqs], [t for r in reqs for t in (r.last_token, *r.drafts)],
+                          [r.num_tokens - 1 + n for r in reqs], [r.page_table for r in reqs], n)
+        hidden = self.runner.decode(step)
         logits = self.model.logits(hidden).view(len(reqs), n, -1)
         hidden = hidden.view(len(reqs), n, -1)
-        for i, r in enumerate(reqs):
-            acc = accept_drafts(r.drafts, logits[i], r.params, r.draft_probs, r.generator)
-            self.stats.mtp_drafted += self.k
-            self.stats.mtp_accepted += acc.accepted
-            self.stats.accepted_histogram[acc.accepted] = self.stats.accepted_histogram.get(acc.accepted, 0) + 1
-            self.stats.decode_tokens += len(acc.tokens)
-            start = r.num_tokens - 1
+        drafts = torch.tensor([r.drafts for r in reqs], dtype=torch.int64, device=logits.device)
+        q = None if meta.all_greedy else torch.stack([r.draft_probs for r in reqs if not r.params.greedy])
+        packed = accept(logits, drafts, meta, q, history, draw_index=self.k).packed()
+        starts = [r.num_tokens - 1 for r in reqs]
+        for r in reqs:
+            r.rng_offset += n  # k draft draws and the verify's
             r.drafts, r.draft_probs = [], None
-            self._append(r, acc.tokens, logits[i, : len(acc.tokens)], outs)
-            if r.finished:
-                continue
-            r.num_computed = r.num_tokens - 1
-            r.pending_hidden, r.pending_start = hidden[i, : acc.accepted + 1].clone(), start
+
+        def emit(rows: list[list[float]], outs) -> None:
+            for i, (r, samples) in enumerate(zip(reqs, AcceptOutput.unpack(rows, n, meta.top_logprobs))):
+                accepted = len(samples) - 1
+                self.stats.mtp_drafted += self.k
+                self.stats.mtp_accepted += accepted
+                self.stats.accepted_histogram[accepted] = self.stats.accepted_histogram.get(accepted, 0) + 1
+                self.stats.decode_tokens += len(samples)
+                out = self._out(outs, r)
+                for s in samples:
+                    if self._emit(r, s.token, s.logprob, out, s.top_logprobs):
+                        break
+                if r.finished:
+                    continue
+                r.num_computed = r.num_tokens - 1
+                r.pending_hidden, r.pending_start = hidden[i, : accepted + 1].clone(), starts[i]
+        return _Sampled(packed, emit)

@@ -69,6 +69,42 @@ def host_batch(items: list[WorkItem]) -> HostBatch:
     )
 
 
+TokenPatch = tuple[list[int], torch.Tensor]
+"""Input tokens of a width-1 decode step that are on the device: (request indices
+in the step, int64 ``[m]`` their tokens)."""
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """The requests of one DECODE forward, as the persistent decode batch takes them.
+
+    keys:        stable request ids (a request keeps its row between steps)
+    tokens:      the ``R * width`` new tokens, request by request
+    seq_lens:    each request's context length after the step
+    page_tables: each request's page ids (its own list: not copied per step)
+    width:       new tokens per request (1, or ``k + 1`` when verifying k drafts)
+    """
+
+    keys: list[str]
+    tokens: list[int]
+    seq_lens: list[int]
+    page_tables: list[list[int]]
+    width: int
+
+    def __post_init__(self) -> None:
+        R = len(self.keys)
+        if not R or len(self.tokens) != R * self.width or len(self.seq_lens) != R or len(self.page_tables) != R:
+            raise ValueError(f"a decode step of {R} requests x width {self.width} needs {R * self.width} tokens and "
+                             f"{R} context lengths and page tables, got {len(self.tokens)}, {len(self.seq_lens)} "
+                             f"and {len(self.page_tables)}")
+
+    def items(self) -> list[WorkItem]:
+        """The same step as `WorkItem` s (the eager path)."""
+        w = self.width
+        return [WorkItem(tuple(self.tokens[i * w:(i + 1) * w]), self.seq_lens[i] - w, tuple(self.page_tables[i]))
+                for i in range(len(self.keys))]
+
+
 def decode_width(items: list[WorkItem]) -> int:
     """New tokens per request of a DECODE step (equal for all; checked on the host)."""
     widths = {len(it.token_ids) for it in items}
@@ -120,17 +156,21 @@ class ModelRunner:
         return batch, self.model(batch, self.cache, self.backend)
 
     @torch.inference_mode()
-    def decode(self, items: list[WorkItem]) -> torch.Tensor:
+    def decode(self, step: DecodeStep, token_patch: TokenPatch | None = None) -> torch.Tensor:
         """One DECODE step of the target model: normed hidden ``[R * width, hidden]``.
 
-        Through the static buffers / CUDA graph of the step's width when it
-        fits (the result is then a view valid until the next step: clone what
-        must outlive it), else eagerly.
+        Through the persistent inputs and CUDA graph of the step's width when
+        it fits (the result may be a view valid until the next step: clone
+        what must outlive it), else eagerly. ``token_patch``: input tokens
+        that are still on the device (a step launched before the previous
+        one was read back); they replace the host's placeholders.
         """
-        width = decode_width(items)
-        graphs = self.decode_graphs.get(width)
-        max_pages = max(len(it.page_table) for it in items)
-        if graphs is not None and graphs.covers(len(items), max_pages, width):
-            hb = host_batch(items)
-            return graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables)
-        return self.forward(ForwardMode.DECODE, items)[1]
+        graphs = self.decode_graphs.get(step.width)
+        if graphs is not None and graphs.covers(len(step.keys), max(len(t) for t in step.page_tables), step.width):
+            return graphs.run(step.keys, step.tokens, step.seq_lens, step.page_tables, token_patch)
+        batch = self.build_batch(ForwardMode.DECODE, step.items())
+        if token_patch is not None:
+            at, values = token_patch
+            batch.input_ids[torch.tensor(at, dtype=torch.int64, device=batch.input_ids.device)] = values.to(
+                batch.input_ids.device)
+        return self.model(batch, self.cache, self.backend)

@@ -21,7 +21,7 @@ from workers.rank_build import RankSpec
 from workers.rank_group import RankGroup
 from workers.replica_build import build_engine, build_replica
 from workers.request import FinishReason, Request, RequestState
-from workers.sampler import SamplingParams
+from workers.sample.params import SamplingParams
 from workers.scheduler import SchedulerConfig
 
 
@@ -43,7 +43,7 @@ class LLM:
                  hadamard: bool | None = None, mtp_draft_tokens: int = 0, mtp_topk_reuse: bool = False,
                  chunk_size: int = 256, max_batch_size: int = 64, pd: bool = False,
                  transfer_deadline_s: float = 600.0, cuda_graphs: bool | None = None,
-                 cuda_graph_max_context: int | None = None, tp_size: int = 1):
+                 cuda_graph_max_context: int | None = None, tp_size: int = 1, overlap_scheduling: bool = True):
         if kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
         self.model_dir = Path(model_dir)
@@ -62,7 +62,8 @@ class LLM:
         self.groups: list[RankGroup] = [decode.group] if decode.group else []
         self.model, self.runner, self.cache, self.pool = decode.model, decode.runner, decode.cache, decode.pool
         self.cfg = self.model.cfg
-        sched = SchedulerConfig(max_batch_size=max_batch_size, chunk_size=chunk_size, mtp_draft_tokens=mtp_draft_tokens)
+        sched = SchedulerConfig(max_batch_size=max_batch_size, chunk_size=chunk_size, mtp_draft_tokens=mtp_draft_tokens,
+                                overlap=overlap_scheduling)
         self.engine = build_engine(decode, self.model_dir, sched, mtp_topk_reuse, want_graphs, cuda_graph_max_context)
         self._next_id = 0
         self.pd = None
@@ -98,17 +99,20 @@ class LLM:
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
-                 stop: tuple[str, ...] = ()) -> list[list[int]]:
+                 stop: tuple[str, ...] = (), min_p: float = 0.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0) -> list[list[int]]:
         """Generate for every prompt; returns the new token ids of each (ending at
         the first EOS / stop token, which is included, unless ``ignore_eos``).
-        With ``seed``, request ``i`` samples from its own generator seeded
-        ``seed + i``: reproducible whatever else is in the batch."""
+        Sampling options as in ``workers.sample.params.SamplingParams``. With
+        ``seed``, request ``i`` samples from its own stream seeded ``seed + i``:
+        reproducible whatever else is in the batch."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         reqs = []
         for i, p in enumerate(prompts):
             params = SamplingParams(max_new_tokens, temperature, top_p, top_k,
-                                    None if seed is None else seed + i, tuple(stop_token_ids), ignore_eos, tuple(stop))
+                                    None if seed is None else seed + i, tuple(stop_token_ids), ignore_eos, tuple(stop),
+                                    min_p, presence_penalty, frequency_penalty, repetition_penalty)
             reqs.append(Request(f"offline-{self._next_id}", list(p), params))
             self._next_id += 1
         if self.pd is not None:
@@ -122,6 +126,7 @@ class LLM:
         try:
             while any(not r.finished for r in reqs):
                 self.engine.step()
+            self.engine.flush()  # a step launched ahead of tokens that turned out to be the last
         except BaseException:
             for r in reqs:
                 self.engine.abort(r.request_id)
@@ -181,6 +186,7 @@ class _LocalPD:
                 failed = [r for r in reqs if r.finish_reason is FinishReason.ERROR]
                 if failed:
                     raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
+            self.decode.engine.flush()
         except BaseException:
             for r in reqs:
                 self.prefill.abort(r.request_id)

@@ -46,6 +46,10 @@ class PagePool:
         self._run_at_end: dict[int, int] = {num_pages: 0}  # run end (exclusive) -> start
         self._free_count = num_pages
         self._used: set[int] = set()
+        # Frees held back while a decode step launched without waiting may still
+        # write into the pages (`hold_frees`): (tag of the newest such step, pages).
+        self._hold_tag: int | None = None
+        self._held: list[tuple[int, list[int]]] = []
 
     @property
     def free_count(self) -> int:
@@ -77,6 +81,7 @@ class PagePool:
         return self.allocate(pages_for_tokens(num_tokens))
 
     def free(self, pages: list[int]) -> None:
+        """Return ``pages``; while frees are held (`hold_frees`), they wait for their step."""
         # Validate everything first: a bad list must not leave the pool half-updated.
         seen: set[int] = set()
         for p in pages:
@@ -85,8 +90,41 @@ class PagePool:
             seen.add(p)
         for p in pages:
             self._used.remove(p)
+        if self._hold_tag is not None:
+            self._held.append((self._hold_tag, list(pages)))
+            return
+        self._give_back_all(pages)
+
+    def hold_frees(self, tag: int | None) -> None:
+        """Hold the pages freed from now on until `release_held` covers ``tag``.
+
+        The engine launches a decode step and reads its result back during
+        the next one (overlap scheduling); until a step has run, it may still
+        write the KV of a request that ended meanwhile into that request's
+        pages, and a page given to a new request could already be receiving
+        its KV over NIXL. ``tag``: the newest step in flight; None: free at once.
+        """
+        self._hold_tag = tag
+
+    def release_held(self, through: int | None = None) -> None:
+        """Give back the held pages of steps ``<= through`` (all when None): those steps completed."""
+        keep = []
+        for tag, pages in self._held:
+            if through is None or tag <= through:
+                self._give_back_all(pages)
+            else:
+                keep.append((tag, pages))
+        self._held = keep
+
+    @property
+    def held_count(self) -> int:
+        """Pages freed but held back for a step still in flight (neither used nor free)."""
+        return sum(len(p) for _, p in self._held)
+
+    def _give_back_all(self, pages: list[int]) -> None:
+        for p in pages:
             self._give_back(p)
-        self._free_count += len(seen)
+        self._free_count += len(pages)
 
     # -- runs ---------------------------------------------------------------------
 

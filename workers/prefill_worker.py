@@ -3,7 +3,7 @@ the decode replica over NIXL and returns the first token + last hidden state."""
 
 from __future__ import annotations
 
-import io
+import random
 import time
 from dataclasses import dataclass, replace
 
@@ -15,7 +15,10 @@ from transfer import PushStatus
 from workers.kv_link import KVLink
 from workers.model_runner import ModelRunner, WorkItem
 from workers.page_pool import PagePool
-from workers.sampler import SamplingParams, sample
+from workers.sample.metadata import SamplingMetadata, TokenHistory
+from workers.sample.output import SampleOutput, read_back
+from workers.sample.params import SamplingParams
+from workers.sample.sampler import sample
 
 
 @dataclass
@@ -33,8 +36,10 @@ class PrefillTask:
 class PrefillResult:
     """first_token / first_logprob: the sampled token after the prompt.
     last_hidden: fp32 ``[hidden]`` target hidden state of the last prompt
-    position (decode's first MTP draft needs it). generator_state: the
-    request's RNG after sampling (so decode continues the same stream).
+    position (decode's first MTP draft needs it). seed / rng_offset: the
+    request's random stream and the draws prefill used of it (decode
+    continues the same stream: two ints, ``workers.sample.ops.rng``).
+    first_top_logprobs: token 1's top log-probabilities, when asked.
     ``ok`` is False when the push failed, expired or was cancelled."""
 
     request_id: str
@@ -42,7 +47,9 @@ class PrefillResult:
     first_token: int = -1
     first_logprob: float = 0.0
     last_hidden: torch.Tensor | None = None
-    generator_state: bytes | None = None
+    seed: int | None = None
+    rng_offset: int = 0
+    first_top_logprobs: dict[int, float] | None = None
     error: str = ""
     push_status: str = ""
     """How the push ended (`transfer.PushStatus` value); empty if it never began."""
@@ -56,8 +63,8 @@ class PrefillResult:
 class _Active:
     task: PrefillTask
     page_table: list[int]
+    seed: int
     done: int = 0
-    generator: torch.Generator | None = None
     result: PrefillResult | None = None
 
 
@@ -79,6 +86,8 @@ class PrefillWorker:
         self.final_push_wait_s = final_push_wait_s
         self.pusher = link.pusher()  # a tensor-parallel replica's link pushes rank i -> rank i
         self.active: dict[str, _Active] = {}
+        # The replica's RNG: only the seeds of requests that bring none come from it.
+        self._seeds = random.Random()
 
     def submit(self, task: PrefillTask) -> None:
         """Allocate local pages and start tracking the push (raises ``PoolExhausted``)."""
@@ -92,8 +101,8 @@ class PrefillWorker:
         except Exception:
             self.pool.free(pages)
             raise
-        gen = torch.Generator().manual_seed(task.params.seed) if task.params.seed is not None else None
-        self.active[task.request_id] = _Active(task, pages, generator=gen)
+        seed = task.params.seed if task.params.seed is not None else self._seeds.getrandbits(64)
+        self.active[task.request_id] = _Active(task, pages, seed)
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         if request_id not in self.active:
@@ -151,33 +160,42 @@ class PrefillWorker:
         return out
 
     def _run(self, items, chosen) -> None:
-        model = self.runner.model
         batch, hidden = self.runner.forward(ForwardMode.PREFILL, items)
         ranges = batch.query_ranges()
         if self.mtp:
             self._run_mtp(chosen, ranges, hidden)
-        # The MTP layer ran first (it needs the prompt's tokens, not the sampled one), so reading the
-        # first token back below waits for every kernel that wrote this round's pages.
-        read_back = False
+        finishing, rows = [], []
         for (a, start, end), (s0, s1) in zip(chosen, ranges):
-            n = len(a.task.token_ids)
             a.done = end
-            if end == n:
-                logits = model.logits(hidden[s1 - 1:s1])
-                tok = sample(logits[0], a.task.params, a.generator)
-                state = None
-                if a.generator is not None:
-                    buf = io.BytesIO()
-                    torch.save(a.generator.get_state(), buf)
-                    state = buf.getvalue()
-                a.result = PrefillResult(a.task.request_id, True, tok, float(torch.log_softmax(logits[0], -1)[tok]),
-                                         hidden[s1 - 1].float().cpu().clone(), state)
-                read_back = True
+            if end == len(a.task.token_ids):
+                finishing.append(a)
+                rows.append(s1 - 1)
+        if finishing:
+            self._sample_first(finishing, hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
         # A chunk's pages are final in every layer, the MTP layer's included. After a read-back they
         # are written: a fence (a CUDA event the pusher polls) would only delay the WRITE of a prompt's
         # last chunk, the one its first token waits for (docs/perf.md, session 8).
         for a, _, end in chosen:
-            self.pusher.push(a.task.request_id, end, written=read_back)
+            self.pusher.push(a.task.request_id, end, written=bool(finishing))
+
+    def _sample_first(self, finishing: list[_Active], last_hidden: torch.Tensor) -> None:
+        """Token 1 of every prompt finished this round, sampled as one batch (draw 0 of each
+        request's stream), read back with the last hidden states ``[F, hidden]`` in one copy.
+        The MTP layer ran first (it needs the prompt's tokens, not the sampled one), so the
+        read-back waits for every kernel that wrote this round's pages."""
+        params = [a.task.params for a in finishing]
+        meta = SamplingMetadata.build(params, [a.seed for a in finishing], [0] * len(finishing), last_hidden.device)
+        history = None
+        if meta.penalties is not None:
+            # Nothing is generated before token 1: only the repetition penalty sees tokens (the prompt's).
+            history = TokenHistory.build([a.task.token_ids if p.repetition_penalty != 1.0 else None
+                                          for a, p in zip(finishing, params)], [None] * len(finishing),
+                                         last_hidden.device)
+        out = sample(self.runner.model.logits(last_hidden), meta, history)
+        packed, hidden = read_back(out.packed(), last_hidden)
+        for a, s, h in zip(finishing, SampleOutput.unpack(packed.tolist(), meta.top_logprobs), hidden):
+            a.result = PrefillResult(a.task.request_id, True, s.token, s.logprob, h.clone(), a.seed, 1,
+                                     s.top_logprobs)
 
     def _run_mtp(self, chosen, ranges, hidden: torch.Tensor) -> None:
         """The MTP layer's cache for this round's positions whose next token is in the prompt

@@ -7,7 +7,7 @@ from enum import Enum
 
 import torch
 
-from workers.sampler import SamplingParams
+from workers.sample.params import SamplingParams
 
 
 class RequestState(Enum):
@@ -35,7 +35,10 @@ class Request:
     not written yet (the MTP layer needs the *next* token of each, known only
     after it is sampled or accepted).
     ``drafts``: draft tokens proposed for the next verify step, with
-    ``draft_probs`` (``[k, vocab]`` fp32, sampling mode only).
+    ``draft_probs`` (``[k, vocab]`` fp32 on the logits' device, sampling mode only).
+    ``seed`` / ``rng_offset``: the request's random stream and how many draws
+    of it are used (``workers.sample.ops.rng``): ``params.seed``, or one the
+    engine draws at admission; a prefilled request brings both from prefill.
     """
 
     request_id: str
@@ -48,22 +51,35 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
-    generator: torch.Generator | None = None
+    seed: int | None = None
+    rng_offset: int = 0
     pending_hidden: torch.Tensor | None = None
     pending_start: int = 0
     drafts: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
     arrival: int = 0
+    _prompt_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
-        if self.params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.seed is None:
+            self.seed = self.params.seed
+
+    def prompt_ids(self) -> torch.Tensor:
+        """int64 ``[len(prompt)]`` on the host, made once (the repetition penalty reads it every step)."""
+        if self._prompt_ids is None:
+            self._prompt_ids = torch.tensor(self.prompt, dtype=torch.int64)
+        return self._prompt_ids
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def last_token(self) -> int:
+        """The newest token (without building ``token_ids``: that copies the whole context)."""
+        return self.output[-1] if self.output else self.prompt[-1]
 
     @property
     def num_tokens(self) -> int:

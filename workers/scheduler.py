@@ -23,6 +23,7 @@ class SchedulerConfig:
     max_batch_size: int = 64
     chunk_size: int = 256          # prefill tokens per step (all requests together)
     mtp_draft_tokens: int = 0
+    overlap: bool = True           # launch pure-decode steps ahead of the read-back (`Engine.step`)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.chunk_size < 1:

@@ -17,16 +17,17 @@ program per row:
    offsets come from prefix sums, so the selected set is written in ascending
    position order, then ``-1`` padded to ``topk``.
 
-Tie rule: among logits equal to the ``topk``-th largest value, the lowest
-positions win (what a stable descending sort picks). ``-0.0`` equals ``+0.0``;
-NaN ranks above ``+inf`` (as in ``torch.topk``).
+Tie rule (the reference's, attention/API.md): among logits equal to the
+``topk``-th largest value, the lowest positions win (what a stable descending
+sort picks). ``-0.0`` equals ``+0.0``; NaN ranks above ``+inf`` (as in
+``torch.topk``). A row's selection depends on its own logits and length only,
+never on the logits width or the other rows (batch invariance).
 
 Differences from the reference ``attention.indexer.topk_slots``: the selected
-set is the same (up to the order of exact ties, which the reference leaves
-unspecified) but listed in ascending position order rather than descending
-logit order (FlashMLA does not care), and a position whose page is missing
-(beyond the block table's width or a ``-1`` entry) yields slot ``-1`` where
-the reference raises.
+set is the same, exact ties included, but listed in ascending position
+order rather than descending logit order (FlashMLA does not care), and a
+position whose page is missing (beyond the block table's width or a ``-1``
+entry) yields slot ``-1`` where the reference raises.
 
 Cost: each pass re-reads the row (from L2 for the rows of one decode step), so
 the kernel moves about five row reads; there is no sort.

@@ -222,3 +222,135 @@ def test_topk_checks():
         topk_slots(torch.zeros(2, 8), torch.tensor([1, 1]), 0, None)
     with pytest.raises(IndexError):  # chosen position maps to a -1 page
         topk_slots(torch.zeros(1, 130), torch.tensor([130]), 200, torch.tensor([[3, -1, 4]]))
+
+
+# ------------------------------------------------ top-k tie rule (issue 19)
+
+
+def rule_topk(values: list[float], length: int, topk: int) -> list[int]:
+    """The documented order: candidates (t < length, not -inf) by descending
+    logit, equal logits by ascending position (-0.0 == +0.0, NaN largest)."""
+    cand = [t for t in range(length) if values[t] != NEG_INF]
+    return sorted(cand, key=lambda t: (0, 0.0, t) if values[t] != values[t] else (1, -values[t], t))[:topk]
+
+
+def tied_rows(gen, R: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a handful of levels (+0.0 and -0.0 among them, as ReLU-zero
+    index scores come out) with -inf holes; lengths from 0 to ``max_len``."""
+    levels = torch.tensor([-1.0, -0.0, 0.0, 0.0, 0.5, 2.0])
+    lengths = torch.randint(0, max_len + 1, (R,), generator=gen)
+    lengths[:3] = torch.tensor([max_len, 0, 1])
+    rows = levels[torch.randint(0, len(levels), (R, max_len), generator=gen)]
+    rows[torch.rand(R, max_len, generator=gen) < 0.15] = NEG_INF
+    return rows, lengths
+
+
+@pytest.mark.parametrize("topk", [1, 7, 24, 64])
+def test_topk_ties_lower_position_wins_in_every_layout(gen, topk):
+    """Exact ties straddle the k-th place: the lower positions win, in order, and
+    a row selects the same alone (logits exactly its length wide), batched with
+    wider rows (padding past its length holding -inf, +inf, NaN or big
+    values), and in any row order."""
+    R, W = 9, 150
+    rows, lengths = tied_rows(gen, R, W)
+    bt = torch.stack([torch.randperm(50, generator=gen)[:3] for _ in range(R)]).to(torch.int32)
+    want = [rule_topk(rows[r].tolist(), int(lengths[r]), topk) for r in range(R)]
+    # the cases the rule is about really occur: a tie group cut by the k-th place
+    cut = 0
+    for r in range(R):
+        n = int(lengths[r])
+        vals = sorted((v for v in rows[r, :n].tolist() if v != NEG_INF), reverse=True)
+        cut += len(vals) > topk and vals[topk - 1] == vals[topk]
+    assert cut >= 2
+
+    def check(pos, slots, r, label):
+        w = want[r]
+        assert pos.tolist()[: len(w)] == w, f"{label}: row {r}"
+        assert (pos[len(w):] == -1).all(), f"{label}: row {r} padding"
+        exp = [int(bt[r, p // PAGE_SIZE]) * PAGE_SIZE + p % PAGE_SIZE for p in w]
+        assert slots.tolist()[: len(w)] == exp and (slots[len(w):] == -1).all(), f"{label}: row {r} slots"
+
+    for pad in (NEG_INF, float("inf"), float("nan"), 1e30):
+        wide = torch.full((R, W + 77), pad)
+        for r in range(R):
+            wide[r, : int(lengths[r])] = rows[r, : int(lengths[r])]
+        pos, slots = topk_slots(wide, lengths, topk, bt)
+        for r in range(R):
+            check(pos[r], slots[r], r, f"batched, padding {pad}")
+        perm = torch.randperm(R, generator=gen)
+        ppos, pslots = topk_slots(wide[perm], lengths[perm], topk, bt[perm])
+        assert torch.equal(ppos, pos[perm]) and torch.equal(pslots, slots[perm]), f"row order, padding {pad}"
+    for r in range(R):
+        n = int(lengths[r])
+        apos, aslots = topk_slots(rows[r : r + 1, :n].clone(), lengths[r : r + 1], topk, bt[r : r + 1])
+        check(apos[0], aslots[0], r, "alone")
+
+
+def test_topk_all_zero_scores_pick_the_first_positions():
+    """The issue's case: every head's ReLU is zero, so every score is 0.0 (some
+    -0.0): the first ``topk`` positions, whatever the row width."""
+    for width in (20, 41, 64, 301, 5000):
+        logits = torch.full((2, width), NEG_INF)
+        logits[:, :20] = 0.0
+        logits[0, 1::3] = -0.0
+        pos, _ = topk_slots(logits, torch.tensor([20, 20]), 8, None)
+        assert pos.tolist() == [list(range(8))] * 2, width
+
+
+def test_topk_masked_entries_never_beat_a_real_position():
+    """-inf candidates and positions past the length never win over a real
+    position, even the lowest one; NaN (a real position) ranks first."""
+    logits = torch.tensor([[-3e38, NEG_INF, -1.0, float("nan"), 5.0, 9.0]])
+    pos, _ = topk_slots(logits, torch.tensor([4]), 6, None)
+    assert pos.tolist() == [[3, 2, 0, -1, -1, -1]]
+    pos, _ = topk_slots(torch.tensor([[NEG_INF, -3.4e38, NEG_INF]]), torch.tensor([3]), 2, None)
+    assert pos.tolist() == [[1, -1]]
+
+
+def test_ragged_topk_ties_same_when_packed_behind_another_request(gen):
+    """Packed prefill (ragged rows over several requests' keys): a request's
+    selection, shifted by its offset in the packed keys, is what it selects
+    alone, ties included (its queries are zero, so every score is 0)."""
+    from attention.backend import get_backend
+
+    H, D, topk = 4, 8, 6
+    be = get_backend("reference")
+    n_a, n_b = 13, 30
+    k = torch.randn(n_a + n_b, D, generator=gen)
+    q = torch.randn(n_a + n_b, H, D, generator=gen)
+    q[n_a:] = 0.0  # request b: every score ties
+    w = torch.randn(n_a + n_b, H, generator=gen)
+    ks = torch.tensor([0] * n_a + [n_a] * n_b)
+    ke = torch.cat([torch.arange(1, n_a + 1), n_a + torch.arange(1, n_b + 1)])
+    packed, _ = be.ragged_topk(q, k, None, w, ks, ke, topk)
+    alone, _ = be.ragged_topk(q[n_a:], k[n_a:], None, w[n_a:], ks[n_a:] - n_a, ke[n_a:] - n_a, topk)
+    assert torch.equal(torch.where(packed[n_a:] >= 0, packed[n_a:] - n_a, -1), alone)
+    for s in range(n_b):
+        assert alone[s].tolist() == [t if t <= s else -1 for t in range(topk)], s
+
+
+@pytest.mark.parametrize("mode", ["fp8", "auto"])
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_logits_bit_identical_alone_and_batched(gen, mode, next_n):
+    """A request's index scores do not depend on its batch-mates: alone (logits as
+    wide as its own context, even a few keys) or beside a longer request (as wide
+    as that one's), the same bits; so near-ties cannot flip either. Ragged rows
+    likewise, whatever slice of rows and keys a prefill chunk holds."""
+    H, D = 64, 32
+    c = PagedKVCache(CacheSpec(1, 16, 32, 8, D, mode, torch.float32))
+    c.write_index(0, torch.arange(16 * PAGE_SIZE), torch.randn(16 * PAGE_SIZE, D, generator=gen))
+    table = torch.randperm(16, generator=gen).view(2, 8).to(torch.int32)
+    for short in (next_n, 5, 11, 40, 129):
+        q = torch.randn(2, next_n, H, D, generator=gen)
+        w = torch.randn(2 * next_n, H, generator=gen)
+        ctx = torch.tensor([short, 500])[:, None] - next_n + torch.arange(1, next_n + 1)[None, :]
+        both = paged_mqa_logits(q, c.index[0], w, ctx, table, 500)
+        alone = paged_mqa_logits(q[:1], c.index[0], w[:next_n], ctx[:1], table[:1], short)
+        assert torch.equal(both[:next_n, :short], alone), short
+    S, N = 128, 128
+    q, k = torch.randn(S, H, D, generator=gen), torch.randn(N, D, generator=gen)
+    w, ks, ke = torch.randn(S, H, generator=gen), torch.zeros(S, dtype=torch.long), torch.arange(1, S + 1)
+    full = ragged_mqa_logits(q, k, None, w, ks, ke)
+    for s0, s1 in ((0, 1), (0, 7), (3, 11), (60, 100), (90, 128)):
+        part = ragged_mqa_logits(q[s0:s1], k[:s1], None, w[s0:s1], ks[s0:s1], ke[s0:s1])
+        assert torch.equal(part, full[s0:s1, :s1]), (s0, s1)

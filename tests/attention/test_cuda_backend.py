@@ -339,6 +339,132 @@ def check_topk(device, gen, big):
     assert torch.equal(pos2.cpu(), pos.cpu()) and torch.equal(slots2.cpu(), pos.cpu())
 
 
+def _tied_rows(gen, R, L, lengths, topk):
+    """Logits with many exact ties: half the rows on a handful of levels, about
+    ``topk / 2`` positive ones and half zeros of both signs (as ReLU-zero index
+    scores come out: the k-th place falls in the zeros), half bf16-rounded
+    normals (ties in the k-th value's neighbourhood, few enough to stay on the
+    sampled kernels' candidate path); -inf holes; garbage past each length."""
+    u = torch.rand(R, L, generator=gen)
+    pick = lambda vals: torch.tensor(vals)[torch.randint(0, len(vals), (R, L), generator=gen)]  # noqa: E731
+    p_pos = topk / (2 * L)
+    x = torch.where(u < p_pos, pick([0.25, 2.0]), torch.where(u < p_pos + 0.5, pick([-0.0, 0.0]), pick([-1.0, -0.5])))
+    x[1::2] = torch.randn(R // 2, L, generator=gen).to(torch.bfloat16).float()
+    x[torch.rand(R, L, generator=gen) < 0.1] = NEG_INF
+    past = torch.arange(L)[None, :] >= lengths[:, None]
+    garbage = torch.tensor([float("nan"), float("inf"), 3e38])[torch.randint(0, 3, (R, L), generator=gen)]
+    return torch.where(past, garbage, x)
+
+
+def _rule_ascending(ref_pos: torch.Tensor) -> list[int]:
+    """The reference's selection (descending logit, ties by position) listed the cuda way: ascending."""
+    return sorted(p for p in ref_pos.tolist() if p >= 0)
+
+
+def check_topk_ties(device, gen, big):
+    """Exact ties at the top-k boundary (issue 19): the cuda top-k selects what the
+    reference selects (lower position wins), on rows of different widths, batched
+    and alone, on both top-k kernels (fused for narrow rows, sampled for wide ones),
+    and through the logits kernels with zero queries (every score ties)."""
+    from attention.cuda import topk as tk
+
+    be = _be()
+    saved = tk.SAMPLED_MIN_LEN
+    if not big:
+        tk.SAMPLED_MIN_LEN = 256  # the interpreter's rows are short: let the wide ones take the sampled kernels
+    try:
+        # 1. top-k of given logits
+        R, L, topk = (16, 40_000, 2048) if big else (8, 400, 24)
+        lengths = torch.randint(topk + 1, L + 1, (R,), generator=gen)
+        lengths[:6] = torch.tensor([L, 0, topk - 1, topk, topk + 1, 3 * topk])
+        logits = _tied_rows(gen, R, L, lengths, topk)
+        bt = torch.randperm(R * 3 * (-(-L // PAGE_SIZE)), generator=gen)[: R * (-(-L // PAGE_SIZE))]
+        bt = bt.view(R, -1).to(torch.int32)
+        rpos, rslots = ref_indexer.topk_slots(logits, lengths, topk, bt)
+        pos, slots = be.topk_slots(logits.to(device), lengths.to(device), topk, bt.to(device))
+        pos, slots = pos.cpu(), slots.cpu()
+        cut = 0
+        for r in range(R):
+            want = _rule_ascending(rpos[r])
+            got = pos[r].tolist()
+            assert got[: len(want)] == want and all(p == -1 for p in got[len(want):]), f"batched row {r}"
+            want_slots = [int(bt[r, p // PAGE_SIZE]) * PAGE_SIZE + p % PAGE_SIZE for p in want]
+            assert slots[r].tolist() == want_slots + [-1] * (topk - len(want)), f"batched row {r} slots"
+            v = logits[r, : int(lengths[r])]
+            v = v[v != NEG_INF].sort(descending=True).values
+            cut += v.numel() > topk and bool(v[topk - 1] == v[topk])
+        assert cut >= R // 3, f"only {cut} rows have a tie across the k-th place"
+        for r in range(R):  # alone: the row's own width (plus a little garbage), narrower than the batch
+            n = int(lengths[r])
+            w = n + int(torch.randint(0, 4, (1,), generator=gen)) + (n == 0)
+            lone = logits[r : r + 1, :w].clone()
+            apos, aslots = be.topk_slots(lone.to(device), lengths[r : r + 1].to(device), topk, bt[r : r + 1].to(device))
+            assert torch.equal(apos.cpu()[0], pos[r]) and torch.equal(aslots.cpu()[0], slots[r]), f"alone row {r}"
+        npos, nslots = be.topk_slots(logits.to(device), lengths.to(device), topk, None)
+        assert torch.equal(npos.cpu(), pos) and torch.equal(nslots.cpu(), pos), "without a page table"
+
+        # 2. decode: paged logits of zero queries (every visible score is 0) -> top-k
+        H, D = 64, 128
+        B = 6
+        seq = torch.randint(1, (20_000 if big else 600) + 1, (B,), generator=gen)
+        seq[:3] = torch.tensor([1, topk, topk + 1])
+        seq[3] = 20_000 if big else 600
+        pages = [-(-int(n) // PAGE_SIZE) for n in seq]
+        num_pages = sum(pages) + 3
+        cache = _index_cache(num_pages, gen, device)
+        perm = torch.randperm(num_pages, generator=gen)
+        table = torch.zeros(B, max(pages), dtype=torch.int32)
+        o = 0
+        for b, n in enumerate(pages):
+            table[b, :n] = perm[o : o + n].to(torch.int32)
+            o += n
+        q = torch.zeros(B, 1, H, D, dtype=torch.float8_e4m3fn, device=device)
+        w = (torch.randn(B, H, generator=gen) * 0.1).to(device)  # negative weights: -0.0 scores too
+        ctx = indexer_context_lens(seq).to(device)
+
+        def decode_select(rows: slice):
+            lg = be.paged_mqa_logits(q[rows], cache.index[0], w[rows], ctx[rows], table[rows].to(device),
+                                     int(seq[rows].max()))
+            return be.topk_slots(lg, ctx[rows].view(-1), topk, table[rows].to(device))
+
+        allb = slice(0, B)
+        dpos, dslots = (t.cpu() for t in decode_select(allb))
+        for b in range(B):
+            n = min(int(seq[b]), topk)
+            assert dpos[b].tolist() == list(range(n)) + [-1] * (topk - n), f"decode row {b}: the first positions"
+            apos, aslots = decode_select(slice(b, b + 1))
+            assert torch.equal(apos.cpu()[0], dpos[b]) and torch.equal(aslots.cpu()[0], dslots[b]), f"decode alone {b}"
+        # the reference pipeline selects the same set
+        ref_lg = ref_indexer.paged_mqa_logits(q.cpu(), cache.index[0].cpu(), w.cpu(), ctx.cpu(), table,
+                                              int(seq.max()))
+        rp, rs = ref_indexer.topk_slots(ref_lg, ctx.cpu().view(-1), topk, table)
+        for b in range(B):
+            assert _rule_ascending(rp[b]) == [p for p in dpos[b].tolist() if p >= 0], f"decode vs reference {b}"
+            assert sorted(s_ for s_ in rs[b].tolist() if s_ >= 0) == sorted(s_ for s_ in dslots[b].tolist() if s_ >= 0)
+
+        # 3. prefill: ragged logits + top-k, a request packed behind another == alone
+        n_a, n_b = (700, 3000) if big else (8, 32)
+        N = n_a + n_b
+        k8, ksc = quantize_indexer_fp8(torch.randn(N, D, generator=gen))
+        qp, _ = _fp8_queries((N, H, D), gen, "cpu")
+        qp[n_a:] = 0.0  # request b: every score ties
+        qp = qp.to(device)
+        k8, ksc = k8.to(device), ksc.to(device)
+        wp = (torch.randn(N, H, generator=gen) * 0.1).to(device)
+        ks = torch.tensor([0] * n_a + [n_a] * n_b, dtype=torch.int32)
+        ke = torch.cat([torch.arange(1, n_a + 1), n_a + torch.arange(1, n_b + 1)]).to(torch.int32)
+        packed, _ = be.ragged_topk(qp, k8, ksc, wp, ks.to(device), ke.to(device), topk)
+        alone, _ = be.ragged_topk(qp[n_a:], k8[n_a:], ksc[n_a:], wp[n_a:], (ks[n_a:] - n_a).to(device),
+                                  (ke[n_a:] - n_a).to(device), topk)
+        packed, alone = packed.cpu()[n_a:], alone.cpu()
+        assert torch.equal(torch.where(packed >= 0, packed - n_a, -1), alone), "ragged: packed != alone"
+        for s_ in range(n_b):
+            n = min(s_ + 1, topk)
+            assert alone[s_].tolist() == list(range(n)) + [-1] * (topk - n), f"ragged row {s_}"
+    finally:
+        tk.SAMPLED_MIN_LEN = saved
+
+
 def _prefill_case(device, gen, s, h, s_kv, topk, empty_row):
     q = torch.randn(s, h, 576, generator=gen).to(torch.bfloat16)
     kv = (torch.randn(s_kv, 1, 576, generator=gen) * 1.5).to(torch.bfloat16)
@@ -481,6 +607,7 @@ CHECKS = {
     "paged_logits": check_paged_logits,
     "ragged_logits": check_ragged_logits,
     "topk": check_topk,
+    "topk_ties": check_topk_ties,
     "sparse_prefill": check_sparse_prefill,
     "prefill_empty_rows": check_prefill_empty_rows,
     "sparse_decode": check_sparse_decode,

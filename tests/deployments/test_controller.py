@@ -477,7 +477,7 @@ def test_monolithic_num_pages_hold_what_the_engine_admits():
     # last step may write (Scheduler.add): one position more than max_model_len without MTP.
     from workers.page_pool import PagePool
     from workers.request import Request
-    from workers.sampler import SamplingParams
+    from workers.sample.params import SamplingParams
     from workers.scheduler import Scheduler, SchedulerConfig
 
     m = tiny_model()  # max_position_embeddings 2048 = 32 pages

@@ -22,7 +22,7 @@ from tests.deployments.app_fixtures import yaml_args
 from tests.workers.prompts import random_prompt
 from workers.offline import LLM
 from workers.request import Request
-from workers.sampler import SamplingParams
+from workers.sample.params import SamplingParams
 
 RAW = yaml_args("tiny_mono.yaml")
 PROMPTS = [random_prompt(n, 256, seed=n) for n in (1, 37, 64, 65, 300)]  # 300: two 256-token chunks

@@ -33,7 +33,7 @@ from deployments.openai_protocol import (
     sse_event,
 )
 from workers.page_pool import PagePool, PoolExhausted
-from workers.sampler import SamplingParams
+from workers.sample.params import SamplingParams
 
 
 def bad(body, kind="completion") -> OpenAIError:
@@ -75,6 +75,20 @@ def test_sampling_fields_and_conversion():
     assert r.stop_sequences == ("a", "bc")
 
 
+def test_penalties_min_p_and_logprobs_reach_the_sampler():
+    body = {"model": "m", "presence_penalty": 0.5, "frequency_penalty": -0.25, "min_p": 0.05, "repetition_penalty": 1.1}
+    r = parse_request({**body, "prompt": "x", "logprobs": 0}, "completion")
+    sp = r.sampling_params(max_new_tokens=4)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.min_p, sp.repetition_penalty, sp.logprobs) == \
+        (0.5, -0.25, 0.05, 1.1, 0)
+    assert parse_request({"model": "m", "prompt": "x"}, "completion").sampling_params(4).logprobs is None
+    chat = {**body, "messages": [{"role": "user", "content": "x"}]}
+    assert parse_request(chat, "chat").sampling_params(4).logprobs is None
+    assert parse_request({**chat, "logprobs": True}, "chat").sampling_params(4).logprobs == 0
+    sp = parse_request({**chat, "logprobs": True, "top_logprobs": 3}, "chat").sampling_params(4)
+    assert (sp.logprobs, sp.presence_penalty, sp.repetition_penalty) == (3, 0.5, 1.1)
+
+
 @pytest.mark.parametrize("field, value, param, needle", [
     ("n", 2, "n", "n must be 1"),
     ("temperature", 2.5, "temperature", "less than or equal to 2"),
@@ -83,7 +97,10 @@ def test_sampling_fields_and_conversion():
     ("max_tokens", 0, "max_tokens", "greater than or equal to 1"),
     ("logprobs", 6, "logprobs", "less than or equal to 5"),
     ("stop", "", "stop", "non-empty"),
-    ("presence_penalty", 0.5, "presence_penalty", "not supported"),
+    ("presence_penalty", 2.5, "presence_penalty", "less than or equal to 2"),
+    ("frequency_penalty", -2.5, "frequency_penalty", "greater than or equal to -2"),
+    ("min_p", 1.5, "min_p", "less than or equal to 1"),
+    ("repetition_penalty", 0, "repetition_penalty", "greater than 0"),
     ("echo", True, "echo", "not supported"),
     ("best_of", 2, "best_of", "Unrecognized request argument supplied: best_of"),
     ("stream_options", {"include_usage": True}, None, "only allowed when stream is true"),

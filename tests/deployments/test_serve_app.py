@@ -226,7 +226,7 @@ def test_context_limit(client, ready):
     ("top_p", 0, "top_p"),
     ("max_tokens", 0, "max_tokens"),
     ("n", 2, "n must be 1"),
-    ("presence_penalty", 0.5, "not supported"),
+    ("presence_penalty", 2.5, "presence_penalty"),
     ("logprobs", 3, "not supported"),
 ])
 def test_bad_sampling_values_are_400(client, field, value, needle):

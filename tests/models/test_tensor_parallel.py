@@ -29,7 +29,7 @@ from workers.model_runner import WorkItem
 from workers.page_pool import PagePool
 from workers.rank_build import RankSpec, build_rank
 from workers.request import Request
-from workers.sampler import SamplingParams
+from workers.sample.params import SamplingParams
 from workers.scheduler import SchedulerConfig
 
 # Longer than index_topk (16): the sparse selection is exercised; 70 crosses a page.

@@ -3,6 +3,7 @@ checking our model against transformers' ``deepseek_v32`` / ``glm_moe_dsa``."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -57,4 +58,38 @@ def save_hf_model(name: str, out: Path, seed: int = 0):
     arch, overrides = CONFIGS[name]
     model = build_hf_model(arch, overrides, seed)
     model.save_pretrained(out)
+    return model
+
+
+def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
+    """``Tensor.topk`` by a stable sort: among equal values the lower index first."""
+    values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+def use_tie_rule(model):
+    """Make transformers' DSA indexers break exact index-score ties by our
+    documented rule (attention/API.md: the lower position wins), in place.
+
+    transformers selects with ``index_scores.topk``, whose choice among equal
+    scores is arbitrary (it changes with the row width); our backends follow
+    one rule, so a prompt with an exact tie at the top-k boundary (every
+    head's ReLU zero: several scores 0.0) is only comparable under the same
+    rule. ``Tensor.topk`` is swapped for a stable one during each indexer
+    forward only (the MoE router's top-k is left alone)."""
+    for module in model.modules():
+        if not type(module).__name__.endswith("Indexer"):
+            continue
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, **kwargs):
+            saved = torch.Tensor.topk
+            torch.Tensor.topk = _stable_topk
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                torch.Tensor.topk = saved
+
+        module.forward = forward
     return model

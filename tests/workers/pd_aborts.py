@@ -7,7 +7,7 @@ import time
 from tests.workers.prompts import random_prompt
 from workers.prefill_worker import PrefillTask
 from workers.request import Request
-from workers.sampler import SamplingParams
+from workers.sample.params import SamplingParams
 
 
 def abort_at_every_phase(pre, dec) -> None:

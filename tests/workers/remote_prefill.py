@@ -103,7 +103,7 @@ def generate_pd(decode_llm, prefill: RemotePrefill, decode_worker, prompts, **sa
     """Greedy/sampled generation of ``prompts`` with prefill in the other process."""
     from workers.request import FinishReason, Request
     from workers.prefill_worker import PrefillTask
-    from workers.sampler import SamplingParams
+    from workers.sample.params import SamplingParams
 
     reqs = []
     for i, p in enumerate(prompts):

@@ -68,7 +68,7 @@ def test_static_decode_equals_eager_decode(tiny, k):
     assert graphs.plan.batch_sizes == (1, 2, 4, 5)
     reqs = []
     from workers.request import Request
-    from workers.sampler import SamplingParams
+    from workers.sample.params import SamplingParams
 
     for i, p in enumerate(prompts):
         reqs.append(Request(f"r{i}", list(p), SamplingParams(max_new_tokens=6 + i, ignore_eos=True)))
@@ -78,7 +78,7 @@ def test_static_decode_equals_eager_decode(tiny, k):
     run = graphs.run
 
     def counting_run(*args):
-        calls.append(args[3].shape[0])
+        calls.append(len(args[0]))
         return run(*args)
 
     graphs.run = counting_run
@@ -97,15 +97,14 @@ def test_padding_rows_never_write_the_cache(tiny):
     plan = DecodeGraphPlan(1, (4,), max_pages=2)
     graphs = DecodeGraphs(llm.model, llm.cache, be, plan, "cpu", capture=False)
     pages = [llm.pool.allocate(2) for _ in range(3)]
-    items = [WorkItem((5 + r,), 10 + r, tuple(pages[r])) for r in range(3)]
-    hb = host_batch(items)
-    graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables)
+    keys = [f"r{r}" for r in range(3)]
+    graphs.run(keys, [5, 6, 7], [11, 12, 13], pages)
     before = [t.clone() for t in llm.cache.mla]
     # Now one live row: rows 1..3 of the bucket are padding; the rows that
     # were live in the previous step must not write again.
-    one = host_batch(items[:1])
-    graphs.run(one.token_ids, one.positions, one.out_slots, one.seq_lens, one.page_tables)
-    slot = int(one.out_slots[0])
+    graphs.run(keys[:1], [5], [11], pages[:1])
+    assert graphs.inputs.num_rows == 1
+    slot = pages[0][0] * 64 + 10
     for layer, (a, b) in enumerate(zip(before, llm.cache.mla)):
         flat_a = a.view(llm.cache.spec.num_slots, -1)
         flat_b = b.reshape(llm.cache.spec.num_slots, -1)  # the live pool is a strided view
@@ -124,8 +123,7 @@ def test_out_of_plan_steps_run_eagerly(tiny):
     prompt = random_prompt(100, 300, 7)  # 2 pages: beyond the 64-token plan
     want = LLM(tiny).generate([prompt], max_new_tokens=4, ignore_eos=True)
     with pytest.raises(ValueError, match="outside this plan"):
-        hb = host_batch([WorkItem((1,), 99, (0, 1))])
-        graphs.run(hb.token_ids, hb.positions, hb.out_slots, hb.seq_lens, hb.page_tables)
+        graphs.run(["r"], [1], [100], [[0, 1]])
     assert llm.generate([prompt], max_new_tokens=4, ignore_eos=True) == want
 
 
@@ -136,3 +134,32 @@ def test_static_moe_equals_routed_moe(tiny):
     x = torch.randn(11, llm.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     for moe in moes:
         torch.testing.assert_close(moe(x, static_shapes=True), moe(x), rtol=1e-5, atol=1e-6)
+
+
+def test_persistent_rows_follow_joins_growth_and_leaves(tiny):
+    """The rows kept between steps (joins, a new page, a leave that moves the
+    last row, a new key order) give what a fresh batch of the same step gives."""
+    llm = LLM(tiny, max_batch_size=4)
+    be = get_backend("reference")
+    plan = DecodeGraphPlan(1, (4,), max_pages=3)
+    kept = DecodeGraphs(llm.model, llm.cache, be, plan, "cpu", capture=False)
+    pages = {k: llm.pool.allocate(1) for k in "abcd"}
+    ctx = {"a": 62, "b": 20, "c": 30, "d": 5}
+    steps = [["a", "b", "c"], ["c", "a"], ["d", "c", "a"], ["a"]]
+    for n, keys in enumerate(steps):
+        for k in keys:
+            ctx[k] += 1
+            if ctx[k] > 64 * len(pages[k]):
+                pages[k] += llm.pool.allocate(1)
+        args = (keys, [3 + n + i for i in range(len(keys))], [ctx[k] for k in keys], [pages[k] for k in keys])
+        got = kept.run(*args).clone()
+        fresh = DecodeGraphs(llm.model, llm.cache, be, plan, "cpu", capture=False).run(*args)
+        torch.testing.assert_close(got, fresh, rtol=1e-5, atol=1e-5)
+        assert kept.inputs.num_rows == len(keys)
+        rows = kept.inputs.assign(keys, [pages[k] for k in keys])
+        for k, r in zip(keys, rows):
+            table = kept.inputs.page_tables[r].tolist()
+            assert table[: len(pages[k])] == pages[k] and not any(table[len(pages[k]):]), (n, k, table)
+    assert len(pages["a"]) == 2  # the growth case happened
+    for p in pages.values():
+        llm.pool.free(p)

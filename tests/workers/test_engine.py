@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tests.workers.mtp_friendly import make_mtp_friendly
-from workers.mtp import accept_drafts, check_topk_reuse, draft_slot_layout
+from workers.mtp import check_topk_reuse, draft_slot_layout
 from workers.offline import LLM
 from workers.request import Request
-from workers.sampler import SamplingParams, sampling_probs
+from workers.sample.params import SamplingParams
 from tests.workers.prompts import random_prompt
 
 
@@ -145,24 +145,57 @@ def test_stop_strings(tiny):
     assert len(out) < len(free) and out == free[: len(out)]
 
 
-def test_rejection_sampling_preserves_target_distribution():
-    """Draft from q, accept by the rule: the first emitted token ~ p exactly."""
-    torch.manual_seed(0)
-    vocab, n = 5, 40000
-    p_logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
-    q = torch.tensor([0.05, 0.5, 0.2, 0.2, 0.05])
-    params = SamplingParams(max_new_tokens=4, temperature=1.0)
-    p = sampling_probs(p_logits, params)
-    gen = torch.Generator().manual_seed(1)
-    counts = torch.zeros(vocab)
-    target = torch.stack([p_logits, p_logits])  # row 0 scores the draft, row 1 the bonus
-    for _ in range(n):
-        d = int(torch.multinomial(q, 1, generator=gen))
-        acc = accept_drafts([d], target, params, q[None, :], gen)
-        counts[acc.tokens[0]] += 1
-    freq = counts / n
-    chi2 = (((counts - n * p) ** 2) / (n * p)).sum().item()
-    # 4 degrees of freedom: chi2 > 18.5 has p < 0.001
-    assert chi2 < 18.5, (freq, p)
-    # and the naive "always accept the draft" would be far off
-    assert ((q - p).abs().max() > 0.2)
+PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2)
+
+
+def test_greedy_mtp_with_penalties_equals_greedy_with_penalties(tiny, baseline):
+    """Verify positions count the drafts before them as generated: greedy MTP stays exact."""
+    prompts, plain = baseline[0][:3], baseline[1][:3]
+    want = LLM(tiny).generate(prompts, max_new_tokens=12, ignore_eos=True, **PENALTIES)
+    assert want != plain  # the penalties changed something
+    llm = LLM(tiny, mtp_draft_tokens=2)
+    assert llm.generate(prompts, max_new_tokens=12, ignore_eos=True, **PENALTIES) == want
+    assert llm.stats()["mtp_accepted"] > 0
+
+
+def test_seeded_request_samples_the_same_alone_or_batched(tiny):
+    """With MTP: drafts and acceptance draw from the request's own stream too (the plain
+    sampler's batch invariance is tests/workers/test_sample.py's)."""
+    llm = LLM(tiny, mtp_draft_tokens=2)
+    prompts = [random_prompt(n, 300, n) for n in (5, 70, 12)]
+    kw = dict(max_new_tokens=8, temperature=0.9, top_p=0.9, min_p=0.01, ignore_eos=True, **PENALTIES)
+    together = llm.generate(prompts, seed=40, **kw)
+    # request i of a call is seeded seed + i
+    assert [llm.generate([p], seed=40 + i, **kw)[0] for i, p in enumerate(prompts)] == together
+
+
+def test_one_read_back_per_step_and_top_logprobs(tiny, monkeypatch):
+    import workers.engine as engine_mod
+
+    calls = []
+    real = engine_mod.read_back
+    monkeypatch.setattr(engine_mod, "read_back", lambda *t: calls.append(len(t)) or real(*t))
+    # The read-back of the step itself (overlap scheduling reads each step back during
+    # the next one: tests/workers/test_overlap.py).
+    llm = LLM(tiny, chunk_size=32, max_batch_size=4, overlap_scheduling=False)
+    eng = llm.engine
+    reqs = [Request(f"t{i}", random_prompt(n, 300, i), SamplingParams(max_new_tokens=5, ignore_eos=True,
+                                                                      logprobs=3 if i else None))
+            for i, n in enumerate((3, 40, 20))]
+    for r in reqs:
+        eng.add_request(r)
+    outs = []
+    while eng.has_work:
+        outs += eng.step()
+    # Prefill samples and decode samples of one step come back together.
+    assert len(calls) == eng.stats.steps and max(calls) == 2
+    lp = {r.request_id: [] for r in reqs}
+    for o in outs:
+        if o.top_logprobs is not None:
+            assert len(o.top_logprobs) == len(o.token_ids)
+            lp[o.request_id] += list(zip(o.token_ids, o.logprobs, o.top_logprobs))
+    assert not lp["t0"] and len(lp["t1"]) == len(lp["t2"]) == 5
+    for tok, chosen, top in lp["t1"] + lp["t2"]:
+        ids = list(top)
+        assert len(ids) == 3 and list(top.values()) == sorted(top.values(), reverse=True)
+        assert ids[0] == tok and top[tok] == pytest.approx(chosen, abs=1e-5)  # greedy: the top token

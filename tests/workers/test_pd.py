@@ -58,7 +58,8 @@ def test_pd_with_mtp_equals_monolithic(tiny, reference, k):
 
 def test_pd_seeded_sampling_equals_monolithic(tiny, reference):
     prompts = reference[0][:3]
-    kw = dict(max_new_tokens=8, temperature=0.8, top_k=40, seed=11, ignore_eos=True)
+    kw = dict(max_new_tokens=8, temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, repetition_penalty=1.2,
+              frequency_penalty=0.3, seed=11, ignore_eos=True)
     assert LLM(tiny, pd=True).generate(prompts, **kw) == LLM(tiny).generate(prompts, **kw)
 
 
@@ -88,7 +89,7 @@ def test_prefill_round_sees_a_lone_prompts_push_end(tiny):
     (decode's notification goes out on that poll), rather than the engine's next idle poll."""
     from workers.prefill_worker import PrefillTask
     from workers.request import Request
-    from workers.sampler import SamplingParams
+    from workers.sample.params import SamplingParams
 
     llm = LLM(tiny, pd=True, chunk_size=32, num_pages=32)
     pre, dec = llm.pd.prefill, llm.pd.decode
@@ -122,7 +123,7 @@ def test_prefill_round_sees_a_finished_push_end_before_the_next_forward(tiny):
     """A prompt finished in a round while another still needs forwards: the round waits for its
     WRITE (decode's notification goes out on that poll), so its result comes from this round,
     not after the next forward; both pools come back whole."""
-    from workers.sampler import SamplingParams
+    from workers.sample.params import SamplingParams
 
     llm = LLM(tiny, pd=True, chunk_size=32, num_pages=32)
     pre, dec = llm.pd.prefill, llm.pd.decode
@@ -142,7 +143,7 @@ def test_a_prompts_last_chunk_is_pushed_unfenced_after_its_first_token_was_read_
     """A round that read a first token back has waited for every kernel it queued (the MTP layer's
     runs before the sampling), so its pushes need no fence; a round of partial chunks only is fenced.
     (On CPU the link has no fence: a counting one stands in for the CUDA event.)"""
-    from workers.sampler import SamplingParams
+    from workers.sample.params import SamplingParams
 
     llm = LLM(tiny, pd=True, chunk_size=32, num_pages=32, mtp_draft_tokens=1)
     pre, dec = llm.pd.prefill, llm.pd.decode

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.workers.hf_tiny import CONFIGS, save_hf_model
+from tests.workers.hf_tiny import CONFIGS, save_hf_model, use_tie_rule
 from workers.offline import LLM
 from tests.workers.prompts import random_prompt
 
@@ -16,6 +16,7 @@ def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     save_hf_model(request.param, path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    use_tie_rule(hf)  # exact index-score ties: transformers' torch.topk picks arbitrarily, we pick the lower position
     ours = LLM(path, dtype="float32", kv_cache_dtype="auto")
     return request.param, hf, ours
 

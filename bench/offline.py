@@ -102,6 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int, default=None, help="default: what the largest case needs")
     p.add_argument("--mtp-draft-tokens", type=int, default=0)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--no-overlap", action="store_true", help="read every step back before the next (no overlap scheduling)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default=None, help="write every case, with its step timeline and token ids")
     return p
@@ -120,9 +121,10 @@ def run(args) -> int:
     llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype,
               kv_cache_dtype=args.kv_cache_dtype, num_pages=num_pages, chunk_size=args.chunk_size,
               max_batch_size=max_batch, mtp_draft_tokens=args.mtp_draft_tokens,
-              cuda_graphs=False if args.no_cuda_graphs else None)
+              cuda_graphs=False if args.no_cuda_graphs else None, overlap_scheduling=not args.no_overlap)
     startup = time.perf_counter() - t0
     out = {"model": args.model, "backend": args.backend, "device": args.device, "dtype": args.dtype,
+           "overlap_scheduling": not args.no_overlap,
            "kv_cache_dtype": args.kv_cache_dtype, "startup_s": startup, "num_pages": num_pages, "cases": []}
     if torch.cuda.is_available() and args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name()

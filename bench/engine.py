@@ -152,8 +152,7 @@ def main() -> None:
             plan = DecodeGraphPlan(width, (B,), pages_per_req)
             graphs = DecodeGraphs(model, cache, backend, plan, "cuda", capture=True)
             graphs.capture_all()
-            rows = graphs.inputs.assign(step_args[0], page_tables)
-            graphs.inputs.write_step(rows, step_args[1], ctx)
+            graphs.inputs.write_step(graphs.inputs.assign(step_args[0], page_tables), step_args[1], ctx)
             g = graphs.graphs[B]
             graph_ms = float(triton.testing.do_bench(g.replay, warmup=10, rep=300, return_mode="median"))
             eager = DecodeGraphs(model, cache, backend, plan, "cuda", capture=False)

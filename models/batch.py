@@ -37,7 +37,7 @@ class ForwardBatch:
                   indexer's logits without reading ``seq_lens`` back from the
                   device; a CUDA-graph bucket sets its whole context capacity)
     static_shapes: no op may pick shapes from tensor values (CUDA-graph
-                  capture): the MoE runs every expert over every token
+                  capture): the MoE uses its masked fixed-shape layout
     """
 
     mode: ForwardMode

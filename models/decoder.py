@@ -10,7 +10,7 @@ from models.config import ModelConfig
 from models.indexer import SelectedTokens
 from models.mla import MLAttention
 from models.mlp import MLP
-from models.moe import MoE
+from models.moe.layer import MoE
 from models.norms import RMSNorm
 from models.parallel import TPContext
 
@@ -31,5 +31,5 @@ class DecoderLayer(nn.Module):
         h, selected = self.self_attn(self.input_layernorm(x), cos, sin, batch, cache, layer, backend, shared, reuse)
         x = x + h
         h = self.post_attention_layernorm(x)
-        x = x + (self.mlp(h, batch.static_shapes) if self.is_moe else self.mlp(h))
+        x = x + (self.mlp(h, batch.static_shapes, backend.name) if self.is_moe else self.mlp(h))
         return x, selected

@@ -4,6 +4,9 @@ Checkpoint tensor names map one to one onto module names, with two renames:
 ``model.`` is dropped, and checkpoint layer ``num_hidden_layers + d`` (the MTP
 block) becomes ``mtp.d`` (its decoder weights under ``mtp.d.decoder``).
 Tensor-parallel shards are sliced here, on load, from the full tensors.
+A module with ``load_checkpoint_tensor`` places the tensors under its name
+itself (the routed experts: ``experts.{e}.gate_proj.weight`` is a slice of the
+stacked ``experts.w13``) and reports what it still lacks.
 """
 
 from __future__ import annotations
@@ -39,6 +42,16 @@ def module_name(ckpt_name: str, cfg: ModelConfig) -> str | None:
     if ckpt_name.startswith("model."):
         return ckpt_name[len("model."):]
     return ckpt_name
+
+
+def _placer_of(name: str, placers: dict) -> tuple[str, object] | None:
+    """The module of ``placers`` whose name is the longest prefix of parameter path ``name``."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in placers:
+            return prefix, placers[prefix]
+    return None
 
 
 def shard_tensor(module, tensor: torch.Tensor, tp: TPContext) -> torch.Tensor:
@@ -77,9 +90,22 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
             module.reset_buffers()
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    # Modules that place checkpoint tensors themselves (stacked routed experts:
+    # one checkpoint tensor per expert and projection fills a slice of one parameter).
+    placers = {n: m for n, m in modules.items() if hasattr(m, "load_checkpoint_tensor")}
     loaded: set[str] = set()
     for ckpt_name, tensor in iter_checkpoint_tensors(model_dir, dtype=dtype):
         name = module_name(ckpt_name, cfg)
+        if name is not None and name not in params:
+            placer = _placer_of(name, placers)
+            if placer is not None:
+                prefix, module = placer
+                try:
+                    if not module.load_checkpoint_tensor(name[len(prefix) + 1:], tensor):
+                        log.debug("checkpoint tensor %s is not this rank's; skipped", ckpt_name)
+                except ValueError as e:
+                    raise ValueError(f"{ckpt_name}: {e}") from e
+                continue
         if name is None or name not in params:
             log.debug("checkpoint tensor %s has no module here; skipped", ckpt_name)
             continue
@@ -93,7 +119,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
         params["lm_head.weight"].data.copy_(params["embed_tokens.weight"].data)
         loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
+    placed = tuple(prefix + "." for prefix in placers)
+    missing = sorted({n for n in params if not n.startswith(placed)} - loaded)
+    missing += [f"{prefix}.{n}" for prefix, m in placers.items() for n in m.missing_checkpoint_tensors()]
     if missing:
         shown = ", ".join(missing[:8]) + (f" ... ({len(missing)} in all)" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint {model_dir} lacks weights for: {shown}")

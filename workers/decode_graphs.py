@@ -23,8 +23,8 @@ they read one key and attend to it, harmlessly), cache slot ``-1`` (the
 cache writes skip it; their live flag is rewritten on every step, so a row that held a
 request in the previous replay can never write into that request's pages).
 
-The forward runs with ``ForwardBatch.static_shapes`` (the MoE takes every
-expert over every token instead of gathering tokens per expert) and with
+The forward runs with ``ForwardBatch.static_shapes`` (the MoE uses its masked
+fixed-shape layout, ``models/moe/dispatch.py``, instead of sorting tokens on the host) and with
 ``max_seq_len = max_pages * 64`` (the indexer's logits width), so nothing
 reads a tensor value back to the host. ``capture=False`` runs the very same
 code eagerly on the same buffers: on CPU (tests) and as the reference the

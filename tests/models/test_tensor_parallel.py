@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from models.batch import ForwardMode
-from models.moe import MoE
+from models.moe.layer import MoE
 from models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPContext
 from models.tiny import make_tiny
 from tests.workers.prompts import random_prompt
@@ -51,10 +51,10 @@ def _run_replica(model_dir: Path, tp: TPContext, kv_cache_dtype: str, mtp: int) 
     shapes = {
         "q_b_proj rows": model.layers[0].self_attn.q_b_proj.weight.shape[0],
         "o_proj cols": model.layers[0].self_attn.o_proj.weight.shape[1],
-        "experts": len(model.layers[1].mlp.experts),
+        "experts": model.layers[1].mlp.experts.num_local,
         "first expert": model.layers[1].mlp.first_expert,
         "dense gate rows": model.layers[0].mlp.gate_proj.weight.shape[0],
-        "mtp experts": len(model.mtp[0].decoder.mlp.experts),
+        "mtp experts": model.mtp[0].decoder.mlp.experts.num_local,
     }
     assert isinstance(model.layers[1].mlp, MoE)
     pool = PagePool(num_pages)

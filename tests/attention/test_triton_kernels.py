@@ -20,12 +20,10 @@ outputs and untouched cache bytes are poisoned before a kernel writes them.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,6 +33,7 @@ if str(REPO) not in sys.path:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.triton_interpreter import interpreter_results as run_in_interpreter, report  # noqa: E402
 from attention.formats import (  # noqa: E402
     PAGE_SIZE,
     IndexerFp8Format,
@@ -554,30 +553,13 @@ def run_check(name: str, device: str, seed: int, big: bool) -> None:
 
 def _worker_main(argv: list[str]) -> None:
     """``python test_triton_kernels.py SEED``: run CHECKS in the interpreter, print JSON results."""
-    assert os.environ.get("TRITON_INTERPRET") == "1", "the worker must run with TRITON_INTERPRET=1"
     seed = int(argv[0])
-    results = {}
-    for name in CHECKS:
-        try:
-            run_check(name, "cpu", seed, big=False)
-            results[name] = "ok"
-        except Exception:  # report every check, not just the first failure
-            results[name] = traceback.format_exc()
-    print("RESULTS " + json.dumps(results))
+    report({name: (lambda n=name: run_check(n, "cpu", seed, big=False)) for name in CHECKS})
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), str(SEED)],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, (
-        f"interpreter worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    )
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_in_interpreter(__file__, SEED)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

@@ -15,12 +15,10 @@ run (``MOE_TEST_SEED`` replays one).
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,6 +32,7 @@ pytest.importorskip("triton")
 
 from models.moe import dispatch  # noqa: E402
 from models.ops import grouped_gemm_ref as ref  # noqa: E402
+from tests.triton_interpreter import interpreter_results as run_in_interpreter, report  # noqa: E402
 
 SEED = int(os.environ.get("MOE_TEST_SEED", secrets.randbits(31)))
 
@@ -145,27 +144,14 @@ CHECKS = {
 
 def _worker_main(argv: list[str]) -> None:
     """``python test_grouped_gemm_triton.py SEED``: every check in the interpreter, JSON results."""
-    assert os.environ.get("TRITON_INTERPRET") == "1", "the worker must run with TRITON_INTERPRET=1"
     seed = int(argv[0])
-    results = {}
-    for name, check in CHECKS.items():
-        try:
-            check(torch.Generator().manual_seed(seed + sum(map(ord, name))))
-            results[name] = "ok"
-        except Exception:  # report every check, not just the first failure
-            results[name] = traceback.format_exc()
-    print("RESULTS " + json.dumps(results))
+    report({name: (lambda c=check, n=name: c(torch.Generator().manual_seed(seed + sum(map(ord, n)))))
+            for name, check in CHECKS.items()})
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(SEED)],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, (
-        f"interpreter worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULTS "):])
+    return run_in_interpreter(__file__, SEED)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

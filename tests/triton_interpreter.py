@@ -40,3 +40,16 @@ def interpreter_results(test_file: str, seed: int) -> dict[str, str]:
     assert proc.returncode == 0 and lines, (
         f"interpreter worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1][len("RESULTS "):])
+
+
+def compile_in_subprocess(test_file: str, cache_dir: str | Path) -> None:
+    """Run ``python test_file --compile`` (its sm_90 compile worker, which prints COMPILED).
+
+    A subprocess: compiling needs TRITON_INTERPRET unset at import, and a private
+    cache dir makes it really compile (no stale cubin from an earlier run).
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(cache_dir), PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(Path(test_file).resolve()), "--compile"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "COMPILED" in proc.stdout, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,7 +32,8 @@ if str(REPO) not in sys.path:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.triton_interpreter import interpreter_results as run_in_interpreter, report  # noqa: E402
+from tests.triton_interpreter import compile_in_subprocess, report  # noqa: E402
+from tests.triton_interpreter import interpreter_results as run_in_interpreter  # noqa: E402
 from attention.formats import (  # noqa: E402
     PAGE_SIZE,
     IndexerFp8Format,
@@ -714,15 +714,7 @@ def _compile_worker() -> None:
 
 
 def test_kernels_compile_for_sm90(tmp_path):
-    # A subprocess: compiling needs TRITON_INTERPRET unset at import, and a
-    # private cache dir makes it really compile (no stale cubin from a run).
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--compile"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0 and "COMPILED" in proc.stdout, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    compile_in_subprocess(__file__, tmp_path)
 
 
 if __name__ == "__main__":

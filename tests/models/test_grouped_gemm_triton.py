@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,7 +31,8 @@ pytest.importorskip("triton")
 
 from models.moe import dispatch  # noqa: E402
 from models.ops import grouped_gemm_ref as ref  # noqa: E402
-from tests.triton_interpreter import interpreter_results as run_in_interpreter, report  # noqa: E402
+from tests.triton_interpreter import compile_in_subprocess, report  # noqa: E402
+from tests.triton_interpreter import interpreter_results as run_in_interpreter  # noqa: E402
 
 SEED = int(os.environ.get("MOE_TEST_SEED", secrets.randbits(31)))
 
@@ -198,11 +198,7 @@ def _compile_worker() -> None:
 
 
 def test_kernels_compile_for_sm90(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--compile"],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "COMPILED" in proc.stdout, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    compile_in_subprocess(__file__, tmp_path)
 
 
 if __name__ == "__main__":

@@ -143,6 +143,9 @@ class DecodeInputs:
         self._keys: list[str] = []            # row -> request key
         self._row: dict[str, int] = {}        # request key -> row
         self._written: list[int] = []         # row -> page ids written so far
+        # row -> the request's page list object: a request that lost its pages
+        # (preempted) and got new ones has a new list, so its row is rewritten.
+        self._lists: list[list[int]] = []
 
     @property
     def num_rows(self) -> int:
@@ -170,10 +173,13 @@ class DecodeInputs:
                 self._keys.append(key)
                 self._row[key] = row
                 self._written.append(0)
+                self._lists.append(table)
                 self._host_tables[row].zero_()
             done = self._written[row]
+            if table is not self._lists[row]:
+                self._lists[row], done = table, -1
             if len(table) != done:
-                if len(table) < done:
+                if len(table) < done or done < 0:
                     self._host_tables[row].zero_()
                     done = 0
                 self._host_tables[row, done:len(table)] = torch.tensor(table[done:], dtype=torch.int32)
@@ -190,10 +196,12 @@ class DecodeInputs:
         if row != last:  # the last row moves into the hole: rows stay compact
             moved = self._keys[last]
             self._keys[row], self._row[moved], self._written[row] = moved, row, self._written[last]
+            self._lists[row] = self._lists[last]
             self._host_tables[row] = self._host_tables[last]
             dirty.add(row)
         self._keys.pop()
         self._written.pop()
+        self._lists.pop()
         self._host_tables[last].zero_()
         dirty.add(last)
 

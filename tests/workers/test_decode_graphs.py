@@ -161,5 +161,12 @@ def test_persistent_rows_follow_joins_growth_and_leaves(tiny):
             table = kept.inputs.page_tables[r].tolist()
             assert table[: len(pages[k])] == pages[k] and not any(table[len(pages[k]):]), (n, k, table)
     assert len(pages["a"]) == 2  # the growth case happened
+    # A request that lost its pages (preempted) comes back with new ones of the same
+    # count: a new list, so its row is rewritten, not kept.
+    old = pages["a"]
+    pages["a"] = llm.pool.allocate(2)
+    kept.run(["a"], [9], [ctx["a"] + 1], [pages["a"]])
+    assert kept.inputs.page_tables[0].tolist()[:2] == pages["a"] != old
+    llm.pool.free(old)
     for p in pages.values():
         llm.pool.free(p)

@@ -41,10 +41,10 @@ def pytest_collection_modifyitems(config, items):
 def _free_lingering_nixl_agents():
     """Free NIXL agents a test left in reference cycles (an ``LLM`` and its engine).
 
-    Each agent's UCX progress thread busy-polls a core until the agent is
-    freed, and objects in cycles go only when the cyclic GC runs: on the
-    2-core CI machine a few leftover agents starved the tests after them
-    (rank-worker actors got ~5% of a core).
+    Each agent's progress thread polls until the agent is freed, and objects
+    in cycles go only when the cyclic GC runs: on the 2-core CI machine a few
+    leftover agents starved the tests after them (rank-worker actors got ~5%
+    of a core, before the threads slept between rounds).
     """
     yield
     if "nixl" in sys.modules:

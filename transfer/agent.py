@@ -36,6 +36,7 @@ from typing import Iterable, Optional, Union
 from transfer import messages
 from transfer.compat import CompatInfo
 from transfer.errors import UnknownPeerError
+from transfer.nixl_agent_config import DEFAULT_PROGRESS_DELAY_US, make_nixl_agent
 from transfer.plan import IndexPlan, TransferPlan
 from transfer.regions import CacheRegionLike, RegionTable, region_table
 
@@ -101,11 +102,13 @@ class TransferAgent:
     registered with NIXL here and stay registered until `close`; the
     tensors are kept referenced so their memory outlives the registration.
     ``progress_thread``: NIXL's background progress thread (its default;
-    keep it, except on a GPU agent that pushes: `workers.push_tuning`). It
-    costs about half a core spinning, but without it a WRITE
+    keep it, except on a GPU agent that pushes: `workers.push_tuning`): without
+    it a WRITE
     over a transport that needs the target's CPU (TCP, shared memory) only
     advances while *both* processes are inside `state` / `take`: a busy or
     blocked peer stalls the transfer (seen in the two-process DRAM tests).
+    ``progress_delay_us``: the progress thread's sleep between polling rounds
+    (`transfer.nixl_agent_config`; 0 is NIXL's busy poll, half a core).
     ``ucx_sgl``: True / False sets NIXL's UCX scatter-gather offload
     (``NIXL_UCX_SGL_ENABLE``) for this agent: a WRITE is posted as one UCX
     scatter-gather operation (``cuda_ipc``: one batched CUDA copy) instead
@@ -125,10 +128,11 @@ class TransferAgent:
         backends: tuple[str, ...] = ("UCX",),
         epoch: Optional[int] = None,
         progress_thread: bool = True,
+        progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
         ucx_sgl: Optional[bool] = None,
         backend_params: Optional[dict[str, str]] = None,
     ):
-        from nixl._api import nixl_agent, nixl_agent_config  # deferred: importing nixl loads UCX
+        from nixl._api import nixl_agent_config  # deferred: importing nixl loads UCX
 
         if "@" in worker_id:
             raise ValueError(f"worker_id must not contain '@': {worker_id!r}")
@@ -141,7 +145,7 @@ class TransferAgent:
         params = {str(k): str(v) for k, v in (backend_params or {}).items()}
         # The backends are created here, not by nixl_agent (whose config passes num_threads only).
         config = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
-        self._nixl = _new_nixl_agent(nixl_agent, self.name, config, ucx_sgl, backends, params)
+        self._nixl = _new_nixl_agent(self.name, config, progress_delay_us, ucx_sgl, backends, params)
         self.ucx_sgl = ucx_sgl
         self._mem = self.table.mem_type
         reg = [(e.base_addr, e.nbytes, e.device_id, f"{e.layer}:{e.kind}") for e in self.table]
@@ -367,7 +371,8 @@ class TransferAgent:
         self.close()
 
 
-def _new_nixl_agent(nixl_agent, name: str, config, ucx_sgl: Optional[bool], backends, params: dict[str, str]):
+def _new_nixl_agent(name: str, config, progress_delay_us: int, ucx_sgl: Optional[bool], backends,
+                    params: dict[str, str]):
     """Create the NIXL agent and its ``backends`` (init ``params``), with
     ``NIXL_UCX_SGL_ENABLE`` set as asked while the UCX backend is made.
 
@@ -376,7 +381,7 @@ def _new_nixl_agent(nixl_agent, name: str, config, ucx_sgl: Optional[bool], back
     """
 
     def make():
-        agent = nixl_agent(name, config)
+        agent = make_nixl_agent(name, config, progress_delay_us)
         for b in backends:
             agent.create_backend(b, dict(params))
         return agent

@@ -126,10 +126,16 @@ class ServeProcess:
                 pass  # an agent that is not up (yet)
         return "\n".join(out)
 
-    def stop(self, timeout: float = 60) -> int | None:
+    def stop(self, timeout: float = 60, graceful: bool = False) -> int | None:
+        """End the server and its whole local cluster.
+
+        ``graceful``: Ctrl-C first (Serve drains and removes each replica, ~2 s apiece) and
+        kill what is left after ``timeout``. Tests that do not check the shutdown itself kill
+        at once: the cluster is private to this server, and a graceful stop costs CI ~10 s
+        per server for nothing they assert."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
+        if graceful and self.proc.poll() is None:
             # Ctrl-C: serve run shuts the application and the local cluster down.
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -141,9 +147,42 @@ class ServeProcess:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+        self._kill_cluster_leftovers()
         self._log.close()
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
         return self.proc.returncode
+
+    def _kill_cluster_leftovers(self, timeout: float = 10) -> None:
+        """SIGKILL every process of this cluster (each inherits this server's ``RAY_TMPDIR``; Ray's
+        workers are not in the process group killed above, they die of their parent's death a
+        moment later) and wait until they are gone, so the next test starts on idle cores."""
+        needle = f"RAY_TMPDIR={self.ray_tmp}\0"
+        end = time.monotonic() + timeout
+        while True:
+            left = [pid for pid in _pids_with_environ(needle) if pid != os.getpid()]
+            if not left or time.monotonic() > end:
+                return
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.2)
+
+
+def _pids_with_environ(needle: str) -> list[int]:
+    """Live processes whose environment block contains ``needle`` (read from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle.encode() in environ:
+            out.append(int(entry.name))
+    return out
 
 
 def serve_args(work: Path, name: str, raw_args: dict) -> "ServeProcess":

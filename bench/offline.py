@@ -105,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-overlap", action="store_true", help="read every step back before the next (no overlap scheduling)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default=None, help="write every case, with its step timeline and token ids")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the timed cases, profile this many steady decode steps per batch size "
+                        "(GPU busy vs wall, top kernels, host cProfile: bench/step_profile.py)")
     return p
 
 
@@ -142,6 +145,14 @@ def run(args) -> int:
         out["cases"].append(c)
         tpot = "-" if c["tpot_ms_median"] is None else f"{c['tpot_ms_median']:.2f}"
         print(f"{c['case']}: TPOT median {tpot} ms over {c['steady_steps']} steady steps", flush=True)
+    if args.profile_steps:
+        from bench.step_profile import print_profile, profile_decode
+
+        out["profiles"] = []
+        for b in args.batch_sizes:
+            prof = profile_decode(llm, b, args.input_len, args.output_len, args.profile_steps)
+            print_profile(prof)
+            out["profiles"].append(prof)
     print(f"start-up {startup:.1f} s; pool free {llm.pool.free_count}/{llm.pool.num_pages}")
     if args.json:
         with open(args.json, "w") as f:

@@ -82,6 +82,22 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     cfg = load_config(model_dir)
     with torch.device("meta"):
         model = DsaForCausalLM(cfg, dtype=dtype, tp=tp, hadamard=hadamard, with_mtp=with_mtp)
+    return load_weights(model, model_dir, lambda name: module_name(name, cfg), device=device, tp=tp,
+                        read_dtype=dtype, tie_word_embeddings=cfg.tie_word_embeddings)
+
+
+def load_weights(model: torch.nn.Module, model_dir: str | Path, name_of, device: str = "cpu",
+                 tp: TPContext = SINGLE, read_dtype: torch.dtype | None = None,
+                 tie_word_embeddings: bool = False, tied: tuple[str, str] = ("lm_head.weight", "embed_tokens.weight"),
+                 ) -> torch.nn.Module:
+    """Fill a model built on the meta device with a checkpoint's tensors (any architecture).
+
+    ``name_of(checkpoint_name)`` gives the parameter name (``None``: not ours);
+    tensors are read as ``read_dtype`` (fp8 ones dequantized to it) and copied
+    into each parameter's own dtype; tensor-parallel shards are sliced here.
+    ``tied = (head, embedding)``: with ``tie_word_embeddings`` a head the
+    checkpoint lacks is copied from the embedding. Returns the model in eval
+    mode. Raises ``ValueError`` naming every parameter left unloaded."""
     model = model.to_empty(device=device)
     # Weights were built on the meta device (no memory for a 671B model);
     # derived buffers (RoPE frequencies, Hadamard matrices) are recomputed.
@@ -94,8 +110,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     # one checkpoint tensor per expert and projection fills a slice of one parameter).
     placers = {n: m for n, m in modules.items() if hasattr(m, "load_checkpoint_tensor")}
     loaded: set[str] = set()
-    for ckpt_name, tensor in iter_checkpoint_tensors(model_dir, dtype=dtype):
-        name = module_name(ckpt_name, cfg)
+    for ckpt_name, tensor in iter_checkpoint_tensors(model_dir, dtype=read_dtype):
+        name = name_of(ckpt_name)
         if name is not None and name not in params:
             placer = _placer_of(name, placers)
             if placer is not None:
@@ -116,9 +132,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
             raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
         p.data.copy_(tensor.to(p.dtype))
         loaded.add(name)
-    if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
-        params["lm_head.weight"].data.copy_(params["embed_tokens.weight"].data)
-        loaded.add("lm_head.weight")
+    head, embedding = tied
+    if tie_word_embeddings and head in params and head not in loaded:
+        params[head].data.copy_(params[embedding].data)
+        loaded.add(head)
     placed = tuple(prefix + "." for prefix in placers)
     missing = sorted({n for n in params if not n.startswith(placed)} - loaded)
     missing += [f"{prefix}.{n}" for prefix, m in placers.items() for n in m.missing_checkpoint_tensors()]

@@ -1,0 +1,125 @@
+"""Where a decode step's wall time goes: GPU busy time vs wall, the top kernels, the host's hot functions.
+
+``dsa-pd bench offline ... --profile-steps N`` runs this after the timed cases: for each
+decode batch size it starts the batch, runs it into the steady state (every request
+decoding, no prefill chunk), then
+
+1. profiles ``N`` `Engine.step` calls under ``torch.profiler`` (CPU + CUDA): wall per
+   step (first call's start to last call's end, no sync between calls, as served), GPU
+   busy per step (the union of the kernels' and copies' intervals: what a roofline or
+   a faster kernel can shrink), the kernel sum, and the top kernels by total time;
+2. runs ``N`` more calls under ``cProfile``: the host functions by cumulative time.
+
+``wall / gpu_busy`` is the decode-loop issue's figure: near 1 the GPU is the critical
+path; well above, the host (or a sync) is, and the cProfile table says where.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+
+def _busy_union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start_us, end_us)`` intervals."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def _steady(llm, batch: int, input_len: int, output_len: int, seed: int):
+    """``batch`` greedy requests of ``input_len`` random tokens, stepped until all decode; returns them."""
+    from bench.offline import random_prompts
+    from workers.request import Request
+    from workers.sample.params import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+    reqs = [Request(f"profile{batch}-{i}", p, params) for i, p in enumerate(random_prompts(batch, input_len, seed))]
+    for r in reqs:
+        if eng.add_request(r) is not None:
+            raise SystemExit(f"profile batch {batch}: request refused")
+    for _ in range(10_000):
+        p0 = eng.stats.prefill_tokens
+        eng.step()
+        if eng.stats.prefill_tokens == p0 and len(eng.scheduler.running) == batch and all(r.output for r in reqs):
+            break
+    for _ in range(3):  # a few pure decode steps before measuring
+        eng.step()
+    return reqs
+
+
+def profile_decode(llm, batch: int, input_len: int, output_len: int, steps: int, seed: int = 7, top: int = 12) -> dict:
+    """Profile ``steps`` steady decode steps at ``batch`` (requests of ``output_len`` tokens: fewer
+    steps when they would finish first); the requests are aborted afterwards. Returns plain
+    numbers and tables (ms per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    cuda = llm.runner.device.type == "cuda"
+    reqs = _steady(llm, batch, input_len, output_len, seed)
+    steps = max(1, min(steps, (output_len - max(len(r.output) for r in reqs)) // 2 - 4))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        wall = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.synchronize()
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = _busy_union_us([(e.time_range.start, e.time_range.end) for e in gpu])
+    kernel_sum_us = sum(e.time_range.end - e.time_range.start for e in gpu)
+    by_name: dict[str, list[float]] = {}
+    for e in gpu:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    kernels = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)[:top]
+
+    host = cProfile.Profile()
+    t1 = time.perf_counter()
+    host.enable()
+    for _ in range(steps):
+        eng.step()
+    host.disable()
+    host_wall = time.perf_counter() - t1
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(25)
+
+    for r in reqs:
+        eng.abort(r.request_id)
+    for _ in range(3):
+        eng.step()
+    ms = 1e3 / steps
+    return {
+        "batch": batch, "input_len": input_len, "steps": steps,
+        "wall_ms_per_step": wall * ms, "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
+        "kernel_sum_ms_per_step": kernel_sum_us / 1e3 / steps,
+        "wall_over_gpu_busy": (wall * 1e6) / busy_us if busy_us else None,
+        "cprofile_wall_ms_per_step": host_wall * ms,
+        "top_kernels": [{"name": k[:120], "calls_per_step": n / steps, "ms_per_step": t / 1e3 / steps}
+                        for t, n, k in kernels],
+        "host_cprofile": text.getvalue(),
+    }
+
+
+def print_profile(p: dict) -> None:
+    busy = p["gpu_busy_ms_per_step"]
+    ratio = "-" if p["wall_over_gpu_busy"] is None else f"{p['wall_over_gpu_busy']:.2f}x"
+    print(f"profile decode batch {p['batch']}: wall {p['wall_ms_per_step']:.3f} ms/step, GPU busy {busy:.3f} ms/step "
+          f"(wall / busy {ratio}), kernel sum {p['kernel_sum_ms_per_step']:.3f} ms/step, "
+          f"under cProfile {p['cprofile_wall_ms_per_step']:.3f} ms/step", flush=True)
+    for k in p["top_kernels"]:
+        print(f"  {k['ms_per_step']:8.4f} ms/step  x{k['calls_per_step']:5.1f}  {k['name']}")
+    print("\n".join(p["host_cprofile"].splitlines()[:45]), flush=True)

@@ -199,8 +199,11 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _launch(a, w, out, layout: ExpertLayout, N: int, K: int, a_div: int, gate_up: bool, maps: dict) -> None:
-    cfg = gemm_config(layout.expected_m, N, K)
+def _launch(a, w, out, layout: ExpertLayout, N: int, K: int, a_div: int, gate_up: bool, maps: dict,
+            cfg: dict | None = None) -> None:
+    """One grouped GEMM (``cfg``: tile sizes and launch options, default `gemm_config`'s; the tuning
+    bench, bench/grouped_gemm_tune.py, passes its candidates)."""
+    cfg = cfg or gemm_config(layout.expected_m, N, K)
     BM = cfg["BM"]
     if layout.masked:
         tile_e = tile_m = layout.counts  # unused

@@ -25,13 +25,24 @@ def _bandwidth() -> float:
 
 
 def candidates(gate_up: bool):
-    for BM, BN, BK, warps, stages in itertools.product((16, 32, 64), (64, 128), (64, 128, 256), (4, 8), (3, 4)):
+    for BM, BN, BK, warps, stages in itertools.product((16, 32, 64, 128), (64, 128), (64, 128, 256), (4, 8), (3, 4)):
         if BN * BK * (2 if gate_up else 1) * stages * 2 > 200_000:  # shared memory of the weight tiles
             continue
         yield dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
 
 
-def run_case(H: int, I: int, E: int, K: int, T: int, masked: bool, gen, top: int) -> None:
+def experts(E: int, H: int, I: int, gen):
+    """Random bf16 ``w13 [E, 2I, H]``, ``w2 [E, H, I]``, one expert at a time (fp32 temporaries of
+    all 256 would not fit)."""
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device="cuda")
+    for e in range(E):
+        w13[e] = torch.randn(2 * I, H, generator=gen, device="cuda") / H**0.5
+        w2[e] = torch.randn(H, I, generator=gen, device="cuda") / I**0.5
+    return w13, w2
+
+
+def run_case(H: int, I: int, E: int, K: int, T: int, masked: bool, gen, top: int, weights) -> None:
     import triton
 
     from models.moe import dispatch
@@ -41,8 +52,7 @@ def run_case(H: int, I: int, E: int, K: int, T: int, masked: bool, gen, top: int
     layout = (dispatch.masked_layout if masked else dispatch.contiguous_layout)(ids, 0, E, E)
     touched = int(torch.unique(ids).numel())
     x = torch.randn(T, H, generator=gen, device="cuda").bfloat16()
-    w13 = torch.randn(E, 2 * I, H, generator=gen, device="cuda").bfloat16() / H**0.5
-    w2 = torch.randn(E, H, I, generator=gen, device="cuda").bfloat16() / I**0.5
+    w13, w2 = weights
     P = layout.num_pairs
     act = torch.empty(P, I, dtype=x.dtype, device="cuda")
     y = torch.empty(P, H, dtype=x.dtype, device="cuda")
@@ -93,8 +103,11 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__)
     for E in args.experts:
+        weights = experts(E, args.hidden, args.inter, gen)
         for T in args.tokens:
-            run_case(args.hidden, args.inter, E, args.top_k, T, T < args.contiguous_from, gen, args.top)
+            run_case(args.hidden, args.inter, E, args.top_k, T, T < args.contiguous_from, gen, args.top, weights)
+        del weights
+        torch.cuda.empty_cache()
     return 0
 
 

@@ -75,8 +75,12 @@ class MLAttention(nn.Module):
             raise RuntimeError(f"layer {layer} reuses top-k but no computing layer ran before it")
 
         w_uk, w_uv = self._absorbed_weights()
-        q_lat = torch.einsum("thn,hnr->thr", q_nope.float(), w_uk.float())
-        q_full = torch.cat([q_lat, q_pe.float()], dim=-1)  # [T, h, rank + rope]
+        # The absorbed products run in the weights' dtype (fp32 accumulation inside the GEMM):
+        # the sparse kernels take a bf16 query anyway, and fp32 copies of W_UK / W_UV cost two
+        # weight-sized casts and two fp32 GEMMs per layer per step (H100, 4-layer model: 0.5-0.8
+        # ms of a 4-9 ms decode step; docs/perf.md). fp32 models compute in fp32 as before.
+        q_lat = torch.einsum("thn,hnr->thr", q_nope.to(w_uk.dtype), w_uk)
+        q_full = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)  # [T, h, rank + rope]
         if batch.mode is ForwardMode.DECODE:
             n = batch.decode_width()
             B = batch.num_requests
@@ -87,7 +91,7 @@ class MLAttention(nn.Module):
             out = out.reshape(T, self.n_heads, self.rank)
         else:
             out = self._extend_attention(q_full, selected, batch, cache, layer, backend)
-        o = torch.einsum("thr,hvr->thv", out.float(), w_uv.float()).to(x.dtype)
+        o = torch.einsum("thr,hvr->thv", out.to(w_uv.dtype), w_uv).to(x.dtype)
         return self.o_proj(o.reshape(T, self.n_heads * self.v_dim)), selected
 
     def _extend_attention(self, q_full, selected, batch, cache, layer, backend) -> torch.Tensor:

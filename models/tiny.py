@@ -58,6 +58,10 @@ __all__ = [
     "tiny_config_kwargs",
     "make_tiny",
     "make_tokenizer",
+    "add_mtp_shard",
+    "decoder_layer_tensors",
+    "mtp_layer_config_kwargs",
+    "to_checkpoint_dtype_",
 ]
 
 TINY_ARCHS = ("deepseek_v32", "glm_moe_dsa")
@@ -178,7 +182,8 @@ def _perturb_(model: torch.nn.Module, gen: torch.Generator, favoured_ids: Sequen
             head.mul_(damp)
 
 
-def _to_checkpoint_dtype_(model: torch.nn.Module, dtype: torch.dtype) -> None:
+def to_checkpoint_dtype_(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``model`` to ``dtype`` in place, the routing bias kept float32."""
     model.to(dtype)
     # DeepSeek's releases keep the routing bias in float32.
     for module in model.modules():
@@ -192,31 +197,61 @@ def _read_all(path: Path) -> dict[str, torch.Tensor]:
         return {k: h.get_tensor(k) for k in h.keys()}
 
 
-def _mtp_layer_tensors(
-    arch: str, cfg_kwargs: dict, layer_idx: int, seed: int, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Decoder-layer weights (attention + indexer + MoE) for MTP layer ``layer_idx``.
+def decoder_layer_tensors(aux_model: torch.nn.Module, layer_idx: int) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors of ``aux_model``'s only decoder layer, renamed to layer ``layer_idx``.
 
-    A one-layer transformers model whose only layer is MoE with a full
-    indexer is built and saved, so the per-expert names come from
+    ``aux_model``: a one-layer transformers causal LM. It is saved with
+    ``save_pretrained``, so the names (per-expert ones included) are
     transformers' own checkpoint format; ``model.layers.0.`` is renamed.
     """
+    with tempfile.TemporaryDirectory() as tmp:
+        aux_model.save_pretrained(tmp)
+        tensors = _read_all(Path(tmp) / SINGLE_FILE)
+    prefix = "model.layers.0."
+    return {f"model.layers.{layer_idx}." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def mtp_layer_config_kwargs(cfg_kwargs: dict, arch: str) -> dict:
+    """Config kwargs of a one-layer model whose layer is an MTP block's decoder (MoE, own indexer)."""
     aux_kwargs = dict(cfg_kwargs, num_hidden_layers=1, first_k_dense_replace=0, mlp_layer_types=["sparse"])
     for k in ("index_topk_freq", "index_skip_topk_offset", "index_topk_pattern", "indexer_types"):
         aux_kwargs.pop(k, None)
     if arch == "glm_moe_dsa":
         aux_kwargs["indexer_types"] = ["full"]
-    aux_cfg = _config_class(arch)(**aux_kwargs)
+    return aux_kwargs
+
+
+def _mtp_layer_tensors(
+    arch: str, cfg_kwargs: dict, layer_idx: int, seed: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Random decoder-layer weights (attention + indexer + MoE) for MTP layer ``layer_idx``."""
+    aux_cfg = _config_class(arch)(**mtp_layer_config_kwargs(cfg_kwargs, arch))
     torch.manual_seed(seed)
     aux = _model_class(arch)(aux_cfg).eval()
     gen = torch.Generator().manual_seed(seed)
     _perturb_(aux, gen, favoured_ids=None)
-    _to_checkpoint_dtype_(aux, dtype)
-    with tempfile.TemporaryDirectory() as tmp:
-        aux.save_pretrained(tmp)
-        tensors = _read_all(Path(tmp) / SINGLE_FILE)
-    prefix = "model.layers.0."
-    return {f"model.layers.{layer_idx}." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    to_checkpoint_dtype_(aux, dtype)
+    return decoder_layer_tensors(aux, layer_idx)
+
+
+def add_mtp_shard(out: Path, mtp: dict[str, torch.Tensor]) -> None:
+    """Turn ``out``'s single ``model.safetensors`` (as ``save_pretrained`` wrote it) into two
+    shards, the main weights then the MTP tensors ``mtp``, with ``model.safetensors.index.json``
+    over both: the layout of the real releases, whose MTP layer sits in its own file."""
+    main_file = out / SINGLE_FILE
+    if not main_file.exists():
+        raise RuntimeError(f"expected save_pretrained to write one {SINGLE_FILE} in {out}")
+    main = _read_all(main_file)
+    clash = sorted(set(main) & set(mtp))
+    if clash:
+        raise ValueError(f"MTP tensors overlap the main checkpoint's: {clash[:4]}")
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    main_file.rename(out / names[0])
+    save_file(dict(sorted(mtp.items())), str(out / names[1]), metadata={"format": "pt"})
+    weight_map = {n: names[0] for n in main} | {n: names[1] for n in mtp}
+    total = sum(t.numel() * t.element_size() for t in [*main.values(), *mtp.values()])
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def make_tokenizer():
@@ -286,7 +321,7 @@ def _write_bf16(arch: str, out: Path, seed: int, dtype: torch.dtype, overrides: 
     torch.manual_seed(seed)
     model = _model_class(arch)(cfg).eval()
     _perturb_(model, torch.Generator().manual_seed(seed), favoured_ids=favoured)
-    _to_checkpoint_dtype_(model, dtype)
+    to_checkpoint_dtype_(model, dtype)
 
     _clear_checkpoint(out)
     model.save_pretrained(out)
@@ -294,10 +329,7 @@ def _write_bf16(arch: str, out: Path, seed: int, dtype: torch.dtype, overrides: 
     if n_mtp == 0:
         return
 
-    main_file = out / SINGLE_FILE
-    if not main_file.exists():
-        raise RuntimeError(f"expected save_pretrained to write one {SINGLE_FILE} in {out}")
-    main = _read_all(main_file)
+    main = _read_all(out / SINGLE_FILE)
     L = cfg.num_hidden_layers
     mtp: dict[str, torch.Tensor] = {}
     for k in range(n_mtp):
@@ -313,14 +345,7 @@ def _write_bf16(arch: str, out: Path, seed: int, dtype: torch.dtype, overrides: 
         mtp[f"model.layers.{idx}.shared_head.head.weight"] = main["lm_head.weight"].clone()
         mtp[f"model.layers.{idx}.embed_tokens.weight"] = main["model.embed_tokens.weight"].clone()
         mtp.update(_mtp_layer_tensors(arch, cfg_kwargs, idx, seed * 1000 + 1 + k, dtype))
-
-    names = [f"model-00001-of-00002.safetensors", f"model-00002-of-00002.safetensors"]
-    main_file.rename(out / names[0])
-    save_file(dict(sorted(mtp.items())), str(out / names[1]), metadata={"format": "pt"})
-    weight_map = {n: names[0] for n in main} | {n: names[1] for n in mtp}
-    total = sum(t.numel() * t.element_size() for t in [*main.values(), *mtp.values()])
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    add_mtp_shard(out, mtp)
 
 
 def make_tiny(

@@ -83,7 +83,7 @@ def run_case(H: int, I: int, E: int, K: int, T: int, masked: bool, gen, top: int
         d_ms = results[0][0]
         print(f"E={E} top{K} T={T} {'masked' if masked else 'contiguous'} {name}: {touched} experts touched, "
               f"weight read {read * 1e3:.1f} us; default {d_ms * 1e3:.1f} us {results[0][1]}", flush=True)
-        for ms, cfg, status in sorted(r for r in results if r[2] == "ok")[:top]:
+        for ms, cfg, status in sorted((r for r in results if r[2] == "ok"), key=lambda r: r[0])[:top]:
             print(f"    {ms * 1e3:8.1f} us  {ms / d_ms:5.2f}x default  {read / ms:5.2f} of roofline  {cfg}")
         bad = [r for r in results if r[2] == "WRONG"]
         if bad:

@@ -39,12 +39,10 @@ DIRECTORY_TTL_S = 10.0
 def _router_config(router_cls: type, cfg: AppConfig, role: str) -> RequestRouterConfig:
     from deployments.router import ROUTING_STATS_PERIOD_S
 
-    role_cfg = cfg.for_role(role)
     return RequestRouterConfig(
         request_router_class=router_cls,
         request_router_kwargs={"policy": cfg.router.policy, "model": cfg.model_name,
-                               # Affinity may cost a few queued requests, never a full batch.
-                               "affinity_slack": max(1, role_cfg.max_batch_size // 4)},
+                               "overlap_weight": cfg.router.overlap_weight},
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         request_routing_stats_timeout_s=10 * ROUTING_STATS_PERIOD_S,
     )

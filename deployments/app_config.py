@@ -46,7 +46,7 @@ __all__ = [
 APP_IMPORT_PATH = "deployments.app:build_app"
 """The ``import_path`` every serve config of this project uses."""
 
-RouterPolicy = Literal["least_loaded", "prefix_affinity", "round_robin"]
+RouterPolicy = Literal["cache_aware", "least_loaded", "round_robin"]
 ServingMode = Literal["pd", "monolithic"]
 
 
@@ -303,12 +303,17 @@ class RouterConfig(_Strict):
     """How the ingress picks a decode replica and the decode replica a prefill replica."""
 
     policy: RouterPolicy = Field(
-        "least_loaded",
-        description="'least_loaded' (fewest ongoing requests), 'prefix_affinity' (same prompt prefix -> same "
-        "prefill replica), 'round_robin'.",
+        "cache_aware",
+        description="'cache_aware' (highest overlap_weight x cached prompt pages - requests in flight: the "
+        "replica already holding the prompt's prefix, unless it is that much busier), 'least_loaded' (fewest "
+        "requests in flight), 'round_robin' (deployments/router.py).",
     )
-    prefix_affinity_pages: int = Field(
-        4, ge=1, description="Leading 64-token pages of the prompt hashed by 'prefix_affinity'."
+    overlap_weight: float = Field(
+        0.25, ge=0, description="'cache_aware': requests of load one cached 64-token page of the prompt is worth."
+    )
+    prefix_pages: int = Field(
+        256, ge=1, description="'cache_aware': leading 64-token pages of a prompt looked up in the replicas' "
+        "reported cache keys (256: the first 16k tokens).",
     )
 
 
@@ -350,6 +355,14 @@ class Features(_Strict):
         False, description="Reuse the indexer top-k of the first MTP draft step in later draft steps."
     )
     draft_topk: int = Field(1, ge=1, description="Candidate tokens per MTP draft step (1 = a chain).")
+    prefix_caching: bool = Field(
+        True, description="Keep finished requests' full 64-token pages (every layer's MLA and indexer pages, the "
+        "MTP layer's too) in each replica's page pool, keyed by a hash chain over their tokens, and reuse them "
+        "for prompts that start the same: a cached prefix is not prefilled again, and decode replicas tell "
+        "prefill how many leading pages they hold, which are not pushed. Unreferenced cached pages count as "
+        "free and are evicted least recently used first (workers/prefix_cache.py). The routers rank replicas "
+        "by cached prefix against load (deployments/router.py).",
+    )
 
 
 class ChatConfig(_Strict):

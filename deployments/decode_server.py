@@ -3,10 +3,12 @@ orchestrates each request (DESIGN.md, request path).
 
 `generate` (streamed, routed here by `deployments.router.DecodeRouter`):
 
-1. reserve ``ceil(prompt / 64)`` pages and open an any-peer receive for them;
+1. hold ``ceil(prompt / 64)`` pages: the prompt's cached prefix from this replica's
+   prefix cache, then fresh pages, and open an any-peer receive for the fresh ones;
 2. call the prefill deployment (its router picks the least loaded prefill
    replica this replica has handshaked with) with the task: request id,
-   token ids, sampling params, this agent's name and offer, the page ids;
+   token ids, sampling params, this agent's name and offer, the fresh page ids
+   and how many leading pages it holds (prefill pushes only the rest);
 3. hand prefill's answer (first token, last hidden state) to the engine;
    the request joins the running batch once its pages have landed;
 4. yield every `RequestOutput` until the request finishes, as
@@ -38,6 +40,7 @@ from deployments.decode_thread import DecodeThread, Reserved, error_output
 from deployments.metrics.replica import DecodeMetrics
 from deployments.replica_server import ReplicaServer
 from deployments.replica_build import build_decode_worker
+from deployments.router import PromptKeys
 from deployments.stream_pacing import StreamPacer, paced_outputs
 from workers.engine import RequestOutput
 from workers.prefill_worker import PrefillResult, PrefillTask
@@ -58,6 +61,7 @@ class DecodeServer(ReplicaServer):
             raise ValueError(f"mode {cfg.mode!r} with{'out' if prefill is None else ''} a prefill deployment")
         self.prefill = prefill
         self.pacer = StreamPacer(cfg.decode.stream_items_per_s)
+        self.prompt_keys = None if prefill is None else PromptKeys(cfg, "prefill", model_dir)  # the prefill router's
         self.worker_id = f"decode-{serve.get_replica_context().replica_id.unique_id}"
         worker = await asyncio.to_thread(build_decode_worker, cfg, model_dir, self.worker_id)
         thread = DecodeThread(worker, self.worker_id, queue_timeout_s(cfg))
@@ -85,10 +89,11 @@ class DecodeServer(ReplicaServer):
         self.thread.post(self.thread.prefill_result, result, agent)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       prefix_hash: int | None = None, admit_by: float | None = None) -> AsyncIterator[tuple]:
+                       prefix_keys: list[int] | None = None, admit_by: float | None = None) -> AsyncIterator[tuple]:
         """Stream the request's outputs as `RequestOutput.to_wire` tuples (see the
         module doc); the last one has ``finished`` set. ``admit_by``: wall-clock time by which the
-        request must have started here and at prefill, else it is refused (``deployments.admission``)."""
+        request must have started here and at prefill, else it is refused (``deployments.admission``).
+        ``prefix_keys``: the prompt's page keys, for the decode router (`deployments.router`)."""
         start = time.monotonic()
         stream = self.thread.open_stream(request_id)
         prefill_call = None
@@ -109,9 +114,10 @@ class DecodeServer(ReplicaServer):
                     yield item.to_wire()
                     return
                 assert isinstance(item, Reserved)
-                task = PrefillTask(request_id, list(prompt), params, self.agent, item.pages)
+                task = PrefillTask(request_id, list(prompt), params, self.agent, item.pages, item.cached_pages)
                 prefill_call = self.prefill.prefill.remote(
-                    task, self.offer, known_prefills=tuple(sorted(self.sync.known)), prefix_hash=prefix_hash,
+                    task, self.offer, known_prefills=tuple(sorted(self.sync.known)),
+                    prefix_keys=self.prompt_keys(prompt),
                     admit_by=admit_by)
                 waiter = asyncio.create_task(self._await_prefill(task, prefill_call))
             first = True

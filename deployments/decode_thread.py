@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from attention.formats import pages_for_tokens
 from deployments.admission import overload_message, timeout_detail, waited
-from deployments.replica_stats import DecodeStats, StepRecord
+from deployments.replica_stats import DecodeStats, PrefixKeys, StepRecord
 from deployments.worker_thread import WorkerThread
 from workers.decode_worker import DecodeWorker
 from workers.engine import RequestOutput
@@ -42,9 +42,11 @@ log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and th
 
 @dataclass(frozen=True)
 class Reserved:
-    """Emitted once a request's pages are reserved and its receive is open."""
+    """Emitted once a request's pages are reserved and its receive is open: ``pages`` the ones prefill pushes
+    into, after the ``cached_pages`` leading pages this replica's prefix cache already holds."""
 
     pages: list[int]
+    cached_pages: int = 0
 
 
 def error_output(request_id: str, message: str) -> RequestOutput:
@@ -70,6 +72,7 @@ class DecodeThread(WorkerThread):
             worker_id = worker.link.agent.worker_id
         super().__init__(f"decode:{worker_id}")
         self.worker = worker
+        self.prefix_keys = PrefixKeys(worker.pool)
         self.worker_id = worker_id
         # One page no request ever uses: prefill replicas write their warm-up
         # WRITE of a new pair into it (none without a link: no prefill peers).
@@ -160,7 +163,7 @@ class DecodeThread(WorkerThread):
                 continue
             self.pending.popleft()
             self.admit_by.pop(req.request_id, None)  # started: the transfer deadline bounds it from here
-            self.emit(req.request_id, Reserved(pages))
+            self.emit(req.request_id, Reserved(pages, req.cached_pages))
 
     def _expire(self) -> None:
         """Refuse every waiting request past its ``admit_by`` time: PD requests still without pages, and
@@ -226,6 +229,7 @@ class DecodeThread(WorkerThread):
             agent=self.agent_name,
             free_pages=w.pool.free_count,
             total_pages=w.pool.num_pages,
+            **self.prefix_keys.fields(),
             queued=queued,
             reserved_pages=0 if self.warmup_page is None else 1,  # the warm-up page
             running=running,

@@ -15,7 +15,7 @@ the sampling values (answering OpenAI error objects with their status codes:
 ``deployments.admission``, which also refuses with a 400 a request no page
 pool can ever hold),
 routes the request to a decode replica (`deployments.router.DecodeRouter`,
-with a prefix-affinity hint) and turns the decode replica's token outputs
+with the prompt's page keys for its cache-aware ranking) and turns the decode replica's token outputs
 into text — for chat, split into ``reasoning_content``, ``content`` and
 ``tool_calls`` by the family's parsers (``deployments.openai.chat_output``).
 It waits for the first output before answering, so a request
@@ -75,7 +75,7 @@ from deployments.openai.responses import (
     sse_event,
 )
 from deployments.replica_stats import DecodeStats
-from deployments.router import prefix_hash
+from deployments.router import PromptKeys
 from deployments.text_stream import TextStream
 from models.config import load_config
 from workers.engine import RequestOutput
@@ -207,7 +207,7 @@ class OpenAIIngress:
         self.model_name = cfg.model_name
         self.max_model_len = cfg.model.max_model_len or model_cfg.max_position_embeddings
         self.vocab_size = model_cfg.vocab_size
-        self.prefix_pages = cfg.router.prefix_affinity_pages
+        self.prompt_keys = PromptKeys(cfg, "decode", model_dir)  # for the decode router
         self.mode = cfg.mode
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.chat_defaults = cfg.chat
@@ -341,7 +341,7 @@ class OpenAIIngress:
             return self._refuse(trace, e)
         trace.admitted(len(ids))
         job.responses = self.decode.generate.remote(job.id, ids, params,
-                                                    prefix_hash=prefix_hash(ids, self.prefix_pages),
+                                                    prefix_keys=self.prompt_keys(ids),
                                                     admit_by=admit_by(self.app_cfg))
         handed_over = False
         try:

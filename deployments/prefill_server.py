@@ -48,11 +48,11 @@ class PrefillServer(ReplicaServer):
     # -------------------------------------------------------------- requests
     async def prefill(self, task: PrefillTask, decode_offer: bytes | None = None,
                       known_prefills: tuple[str, ...] | None = None,
-                      prefix_hash: int | None = None, admit_by: float | None = None) -> tuple[str, PrefillResult]:
+                      prefix_keys: list[int] | None = None, admit_by: float | None = None) -> tuple[str, PrefillResult]:
         """Prefill ``task`` and push its pages; returns ``(this agent, result)``. A task not started
         by ``admit_by`` (wall clock, `deployments.admission`) is refused ``overloaded:``.
 
-        ``known_prefills`` / ``prefix_hash`` are for the router (it reads the
+        ``known_prefills`` / ``prefix_keys`` are for the router (it reads the
         call's keyword arguments); the agent check below only catches a
         router that routed on stale metadata.
         """

@@ -20,7 +20,7 @@ import time
 from collections import deque
 
 from deployments.admission import overload_message, timeout_detail, waited
-from deployments.replica_stats import PrefillStats, StepRecord
+from deployments.replica_stats import PrefillStats, PrefixKeys, StepRecord
 from deployments.worker_thread import WorkerThread
 from workers.page_pool import PoolExhausted
 from workers.prefill_worker import PrefillResult, PrefillTask, PrefillWorker
@@ -33,6 +33,7 @@ class PrefillThread(WorkerThread):
         """``queue_timeout_s``: ``limits.queue_timeout_s`` as resolved, named in queue-timeout refusals."""
         super().__init__(f"prefill:{worker.link.agent.worker_id}")
         self.worker = worker
+        self.prefix_keys = PrefixKeys(worker.pool)
         self.warm_up = warm_up
         self.pending: deque[PrefillTask] = deque()
         self.queue_timeout_s = queue_timeout_s
@@ -156,6 +157,7 @@ class PrefillThread(WorkerThread):
             agent=self.agent_name,
             free_pages=w.pool.free_count,
             total_pages=w.pool.num_pages,
+            **self.prefix_keys.fields(),
             queued=len(self.pending),
             active=len(w.active),
             queued_tokens=queued_tokens,

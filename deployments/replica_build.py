@@ -53,7 +53,8 @@ def _build(app_cfg: AppConfig, role: str, model_dir: str | Path, worker_id: str,
     place = plan_placement(app_cfg).for_role(role)
     options = rank_actor_options(place) if role_cfg.tensor_parallel_size > 1 else None
     parts = build_replica(role_cfg.rank_spec(model_dir, push), role_cfg.tensor_parallel_size,
-                          worker_id if link else None, options)
+                          worker_id if link else None, options, prefix_caching=app_cfg.features.prefix_caching,
+                          mtp=role_cfg.has_mtp)
     if parts.group is not None:
         where = (f"bundles {list(place.rank_bundle_indices)} of the replica's placement group"
                  if "scheduling_strategy" in options[0] else "no placement group")

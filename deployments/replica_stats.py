@@ -11,6 +11,7 @@ field: a misspelt name fails loudly instead of reading as 0.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
@@ -19,13 +20,22 @@ S = TypeVar("S", bound="ReplicaStats")
 
 @dataclass(frozen=True)
 class ReplicaStats:
-    """Fields every replica reports. ``free_pages`` / ``total_pages``: its page pool;
-    ``queued``: requests waiting in the replica for pages."""
+    """Fields every replica reports. ``free_pages`` / ``total_pages``: its page pool (free includes the
+    prefix cache's unreferenced pages: reclaimable); ``queued``: requests waiting in the replica for pages.
+    The prefix cache (`workers.prefix_cache`; zeros without one): ``cached_pages`` held,
+    ``prefix_queries`` / ``prefix_hits`` prompt tokens looked up / found cached and ``prefix_evictions``
+    since start, ``prefix_keys`` the routing keys of its cached pages (`PrefixKeys`: a replica that
+    restarts reports none)."""
 
     agent: str
     free_pages: int
     total_pages: int
     queued: int
+    cached_pages: int
+    prefix_queries: int
+    prefix_hits: int
+    prefix_evictions: int
+    prefix_keys: tuple[int, ...]
 
     def to_dict(self) -> dict[str, Any]:
         """The wire form (Serve's routing stats and the directory take plain dicts)."""
@@ -38,6 +48,9 @@ class ReplicaStats:
         unknown, missing = set(d) - names, names - set(d)
         if unknown or missing:
             raise TypeError(f"{cls.__name__}: unknown fields {sorted(unknown)}, missing fields {sorted(missing)}")
+        d = dict(d)
+        if isinstance(d["prefix_keys"], list):
+            d["prefix_keys"] = tuple(d["prefix_keys"])  # a list after JSON (the directory, /stats)
         return cls(**d)
 
     @classmethod
@@ -49,6 +62,37 @@ class ReplicaStats:
     def waiting(self) -> int:
         """Requests waiting in the replica (for pages, KV or a batch slot): the queue-depth gauge."""
         return self.queued
+
+
+REPORTED_KEYS = 4096
+"""Most routing keys a replica reports (64-bit each): 4096 pages = 256k tokens of cached prefixes, the ones
+referenced by running requests first, then the most recently used (`PrefixCache.routing_keys`)."""
+
+KEYS_PERIOD_S = 1.0
+"""How often a replica recomputes its reported keys (`deployments.router.ROUTING_STATS_PERIOD_S`: what
+Serve's routing stats refresh at), not after every engine round."""
+
+
+class PrefixKeys:
+    """A page pool's prefix-cache figures for the replica's snapshots, its routing keys recomputed at most
+    every `KEYS_PERIOD_S` (the worker thread snapshots after every round)."""
+
+    def __init__(self, pool, clock=time.monotonic):
+        self.pool, self.clock = pool, clock
+        self._keys: tuple[int, ...] = ()
+        self._at = -float("inf")
+
+    def fields(self) -> dict[str, Any]:
+        """The `ReplicaStats` prefix-cache fields, as keyword arguments."""
+        cache = self.pool.prefix_cache
+        if cache is None:
+            return dict(cached_pages=0, prefix_queries=0, prefix_hits=0, prefix_evictions=0, prefix_keys=())
+        now = self.clock()
+        if now - self._at >= KEYS_PERIOD_S:
+            self._keys, self._at = tuple(cache.routing_keys(REPORTED_KEYS)), now
+        c = cache.counters
+        return dict(cached_pages=len(cache), prefix_queries=c.queries, prefix_hits=c.hits,
+                    prefix_evictions=c.evictions, prefix_keys=self._keys)
 
 
 @dataclass(frozen=True)

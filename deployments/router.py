@@ -8,48 +8,78 @@ Each replica reports its load through ``record_routing_stats`` (refreshed
 every ``ROUTING_STATS_PERIOD_S``) and, once, its NIXL agent name through
 ``record_replica_metadata``.
 
-Ranking (`rank`): by load — requests in flight, the fresher of Serve's own
-queue-length cache and the replica's report — then by page-pool pressure (used
-page share), then by a prefix-affinity hint: the rendezvous hash of the
-prompt's first full pages (`prefix_hash`) with the replica id, so requests
-sharing a prefix prefer the same replica when loads tie. ``prefix_affinity``
-prefers the affinity replica whenever its load is within ``affinity_slack``
-of the least loaded (what a prefix cache would want); ``round_robin`` ignores
-load. The prefill router also keeps only replicas whose agent the calling
-decode replica has handshaked with (``known_prefills`` in the call), since
-decode's any-peer receive accepts pushes from those agents only.
+Ranking (`rank`), policy ``cache_aware`` (the default): each replica scores
+
+    score = overlap_weight x cached_pages - load
+
+``cached_pages``: how many of the prompt's leading 64-token pages the
+replica's prefix cache holds (the caller passes the prompt's page keys,
+`workers.prefix_cache.chain_keys` with the target role's `replica_salt`, as
+the ``prefix_keys`` keyword argument; each replica reports the keys it holds
+in its routing stats, `deployments.replica_stats.PrefixKeys`; a restarted
+replica reports none). ``load``: requests in flight at the replica, the
+fresher of Serve's own queue-length cache and the replica's report (prefill:
+its active and queued tasks). The highest score goes first; ties by page
+pressure (used page share), then replica id. ``overlap_weight``
+(``router.overlap_weight``, in requests per cached page) is the cost function
+of Dynamo's KV router with our load unit: at the default 0.25 an 8k-token
+cached prefix (128 pages) is worth 32 requests of queue, and no overlap at all
+leaves plain least-loaded. ``least_loaded`` ignores the cache; ``round_robin``
+ignores load. The prefill router also keeps only replicas whose agent the
+calling decode replica has handshaked with (``known_prefills`` in the call),
+since decode's any-peer receive accepts pushes from those agents only. Serve
+skips a replica whose ``max_ongoing_requests`` is reached, so an overloaded
+replica never gets a request for its cache.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from attention.formats import PAGE_SIZE
 from deployments.metrics.router import RouterMetrics
 from deployments.replica_stats import DecodeStats, PrefillStats, ReplicaStats
+from workers.prefix_cache import chain_keys, routing_key
 
 ROUTING_STATS_PERIOD_S = 1.0
 
 
-def prefix_hash(token_ids: Sequence[int], pages: int) -> int | None:
-    """Hash of the prompt's first ``pages`` full 64-token pages (None if it has no full page)."""
-    n = min(len(token_ids) // PAGE_SIZE, pages) * PAGE_SIZE
-    if n == 0:
-        return None
-    digest = hashlib.blake2b(",".join(map(str, token_ids[:n])).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+def prefix_keys(token_ids: Sequence[int], salt: bytes, max_pages: int) -> list[int]:
+    """The routing keys (`workers.prefix_cache.routing_key`) of the prompt's leading full pages, at most
+    ``max_pages``, hashed as a replica with ``salt`` keys its cache."""
+    return [routing_key(k) for k in chain_keys(token_ids, salt, max_pages)]
 
 
-def _affinity(hint: int | None, key: str) -> int:
-    """Rendezvous weight of replica ``key`` for ``hint``: stable, and only a departed replica's share moves."""
-    if hint is None:
-        return 0
-    return int.from_bytes(hashlib.blake2b(f"{hint}:{key}".encode(), digest_size=8).digest(), "big")
+class PromptKeys:
+    """What a caller of a role's deployment passes as ``prefix_keys``: `prefix_keys` of a prompt with that
+    role's `workers.prefix_cache.replica_salt`; nothing (``None``) when its policy is not ``cache_aware`` or
+    prefix caching is off."""
+
+    def __init__(self, app_cfg, role: str, model_dir: str):
+        from workers.prefix_cache import replica_salt  # reads the checkpoint's config.json
+
+        self.salt = None
+        self.max_pages = app_cfg.router.prefix_pages
+        if app_cfg.router.policy == "cache_aware" and app_cfg.features.prefix_caching:
+            role_cfg = app_cfg.for_role(role)
+            self.salt = replica_salt(role_cfg.rank_spec(model_dir), role_cfg.has_mtp)
+
+    def __call__(self, token_ids: Sequence[int]) -> list[int] | None:
+        return None if self.salt is None else prefix_keys(token_ids, self.salt, self.max_pages)
+
+
+def cached_prefix(keys: Sequence[int], held: Collection[int]) -> int:
+    """Leading ``keys`` found in ``held``: the prompt's pages a replica can reuse (a lookup stops at the first
+    page it misses)."""
+    n = 0
+    for k in keys:
+        if k not in held:
+            break
+        n += 1
+    return n
 
 
 @dataclass(frozen=True)
@@ -61,10 +91,16 @@ class Candidate:
     """Requests in flight at the replica."""
     pressure: float = 0.0
     """Share of its pool's pages in use (0..1)."""
+    cached: int = 0
+    """Leading pages of the request's prompt the replica's prefix cache holds."""
 
 
-def rank(cands: Iterable[Candidate], policy: str, hint: int | None = None, affinity_slack: float = 0.0,
-         turn: int = 0) -> list[str]:
+def score(c: Candidate, overlap_weight: float) -> float:
+    """``overlap_weight x cached pages - load`` (the module doc)."""
+    return overlap_weight * c.cached - c.load
+
+
+def rank(cands: Iterable[Candidate], policy: str, overlap_weight: float = 0.0, turn: int = 0) -> list[str]:
     """Replica keys, most preferred first (see the module doc)."""
     cands = list(cands)
     if not cands:
@@ -73,12 +109,8 @@ def rank(cands: Iterable[Candidate], policy: str, hint: int | None = None, affin
         keys = sorted(c.key for c in cands)
         i = turn % len(keys)
         return keys[i:] + keys[:i]
-    order = sorted(cands, key=lambda c: (c.load, round(c.pressure, 2), -_affinity(hint, c.key), c.key))
-    if policy == "prefix_affinity" and hint is not None:
-        floor = order[0].load
-        near = [c for c in order if c.load <= floor + affinity_slack]
-        near.sort(key=lambda c: -_affinity(hint, c.key))
-        order = near + [c for c in order if c not in near]
+    w = overlap_weight if policy == "cache_aware" else 0.0
+    order = sorted(cands, key=lambda c: (-score(c, w), round(c.pressure, 2), c.key))
     return [c.key for c in order]
 
 
@@ -88,13 +120,14 @@ class _LoadRouter(RequestRouter):
     target = ""
     """The deployment this router routes to (the ``target`` label of its metrics)."""
 
-    def initialize_state(self, policy: str = "least_loaded", affinity_slack: float = 2.0, model: str = "",
+    def initialize_state(self, policy: str = "cache_aware", overlap_weight: float = 0.25, model: str = "",
                          **kwargs: Any) -> None:
         """``model``: the served model name (a label of the routing metrics)."""
         self.policy = policy
-        self.affinity_slack = affinity_slack
+        self.overlap_weight = overlap_weight
         self._turns = itertools.count()
         self.metrics = RouterMetrics(model, self.target, policy)
+        self._held: dict[str, tuple[tuple[int, ...], frozenset[int]]] = {}  # replica -> (its report, as a set)
 
     def _load(self, r: RunningReplica) -> float:
         raise NotImplementedError
@@ -112,29 +145,42 @@ class _LoadRouter(RequestRouter):
     def _eligible(self, replicas: list[RunningReplica], pending: PendingRequest | None) -> list[RunningReplica]:
         return replicas
 
+    def _held_keys(self, key: str, s: ReplicaStats | None) -> frozenset[int]:
+        """The replica's reported cache keys as a set, rebuilt only when its report changed."""
+        keys = s.prefix_keys if s is not None else ()
+        memo = self._held.get(key)
+        if memo is None or memo[0] is not keys:
+            memo = self._held[key] = (keys, frozenset(keys))
+        return memo[1]
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         replicas = self._eligible(candidate_replicas, pending_request)
-        hint = None
+        keys: Sequence[int] = ()
         if pending_request is not None:
-            hint = pending_request.kwargs.get("prefix_hash")
+            keys = pending_request.kwargs.get("prefix_keys") or ()
             # Without this Serve retries at once, spinning, while every replica is full.
             pending_request.routing_context.should_backoff = True
         by_key = {r.replica_id.unique_id: r for r in replicas}
-        cands = [Candidate(k, self._load(r), self._pressure(r)) for k, r in by_key.items()]
-        order = rank(cands, self.policy, hint, self.affinity_slack, next(self._turns))
+        cands = []
+        for k, r in by_key.items():
+            cached = cached_prefix(keys, self._held_keys(k, self._stats(r))) if keys else 0
+            cands.append(Candidate(k, self._load(r), self._pressure(r), cached))
+        for gone in set(self._held) - set(by_key):
+            del self._held[gone]
+        order = rank(cands, self.policy, self.overlap_weight, next(self._turns))
         # Classified inside the metrics' guard: a failure there must not fail the routing.
-        self.metrics.decided(lambda: self._outcome(cands, order, hint))
+        self.metrics.decided(lambda: self._outcome(cands, order))
         return [[by_key[k]] for k in order]
 
-    def _outcome(self, cands: list[Candidate], order: list[str], hint: int | None) -> str:
-        """The decision's ``outcome`` label: ``affinity`` when the prefix hint changed the first choice."""
+    def _outcome(self, cands: list[Candidate], order: list[str]) -> str:
+        """The decision's ``outcome`` label: ``prefix_cache`` when cached pages changed the first choice."""
         if not order:
             return "no_replica"
         if self.policy == "round_robin":
             return "round_robin"
-        if hint is not None and rank(cands, self.policy, None, self.affinity_slack)[0] != order[0]:
-            return "affinity"
+        if self.policy == "cache_aware" and rank(cands, "least_loaded")[0] != order[0]:
+            return "prefix_cache"
         return "least_loaded"
 
     def _queue_len(self, r: RunningReplica) -> int:
@@ -142,7 +188,7 @@ class _LoadRouter(RequestRouter):
 
 
 class DecodeRouter(_LoadRouter):
-    """Ingress -> decode: least loaded (requests, then free pages), prefix affinity as the tie-break."""
+    """Ingress -> decode: cached prefix against load (requests in flight), then page pressure."""
 
     target = "decode"
     stats_class = DecodeStats
@@ -153,7 +199,7 @@ class DecodeRouter(_LoadRouter):
 
 
 class PrefillRouter(_LoadRouter):
-    """Decode -> prefill: least loaded among the prefill agents the caller has handshaked with."""
+    """Decode -> prefill: cached prefix against load among the prefill agents the caller has handshaked with."""
 
     target = "prefill"
     stats_class = PrefillStats

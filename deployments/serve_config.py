@@ -27,6 +27,7 @@ from deployments.controller import (
     plan_placement,
     violations_from_pydantic,
 )
+from workers.prefix_cache import HOST_BYTES_PER_CACHED_PAGE
 
 __all__ = ["AppReport", "ServeConfigReport", "check_serve_config", "format_report"]
 
@@ -136,9 +137,23 @@ def _summary(result: CheckResult, gpu_memory_bytes: int | None) -> list[str]:
             est = estimate_memory(role_cfg, m, gpu_memory_bytes)
             lines.append(f"  per replica (host memory): weights {format_bytes(est.weights_bytes)} + pages "
                          f"{format_bytes(est.page_bytes)}")
+        lines.append("  " + _prefix_cache_line(app_cfg, role_cfg))
     lo, hi = plan.gpus
     lines.append(f"GPUs: {lo:g}" + ("" if lo == hi else f" to {hi:g}"))
     return lines
+
+
+def _prefix_cache_line(app_cfg, role_cfg) -> str:
+    """How `features.prefix_caching` uses the role's pool: no memory of its own (cached pages are pool pages,
+    unreferenced ones counted free), a host-side index of at most every page."""
+    if not app_cfg.features.prefix_caching:
+        return "prefix cache: off (every prompt is prefilled and pushed whole)"
+    index = format_bytes(role_cfg.num_pages * HOST_BYTES_PER_CACHED_PAGE)
+    route = (f"routed cache_aware (overlap weight {app_cfg.router.overlap_weight:g} requests per page, "
+             f"{app_cfg.router.prefix_pages} pages looked up)" if app_cfg.router.policy == "cache_aware"
+             else f"routed {app_cfg.router.policy} (the cache is not looked at)")
+    return (f"prefix cache: on, in the {role_cfg.num_pages} pool pages (no memory of its own; unreferenced cached "
+            f"pages count as free), host index up to {index}; {route}")
 
 
 def format_report(source: str, report: ServeConfigReport, gpu_memory_bytes: int | None = None) -> str:

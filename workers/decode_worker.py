@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attention.formats import pages_for_tokens
+from attention.formats import PAGE_SIZE, pages_for_tokens
 from transfer import ReceiveStatus
 from workers.engine import Engine, RequestOutput
 from workers.kv_link import KVLink
@@ -22,8 +22,15 @@ from workers.request import FinishReason, Request, RequestState
 @dataclass
 class _Awaiting:
     request: Request
+    cached: int = 0
+    """Leading pages of ``request.page_table`` shared from the prefix cache (the rest receive the push)."""
     transfer_done: bool = False
     result: PrefillResult | None = None
+
+    def split_pages(self) -> tuple[list[int], list[int]]:
+        """(cached pages, pages the push writes)."""
+        pt = self.request.page_table
+        return pt[:self.cached], pt[self.cached:]
 
 
 class DecodeWorker:
@@ -51,21 +58,27 @@ class DecodeWorker:
         return self.engine.add_request(req)
 
     def reserve(self, req: Request, prefill_agent: str) -> list[int]:
-        """Reserve ``ceil(prompt_len / 64)`` pages (the shared helper) and expect
-        them from ``prefill_agent``. Raises ``PoolExhausted`` / ``ValueError``."""
+        """Hold ``ceil(prompt_len / 64)`` pages (the shared helper) for ``req``: the prompt's longest cached
+        prefix from this pool's prefix cache (shared read-only, ``req.cached_pages`` of them), then fresh
+        pages, which it expects from ``prefill_agent``. Returns the fresh pages: what prefill pushes into
+        (its task's ``decode_pages``; ``decode_cached_pages`` = ``req.cached_pages``). Raises
+        ``PoolExhausted`` / ``ValueError``."""
         if self.receiver is None:
             raise RuntimeError("this decode worker has no KV link: prefill locally with add_request")
         self._check_new(req)
         self.engine.attach_grammar(req)  # before any page is taken: it raises for a grammar it cannot compile
-        pages = self.pool.allocate(pages_for_tokens(len(req.prompt)))
+        n = len(req.prompt)
+        pages, cached = self.pool.acquire(req.prompt, pages_for_tokens(n))
         try:
-            self.receiver.expect(req.request_id, prefill_agent, len(req.prompt), pages, self.deadline_s)
+            # Only the fresh pages receive: a cached page is never written, by NIXL or anyone.
+            self.receiver.expect(req.request_id, prefill_agent, n - cached * PAGE_SIZE, pages[cached:],
+                                 self.deadline_s)
         except Exception:
             self.pool.free(pages)
             raise
-        req.page_table, req.state = pages, RequestState.AWAITING_KV
-        self.awaiting[req.request_id] = _Awaiting(req)
-        return list(pages)
+        req.page_table, req.state, req.cached_pages = pages, RequestState.AWAITING_KV, cached
+        self.awaiting[req.request_id] = _Awaiting(req, cached)
+        return pages[cached:]
 
     def on_prefill_result(self, result: PrefillResult) -> list[RequestOutput]:
         """Prefill's answer (first token, last hidden); admits once the pages are in."""
@@ -81,11 +94,9 @@ class DecodeWorker:
     def abort(self, request_id: str) -> bool:
         a = self.awaiting.pop(request_id, None)
         if a is not None:
-            # Still receiving: the receiver keeps the pages until prefill
+            # Still receiving: the receiver keeps the pushed pages until prefill
             # settles. Already received (None): they are ours to free.
-            if self.receiver.cancel(request_id, "aborted") is None:
-                self.pool.free(a.request.page_table)
-            a.request.page_table = []
+            self._free(a, received=self.receiver.cancel(request_id, "aborted") is None)
             a.request.finish(FinishReason.ABORT)
             return True
         return self.engine.abort(request_id)
@@ -113,11 +124,16 @@ class DecodeWorker:
     def _fail(self, a: _Awaiting, reason: str, free_pages: bool) -> RequestOutput:
         """``free_pages``: False when the receiver ended the wait (it gives the pages back itself)."""
         self.awaiting.pop(a.request.request_id, None)
-        if free_pages:
-            self.pool.free(a.request.page_table)
-        a.request.page_table = []
+        self._free(a, received=free_pages)
         a.request.finish(FinishReason.ERROR, reason)
         return RequestOutput(a.request.request_id, [], [], True, FinishReason.ERROR.value, reason)
+
+    def _free(self, a: _Awaiting, received: bool) -> None:
+        """Drop an awaiting request's pages: its cached ones now; the pushed ones too if ``received``, else
+        the receiver gives them back once no prefill WRITE can land in them."""
+        cached, pushed = a.split_pages()
+        self.pool.free(cached + pushed if received else cached)
+        a.request.page_table = []
 
     def _maybe_admit(self, a: _Awaiting) -> list[RequestOutput]:
         if not (a.transfer_done and a.result is not None):

@@ -37,6 +37,9 @@ class LLM:
     > 1 runs each rank in its own Ray actor (``workers.rank_group``; gloo on
     CPU, NCCL and one GPU per rank on ``cuda``) driven by this process's
     engine; `shutdown` ends them.
+    prefix_caching: keep finished requests' full pages in each pool's prefix cache
+    (`workers.prefix_cache`): a prompt's cached prefix is neither computed again
+    nor, with ``pd=True``, pushed again; outputs are the same either way.
     """
 
     def __init__(self, model_dir: str | Path, backend: str = "reference", device: str = "cpu",
@@ -44,7 +47,8 @@ class LLM:
                  hadamard: bool | None = None, mtp_draft_tokens: int = 0, mtp_topk_reuse: bool = False,
                  chunk_size: int = 256, max_batch_size: int = 64, pd: bool = False,
                  transfer_deadline_s: float = 600.0, cuda_graphs: bool | None = None,
-                 cuda_graph_max_context: int | None = None, tp_size: int = 1, overlap_scheduling: bool = True):
+                 cuda_graph_max_context: int | None = None, tp_size: int = 1, overlap_scheduling: bool = True,
+                 prefix_caching: bool = True):
         if kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
         self.model_dir = Path(model_dir)
@@ -59,7 +63,8 @@ class LLM:
             raise ValueError("LLM(pd=True) runs prefill and decode in one process, which NIXL cannot link "
                              "over GPU memory; on a GPU serve the app (prefill and decode replicas are "
                              "separate processes) or use pd=False")
-        decode = build_replica(spec, tp_size, "decode-0" if pd else None)
+        mtp = mtp_draft_tokens > 0
+        decode = build_replica(spec, tp_size, "decode-0" if pd else None, prefix_caching=prefix_caching, mtp=mtp)
         self.groups: list[RankGroup] = [decode.group] if decode.group else []
         self.model, self.runner, self.cache, self.pool = decode.model, decode.runner, decode.cache, decode.pool
         self.cfg = self.model.cfg
@@ -72,7 +77,8 @@ class LLM:
             # A second replica in-process: its own weights, cache and pool, linked to
             # this one by real NIXL agents (DRAM on CPU); with tp_size > 1 prefill
             # rank i pushes to decode rank i, each pair over its own agents.
-            prefill = build_replica(replace(spec, push=spec.push.for_prefill()), tp_size, "prefill-0")
+            prefill = build_replica(replace(spec, push=spec.push.for_prefill()), tp_size, "prefill-0",
+                                    prefix_caching=prefix_caching, mtp=mtp)
             if prefill.group:
                 self.groups.append(prefill.group)
             decode.link.handshake(prefill.link)
@@ -174,10 +180,19 @@ class LLM:
             "prefill_tokens": s.prefill_tokens,
             "decode_tokens": s.decode_tokens,
             "preemptions": s.preemptions,
+            **_cache_stats("", self.pool),
+            **(_cache_stats("prefill_", self.pd.prefill.pool) if self.pd else {}),
             "pool_free_pages": self.pool.free_count,
             "pool_total_pages": self.pool.num_pages,
             **({"prefill_pool_free_pages": self.pd.prefill.pool.free_count} if self.pd else {}),
         }
+
+
+def _cache_stats(prefix: str, pool) -> dict:
+    """A pool's prefix-cache figures (`workers.prefix_cache.CacheCounters`, pages cached), keys ``prefix``-ed."""
+    c = pool.prefix_cache.counters if pool.prefix_cache is not None else None
+    return {f"{prefix}prefix_cache_queries": c.queries if c else 0, f"{prefix}prefix_cache_hits": c.hits if c else 0,
+            f"{prefix}prefix_cache_evictions": c.evictions if c else 0, f"{prefix}cached_pages": pool.cached_count}
 
 
 class _LocalPD:
@@ -202,7 +217,7 @@ class _LocalPD:
                         break
                     try:
                         self.prefill.submit(PrefillTask(r.request_id, r.prompt, r.params,
-                                                        self.decode.link.agent.name, pages))
+                                                        self.decode.link.agent.name, pages, r.cached_pages))
                     except PoolExhausted:
                         self.decode.abort(r.request_id)
                         r.state = RequestState.WAITING

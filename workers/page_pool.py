@@ -4,7 +4,10 @@ of them."""
 
 from __future__ import annotations
 
-from attention.formats import pages_for_tokens
+from typing import Sequence
+
+from attention.formats import PAGE_SIZE, pages_for_tokens
+from workers.prefix_cache import PrefixCache
 
 
 class PoolExhausted(RuntimeError):
@@ -36,64 +39,134 @@ class PagePool:
     O(pages freed). Nothing sorts the whole free list.
     ``free_count`` is exact at all times so tests can assert that every path
     (finish, abort, failure) returns the pool to its starting count.
+
+    With a prefix cache (`workers.prefix_cache`) pages are reference-counted:
+    `acquire` gives a request the cached pages of its prompt's longest cached
+    prefix (shared, read-only) before fresh ones, and `free` caches a
+    request's written full pages before dropping its references. A cached
+    page nobody references is parked: counted in ``free_count`` and evicted,
+    least recently used first, only when `allocate` finds too few free pages.
+    Held frees (`hold_frees`) hold cached pages too, so none is evicted and
+    re-used while a step in flight may still touch it.
     """
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, prefix_cache: PrefixCache | None = None):
+        """``prefix_cache``: keep finished requests' full pages for reuse (`workers.prefix_cache`); None: off."""
         if num_pages <= 0:
             raise ValueError(f"num_pages must be > 0, got {num_pages}")
         self.num_pages = num_pages
+        self.prefix_cache = prefix_cache
         self._run_len: dict[int, int] = {0: num_pages}  # run start -> length
         self._run_at_end: dict[int, int] = {num_pages: 0}  # run end (exclusive) -> start
-        self._free_count = num_pages
-        self._used: set[int] = set()
+        self._free_count = num_pages  # pages in the runs
+        self._refs: dict[int, int] = {}  # page -> requests holding it (> 1 only for shared cached pages)
         # Frees held back while a decode step launched without waiting may still
-        # write into the pages (`hold_frees`): (tag of the newest such step, pages).
+        # write into the pages (`hold_frees`): the tag of the newest such step, page -> its tag.
         self._hold_tag: int | None = None
-        self._held: list[tuple[int, list[int]]] = []
+        self._held: dict[int, int] = {}
 
     @property
     def free_count(self) -> int:
-        return self._free_count
+        """Pages an allocation can take now: free ones, and cached pages no request references (reclaimable,
+        never leaked: a pool with no live request is back at ``num_pages``)."""
+        return self._free_count + (self.prefix_cache.parked_count if self.prefix_cache is not None else 0)
+
+    @property
+    def cached_count(self) -> int:
+        """Pages the prefix cache holds (shared by requests or parked); 0 without a cache."""
+        return len(self.prefix_cache) if self.prefix_cache is not None else 0
 
     def free_runs(self) -> list[tuple[int, int]]:
         """The free pages as ``(start, length)`` runs in ascending order (for tests and stats)."""
         return sorted(self._run_len.items())
 
     def allocate(self, n: int) -> list[int]:
-        """``n`` page ids (ascending), from one contiguous run when any run holds ``n``."""
+        """``n`` page ids (ascending), from one contiguous run when any run holds ``n``; parked cached pages
+        are evicted (least recently used first) when the free ones are too few."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > self._free_count:
-            raise PoolExhausted(f"asked for {n} pages, {self._free_count} of {self.num_pages} free")
+        if n > self.free_count:
+            raise PoolExhausted(f"asked for {n} pages, {self.free_count} of {self.num_pages} free")
         if n == 0:
             return []
+        while self._free_count < n:
+            self._give_back_all(self.prefix_cache.evict())
         start = self._best_fit(n, self._run_len.items())
         if start is not None:
             pages = self._take(start, n)
         else:
             pieces = sorted(self._fewest_runs(n))
             pages = [p for s, k in pieces for p in self._take(s, k)]
-        self._used.update(pages)
+        for p in pages:
+            self._refs[p] = 1
         self._free_count -= n
         return pages
 
     def allocate_for_tokens(self, num_tokens: int) -> list[int]:
         return self.allocate(pages_for_tokens(num_tokens))
 
-    def free(self, pages: list[int]) -> None:
-        """Return ``pages``; while frees are held (`hold_frees`), they wait for their step."""
+    def acquire(self, token_ids: Sequence[int], num_pages: int, reuse: bool = True) -> tuple[list[int], int]:
+        """``num_pages`` pages for a request about to compute ``token_ids`` (its prompt, or all it must
+        re-prefill): the cached pages of its longest cached prefix first (shared: referenced, never written),
+        then fresh ones. At most the pages before ``token_ids``' last token are reused: it is computed (its
+        logits give the next token). ``reuse`` False (or no cache): fresh pages only. Returns ``(pages,
+        cached)``, ``cached`` the leading pages reused; counts the lookup in the cache's counters. Raises
+        `PoolExhausted` with nothing taken."""
+        cache = self.prefix_cache
+        hit: list[int] = []
+        if cache is not None and reuse:
+            hit = cache.match(token_ids, min(num_pages, (len(token_ids) - 1) // PAGE_SIZE))
+        need = num_pages - len(hit)
+        # Parked hits count as free now and stop counting once shared.
+        if need > self.free_count - sum(cache.is_parked(p) for p in hit):
+            raise PoolExhausted(f"asked for {need} pages ({len(hit)} more cached), {self.free_count} of "
+                                f"{self.num_pages} free")
+        self.share(hit)
+        pages = hit + self.allocate(need)
+        if cache is not None:
+            cache.counters.queries += len(token_ids)
+            cache.counters.hits += len(hit) * PAGE_SIZE
+        return pages, len(hit)
+
+    def share(self, pages: Sequence[int]) -> None:
+        """One more reference to each of ``pages``, cached pages found by `PrefixCache.match` (held or
+        parked ones come back into use)."""
+        for p in pages:
+            if p in self._refs:
+                self._refs[p] += 1
+            elif p in self._held:
+                del self._held[p]  # cached: only read by its new holder, so its step need not be awaited
+                self._refs[p] = 1
+            elif self.prefix_cache is not None and self.prefix_cache.is_parked(p):
+                self.prefix_cache.unpark(p)
+                self._refs[p] = 1
+            else:
+                raise ValueError(f"page {p} is free: only cached pages are shared")
+
+    def free(self, pages: list[int], token_ids: Sequence[int] | None = None, valid_tokens: int = 0) -> None:
+        """Drop one reference to each of ``pages`` (a request's, in order); a page nobody references returns
+        to the pool, or, if cached, is parked for reuse. With ``token_ids`` (and a prefix cache), the full
+        pages whose positions are all below ``valid_tokens`` (their bytes written, every layer's) are cached
+        first. While frees are held (`hold_frees`), unreferenced pages wait for their step."""
         # Validate everything first: a bad list must not leave the pool half-updated.
         seen: set[int] = set()
         for p in pages:
-            if p not in self._used or p in seen:
+            if p not in self._refs or p in seen:
                 raise ValueError(f"page {p} freed twice or never allocated")
             seen.add(p)
+        if token_ids is not None and self.prefix_cache is not None and valid_tokens >= PAGE_SIZE:
+            self.prefix_cache.insert(token_ids, pages, valid_tokens // PAGE_SIZE)
+        unused = []
         for p in pages:
-            self._used.remove(p)
+            self._refs[p] -= 1
+            if not self._refs[p]:
+                del self._refs[p]
+                unused.append(p)
         if self._hold_tag is not None:
-            self._held.append((self._hold_tag, list(pages)))
+            for p in unused:
+                self._held[p] = self._hold_tag
             return
-        self._give_back_all(pages)
+        self._unused(unused)
 
     def hold_frees(self, tag: int | None) -> None:
         """Hold the pages freed from now on until `release_held` covers ``tag``.
@@ -108,18 +181,25 @@ class PagePool:
 
     def release_held(self, through: int | None = None) -> None:
         """Give back the held pages of steps ``<= through`` (all when None): those steps completed."""
-        keep = []
-        for tag, pages in self._held:
-            if through is None or tag <= through:
-                self._give_back_all(pages)
-            else:
-                keep.append((tag, pages))
-        self._held = keep
+        done = [p for p, tag in self._held.items() if through is None or tag <= through]
+        for p in done:
+            del self._held[p]
+        self._unused(done)
 
     @property
     def held_count(self) -> int:
         """Pages freed but held back for a step still in flight (neither used nor free)."""
-        return sum(len(p) for _, p in self._held)
+        return len(self._held)
+
+    def _unused(self, pages: list[int]) -> None:
+        """Pages no request references: cached ones are parked (in order: the last is evicted first), the
+        others go back to the runs."""
+        cache = self.prefix_cache
+        if cache is None:
+            self._give_back_all(pages)
+            return
+        cache.park([p for p in pages if cache.holds(p)])
+        self._give_back_all([p for p in pages if not cache.holds(p)])
 
     def _give_back_all(self, pages: list[int]) -> None:
         for p in pages:

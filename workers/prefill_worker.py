@@ -1,5 +1,10 @@
 """PrefillWorker: chunked prefill that pushes each finished chunk's pages to
-the decode replica over NIXL and returns the first token + last hidden state."""
+the decode replica over NIXL and returns the first token + last hidden state.
+
+With a prefix cache in the pool, a prompt's cached prefix is not computed
+again (its first chunk starts after it), and the pages decode already holds
+(``PrefillTask.decode_cached_pages``) are not pushed: the push covers the
+prompt's positions after them, into the pages decode reserved for the rest."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from attention.formats import pages_for_tokens
+from attention.formats import PAGE_SIZE, pages_for_tokens
 from models.batch import ForwardMode
 from transfer import PushStatus
 from workers.kv_link import KVLink
@@ -33,6 +38,25 @@ class PrefillTask:
     params: SamplingParams
     decode_agent: str
     decode_pages: list[int]
+    """The pages decode reserved for what it does not hold: the prompt's pages after its cached ones."""
+    decode_cached_pages: int = 0
+    """Leading pages of the prompt decode already holds in its prefix cache: not pushed."""
+
+    def check(self) -> None:
+        """Raises ``ValueError`` unless ``decode_cached_pages`` and ``decode_pages`` cover the prompt's pages
+        and at least its last token is pushed (decode reuses at most the pages before it)."""
+        n, skip = len(self.token_ids), self.decode_cached_pages
+        if not n:
+            raise ValueError(f"request {self.request_id}: the prompt is empty")
+        if not 0 <= skip <= (n - 1) // PAGE_SIZE or len(self.decode_pages) + skip != pages_for_tokens(n):
+            raise ValueError(f"request {self.request_id}: decode_cached_pages {skip} + {len(self.decode_pages)} "
+                             f"decode_pages do not cover a prompt of {n} tokens ({pages_for_tokens(n)} pages, "
+                             f"at most {(n - 1) // PAGE_SIZE} cached)")
+
+    @property
+    def skip_tokens(self) -> int:
+        """Prompt positions decode holds (never pushed)."""
+        return self.decode_cached_pages * PAGE_SIZE
 
 
 @dataclass
@@ -104,21 +128,25 @@ class PrefillWorker:
         self._seeds = random.Random()
 
     def submit(self, task: PrefillTask) -> None:
-        """Allocate local pages and start tracking the push (raises ``PoolExhausted``)."""
-        n = len(task.token_ids)
+        """Take local pages (the prompt's cached prefix first: not computed again) and start tracking the
+        push of the pages decode does not hold (raises ``PoolExhausted``, ``ValueError``)."""
+        task.check()
+        n, skip = len(task.token_ids), task.decode_cached_pages
         first_mask = self._start_mask(task.params)  # before any page is taken: it raises for a bad grammar
-        pages = self.pool.allocate(pages_for_tokens(n))
+        prompt_logprobs = PromptLogprobs.wanted(task.params, n)
+        # Prompt logprobs need every position's logits: such a prompt reuses nothing.
+        pages, cached = self.pool.acquire(task.token_ids, pages_for_tokens(n), reuse=prompt_logprobs is None)
         try:
-            # A prompt longer than a round's budget is surely pushed in several chunks: no
-            # whole-request WRITE to prepare.
-            self.pusher.begin(task.request_id, task.decode_agent, n, pages, task.decode_pages, self.deadline_s,
-                              prepare=n <= self.chunk_size)
+            # A prompt computed over more than a round's budget is surely pushed in several chunks: no
+            # whole-request WRITE to prepare. The push covers the positions after decode's cached pages.
+            self.pusher.begin(task.request_id, task.decode_agent, n - task.skip_tokens, pages[skip:],
+                              task.decode_pages, self.deadline_s, prepare=n - cached * PAGE_SIZE <= self.chunk_size)
         except Exception:
             self.pool.free(pages)
             raise
         seed = task.params.seed if task.params.seed is not None else self._seeds.getrandbits(64)
-        self.active[task.request_id] = _Active(task, pages, seed,
-                                               prompt_logprobs=PromptLogprobs.wanted(task.params, n))
+        self.active[task.request_id] = _Active(task, pages, seed, done=cached * PAGE_SIZE,
+                                               prompt_logprobs=prompt_logprobs)
         self.active[task.request_id].first_mask = first_mask
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
@@ -128,10 +156,16 @@ class PrefillWorker:
         self.pusher.abort(request_id, reason)
         self._release(request_id)
 
-    def _release(self, request_id: str) -> _Active | None:
+    def _release(self, request_id: str, cache: bool = False) -> _Active | None:
+        """Drop the request and its pages; ``cache``: its prompt is computed and pushed, so its full pages
+        stay in the prefix cache (every position before the last token: the MTP layer's entry of the last
+        is written by decode, once token 1 is known)."""
         a = self.active.pop(request_id, None)
         if a is not None:
-            self.pool.free(a.page_table)
+            if cache:
+                self.pool.free(a.page_table, a.task.token_ids, len(a.task.token_ids) - 1)
+            else:
+                self.pool.free(a.page_table)
         return a
 
     @torch.inference_mode()
@@ -166,7 +200,7 @@ class PrefillWorker:
         """Results of requests whose push ended (their pages are freed)."""
         out = []
         for res in pushes:
-            a = self._release(res.request_id)
+            a = self._release(res.request_id, cache=res.status is PushStatus.DONE)
             if a is None:
                 continue
             push = dict(push_status=res.status.value, push_nbytes=res.nbytes, push_tail_s=res.tail_seconds,
@@ -195,7 +229,8 @@ class PrefillWorker:
         # are written: a fence (a CUDA event the pusher polls) would only delay the WRITE of a prompt's
         # last chunk, the one its first token waits for (docs/perf.md, session 8).
         for a, _, end in chosen:
-            self.pusher.push(a.task.request_id, end, written=bool(finishing))
+            if end > a.task.skip_tokens:  # positions decode holds are never pushed
+                self.pusher.push(a.task.request_id, end - a.task.skip_tokens, written=bool(finishing))
 
     def _sample_first(self, finishing: list[_Active], last_hidden: torch.Tensor) -> None:
         """Token 1 of every prompt finished this round, sampled as one batch (draw 0 of each

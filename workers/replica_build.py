@@ -24,6 +24,7 @@ from workers.group_link import GroupLink
 from workers.kv_link import KVLink
 from workers.model_runner import ModelRunner
 from workers.page_pool import PagePool
+from workers.prefix_cache import PrefixCache, replica_salt
 from workers.rank_build import RankSpec, build_rank
 from workers.rank_group import GroupModel, RankGroup
 from workers.scheduler import SchedulerConfig
@@ -50,13 +51,17 @@ class ReplicaParts:
 
 
 def build_replica(spec: RankSpec, tp_size: int = 1, worker_id: str | None = None,
-                  actor_options: Sequence[dict[str, Any]] | None = None) -> ReplicaParts:
+                  actor_options: Sequence[dict[str, Any]] | None = None, prefix_caching: bool = False,
+                  mtp: bool = False) -> ReplicaParts:
     """Load ``spec`` on ``tp_size`` ranks and make the replica's page pool.
 
     worker_id: open a NIXL link under that name (prefill and decode replicas; None: no link).
     actor_options: the rank workers' Ray actor options, one dict per rank (tp_size > 1).
+    prefix_caching: give the pool a prefix cache (`workers.prefix_cache`) keyed with `replica_salt`;
+    mtp: the replica writes the MTP layer's pages (MTP drafts on; part of the salt).
     """
-    pool = PagePool(spec.num_pages)
+    cache = PrefixCache(replica_salt(spec, mtp)) if prefix_caching else None
+    pool = PagePool(spec.num_pages, cache)
     if tp_size > 1:
         group = RankGroup(spec, tp_size, actor_options)
         link = group.link(worker_id) if worker_id is not None else None

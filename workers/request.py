@@ -70,6 +70,9 @@ class Request:
     """The request's `workers.structured.GrammarMatcher` when ``params.grammar`` is set (made by the
     engine that decodes it; fed every token the request generated, on any replica)."""
     prompt_logprobs: PromptLogprobs | None = None
+    cached_pages: int = 0
+    """Leading pages of ``page_table`` a decode replica took from its prefix cache when it reserved them
+    (PD: prefill does not push them)."""
     _prompt_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -5,7 +5,8 @@ what the step will write, preempting the newest running request when the pool
 runs dry, (2) puts every running request in the decode batch, and (3) fills a
 prefill token budget (``chunk_size``) with the next chunks of prompts,
 admitting waiting requests while pages allow. A long prompt is thus split into
-chunks that interleave with decode steps of other requests.
+chunks that interleave with decode steps of other requests. With a prefix
+cache in the pool, a prompt's first chunk starts after its cached prefix.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from attention.formats import pages_for_tokens
-from workers.page_pool import PagePool
+from attention.formats import PAGE_SIZE, pages_for_tokens
+from workers.page_pool import PagePool, PoolExhausted
 from workers.request import FinishReason, Request, RequestState
 
 
@@ -46,6 +47,18 @@ def prefill_length(req: Request) -> int:
     request; all but the last token for one resumed after preemption (its last
     token is the next decode input)."""
     return req.num_tokens - 1 if req.output else len(req.prompt)
+
+
+def cacheable_tokens(req: Request, mtp: bool) -> int:
+    """Leading positions of ``req`` whose bytes are final in every cache, so its full pages below may be
+    kept in the prefix cache when it releases them: target KV of the positions computed, except the newest
+    token's (an overlapped step in flight may still be writing it); with MTP (``mtp``) also only below
+    ``pending_start``, the first position whose MTP-layer entry is not written with its true next token yet
+    (it is rewritten once that token is known; 0 while a prompt is prefilling)."""
+    valid = min(req.num_computed, req.num_tokens - 1)
+    if mtp:
+        valid = min(valid, req.pending_start)
+    return max(valid, 0)
 
 
 @dataclass
@@ -105,8 +118,12 @@ class Scheduler:
         self.release_pages(req)
 
     def release_pages(self, req: Request) -> None:
+        """Drop ``req``'s pages; with a prefix cache its written full pages stay cached (`cacheable_tokens`)."""
         if req.page_table:
-            self.pool.free(req.page_table)
+            if self.pool.prefix_cache is None:
+                self.pool.free(req.page_table)
+            else:
+                self.pool.free(req.page_table, req.token_ids, cacheable_tokens(req, self.cfg.mtp_draft_tokens > 0))
             req.page_table = []
 
     @property
@@ -128,7 +145,7 @@ class Scheduler:
         # prefills prompt + output (all but the last token).
         self.running.remove(victim)
         self.release_pages(victim)
-        victim.num_computed = 0
+        victim.num_computed = victim.pending_start = 0
         victim.pending_hidden, victim.drafts, victim.draft_probs = None, [], None
         victim.state = RequestState.WAITING
         self.waiting.appendleft(victim)
@@ -158,16 +175,22 @@ class Scheduler:
             budget -= end - req.num_computed
         while budget > 0 and self.waiting and len(self.running) + len(self.prefilling) < self.cfg.max_batch_size:
             req = self.waiting[0]
-            hold = tokens_to_hold(prefill_length(req) + 1, k)
-            if pages_for_tokens(hold) > self.pool.free_count:
+            n = prefill_length(req)
+            hold = tokens_to_hold(n + 1, k)
+            try:
+                # The prompt's cached prefix is not computed again (prompt logprobs need every position's
+                # logits: such a request reuses nothing).
+                req.page_table, cached = self.pool.acquire(req.token_ids[:n], pages_for_tokens(hold),
+                                                           reuse=req.prompt_logprobs is None)
+            except PoolExhausted:
                 break  # stays queued until pages free up
             self.waiting.popleft()
-            req.page_table = self.pool.allocate(pages_for_tokens(hold))
+            req.num_computed = cached * PAGE_SIZE
             req.state = RequestState.PREFILLING
             self.prefilling.append(req)
-            end = min(prefill_length(req), budget)
-            out.prefill.append(PrefillChunk(req, 0, end))
-            budget -= end
+            end = min(n, req.num_computed + budget)
+            out.prefill.append(PrefillChunk(req, req.num_computed, end))
+            budget -= end - req.num_computed
         return out
 
     def prefill_done(self, req: Request) -> None:

@@ -29,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="seconds a request may wait for its next bytes (connect: at most 30 s) before it fails")
 
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset-name", default="random", choices=["random", "fixed", "jsonl"])
+    g.add_argument("--dataset-name", default="random",
+                   choices=["random", "fixed", "jsonl", "prefix_repetition", "multi_turn"],
+                   help="prefix_repetition / multi_turn: prompts that repeat prefixes (bench/serve/prefix_workloads.py)")
     g.add_argument("--dataset-path", default=None,
                    help='jsonl: one {"prompt": TEXT or [TOKEN IDS], "output_len": N (optional)} per line')
     g.add_argument("--num-prompts", type=int, default=None,
@@ -44,6 +46,18 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "models' byte tokens, no special id)")
     g.add_argument("--random-token-offset", type=int, default=0, help="lowest random token id")
     g.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")
+    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
+                   help="prefix_repetition: tokens of each shared prefix")
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
+                   help="prefix_repetition: tokens after the prefix, different in every request")
+    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                   help="prefix_repetition: distinct prefixes (request i uses prefix i mod this)")
+    g.add_argument("--prefix-repetition-output-len", type=int, default=128,
+                   help="prefix_repetition: output tokens asked for")
+    g.add_argument("--multi-turn-turns", type=int, default=4,
+                   help="multi_turn: turns per conversation (turn 1: --random-input-len tokens)")
+    g.add_argument("--multi-turn-user-len", type=int, default=64,
+                   help="multi_turn: tokens each later turn adds after a --random-output-len stand-in reply")
 
     g = p.add_argument_group("load")
     g.add_argument("--request-rate", type=float, default=float("inf"),
@@ -150,11 +164,16 @@ async def run_benchmark(args, transport=None) -> tuple[dict, dict]:
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as http:
         model = args.model or await _first_model(http, server_root(args), headers)
-        bodies = {id(q): request_body(q, model=model, chat=chat, temperature=args.temperature,
-                                      ignore_eos=args.ignore_eos, extra_body=extra) for q in requests}
+        def body(q):
+            return request_body(q, model=model, chat=chat, temperature=args.temperature,
+                                ignore_eos=args.ignore_eos, extra_body=extra)
+
+        bodies = {id(q): body(q) for q in requests}
 
         async def send(q):
-            return await send_request(http, url, bodies[id(q)], chat=chat, prompt_len=q.prompt_len, headers=headers)
+            # A warm-up copy of a multi-turn request (its `follows` dropped) is not in ``bodies``.
+            b = bodies.get(id(q)) or body(q)
+            return await send_request(http, url, b, chat=chat, prompt_len=q.prompt_len, headers=headers)
 
         print(f"bench serve: {len(requests)} requests ({args.dataset_name}) to {url}, model {model}, "
               f"rate {args.request_rate:g}/s, max concurrency {args.max_concurrency or 'unlimited'}",

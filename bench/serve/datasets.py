@@ -11,6 +11,8 @@
 * ``jsonl``: one JSON object per line: ``"prompt"`` (a string or a list of
   token ids) and optionally ``"output_len"`` (default ``--random-output-len``).
   Lines are used in order, from the start again if ``num_prompts`` is larger.
+* ``prefix_repetition``, ``multi_turn``: prompts that repeat prefixes
+  (``bench.serve.prefix_workloads``).
 
 Lengths are in tokens. A text prompt's token count is unknown here
 (``prompt_len`` None) until the server's ``usage`` says it.
@@ -23,7 +25,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-DATASETS = ("random", "fixed", "jsonl")
+DATASETS = ("random", "fixed", "jsonl", "prefix_repetition", "multi_turn")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class SampleRequest:
     prompt: str | list[int]
     prompt_len: int | None  # tokens; None for a text prompt
     output_len: int         # tokens asked for (max_tokens)
+    follows: int | None = None
+    """Index of the request (in the same list) that must have finished before this one is sent (the turn
+    before, in ``multi_turn``); None: sent at its arrival time."""
 
 
 def _length_range(length: int, ratio: float, what: str) -> tuple[int, int]:
@@ -111,4 +116,16 @@ def build_requests(args) -> list[SampleRequest]:
     if name == "fixed":
         return fixed_requests(n, args.random_input_len, args.random_output_len, args.random_vocab_size,
                               args.random_token_offset, args.seed)
+    if name == "prefix_repetition":
+        from bench.serve.prefix_workloads import prefix_repetition_requests
+
+        return prefix_repetition_requests(n, args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
+                                          args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len,
+                                          args.random_vocab_size, args.random_token_offset, args.seed)
+    if name == "multi_turn":
+        from bench.serve.prefix_workloads import multi_turn_requests
+
+        return multi_turn_requests(n, args.random_input_len, args.multi_turn_user_len, args.multi_turn_turns,
+                                   args.random_output_len, args.random_vocab_size, args.random_token_offset,
+                                   args.seed)
     raise ValueError(f"unknown --dataset-name {name!r}: one of {', '.join(DATASETS)}")

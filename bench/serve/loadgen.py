@@ -1,6 +1,8 @@
 """The load: send requests at their arrival times, at most ``max_concurrency`` at once.
 
-Each request is a task started at its arrival offset (``bench.serve.arrivals``);
+Each request is a task started at its arrival offset (``bench.serve.arrivals``),
+and one that follows another (``SampleRequest.follows``, a multi-turn
+conversation's next turn) then waits until that one has ended;
 with ``max_concurrency`` it then waits for a free slot, and its clock starts
 when it is sent (as ``vllm bench serve``): a request queued behind the limit
 does not count that wait in its TTFT. The benchmark duration (seconds) runs
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from collections.abc import Awaitable, Callable, Sequence
 
 from bench.serve.arrivals import arrival_offsets
@@ -31,7 +34,17 @@ async def run_load(requests: Sequence[SampleRequest], send: Send, *, request_rat
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     results: list[RequestResult | None] = [None] * len(requests)
 
+    ended = [asyncio.Event() for _ in requests]
+
     async def one(i: int, req: SampleRequest) -> None:
+        try:
+            await _send(i, req)
+        finally:
+            ended[i].set()
+
+    async def _send(i: int, req: SampleRequest) -> None:
+        if req.follows is not None:
+            await ended[req.follows].wait()  # before taking a slot: the turn before may need one
         if slots is None:
             results[i] = await send(req)
         else:
@@ -62,6 +75,8 @@ async def warm_up(requests: Sequence[SampleRequest], send: Send, num: int, max_c
     up to ``max_concurrency``; their results are not part of the benchmark."""
     if num <= 0 or not requests:
         return []
+    # Independent of each other: a warm-up request waits for no turn before it.
     picked = [requests[i % len(requests)] for i in range(num)]
+    picked = [q if q.follows is None else replace(q, follows=None) for q in picked]
     results, _ = await run_load(picked, send, max_concurrency=max_concurrency, progress=progress)
     return results

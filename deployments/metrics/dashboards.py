@@ -158,6 +158,14 @@ def overview() -> Board:
            "by role and reason.", "ops",
            Target(rate("dsa_pd_rejections", ("role", "reason")), "rejected {{role}} {{reason}}"),
            Target(rate("dsa_pd_preemptions", ("role", "reason")), "preempted {{role}} {{reason}}")),
+        _p("Prefix cache hit rate", "Prompt tokens found in the replicas' prefix caches / prompt tokens looked up, "
+           "per role (not computed again; on decode, not pushed again).", "percentunit",
+           Target(ratio(rate("dsa_pd_prefix_cache_hits", ("role",)), rate("dsa_pd_prefix_cache_queries", ("role",))),
+                  "{{role}}")),
+        _p("Prefix cache pages and evictions", "Pages the prefix caches hold (shared or reclaimable), and cached "
+           "pages evicted per second, per role.", "short",
+           Target(gauge("dsa_pd_prefix_cache_pages", ("role",)), "cached {{role}}"),
+           Target(rate("dsa_pd_prefix_cache_evictions", ("role",)), "evicted/s {{role}}")),
     )
     return Board("overview", "dsa-pd / Overview", "Requests, latency and tokens/s per role of a dsa-pd deployment.",
                  None, (("Requests", requests), ("Tokens", tokens), ("Routing and capacity", health)))

@@ -34,10 +34,16 @@ class ReplicaMetrics:
         self.pages_total = Series("dsa_pd_pages_total", tags)
         self.step_seconds = Series("dsa_pd_engine_step_seconds", tags)
         self.rejections = Series("dsa_pd_rejections", tags)
-        self.prompt_tokens.zero()
-        self.generated_tokens.zero()
+        self.cache_queries = Series("dsa_pd_prefix_cache_queries", tags)
+        self.cache_hits = Series("dsa_pd_prefix_cache_hits", tags)
+        self.cache_pages = Series("dsa_pd_prefix_cache_pages", tags)
+        self.cache_evictions = Series("dsa_pd_prefix_cache_evictions", tags)
+        for counter in (self.prompt_tokens, self.generated_tokens, self.cache_queries, self.cache_hits,
+                        self.cache_evictions):
+            counter.zero()
         for reason in REJECTION_REASONS[role]:
             self.rejections.zero(reason=reason)
+        self._cache_last = (0, 0, 0)
 
     @never_raises
     def update(self, stats: ReplicaStats, steps: Iterable[StepRecord] = ()) -> None:
@@ -46,6 +52,13 @@ class ReplicaMetrics:
         self.pages_used.set(stats.total_pages - stats.free_pages)
         self.queue_depth.set(stats.waiting)
         self.running.set(self._running(stats))
+        self.cache_pages.set(stats.cached_pages)
+        # The prefix cache's counts are cumulative: the counters take what grew since the last snapshot.
+        now = (stats.prefix_queries, stats.prefix_hits, stats.prefix_evictions)
+        for series, value, last in zip((self.cache_queries, self.cache_hits, self.cache_evictions), now,
+                                       self._cache_last):
+            series.inc(value - last)
+        self._cache_last = now
         for step in steps:
             self._step(step)
 

@@ -14,7 +14,8 @@ from typing import Callable
 from deployments.metrics.series import Series, never_raises
 
 _OUTCOMES_OF = {"round_robin": ("round_robin", "no_replica")}
-_LOAD_OUTCOMES = ("least_loaded", "affinity", "no_replica")
+_OUTCOMES_OF = {**_OUTCOMES_OF, "least_loaded": ("least_loaded", "no_replica")}
+_LOAD_OUTCOMES = ("least_loaded", "prefix_cache", "no_replica")
 
 
 class RouterMetrics:

@@ -46,10 +46,10 @@ offer was refused), ``unknown_peer`` (the router picked a prefill replica the de
 handshaked with)."""
 PREEMPTION_REASONS = ("pages",)
 """``reason`` a running request was preempted: ``pages`` (no free page for its next tokens)."""
-ROUTER_OUTCOMES = ("least_loaded", "affinity", "round_robin", "no_replica")
-"""``outcome`` of a routing decision: the first-ranked replica was the least loaded (``least_loaded``), the
-prompt prefix's rendezvous replica (``affinity``: the hash hint decided, on a tie or within the slack of
-``prefix_affinity``), the next in turn (``round_robin``), or no replica was eligible (``no_replica``)."""
+ROUTER_OUTCOMES = ("least_loaded", "prefix_cache", "round_robin", "no_replica")
+"""``outcome`` of a routing decision: the first-ranked replica was the least loaded (``least_loaded``), one
+that holds more of the prompt's prefix in its cache than the least loaded (``prefix_cache``: policy
+``cache_aware``), the next in turn (``round_robin``), or no replica was eligible (``no_replica``)."""
 ROUTER_TARGETS = ("decode", "prefill")
 
 # ------------------------------------------------------------------ buckets
@@ -138,7 +138,8 @@ _SPECS = (
     _m("dsa_pd_queue_depth", "gauge", ("role", "model"), "prefill, decode",
        "Requests waiting in the replica: for pages (both roles), for their KV or for a batch slot (decode)."),
     _m("dsa_pd_pages_used", "gauge", ("role", "model"), "prefill, decode",
-       "Pages of the replica's page pool in use (running, reserved, held until prefill settles, the warm-up page)."),
+       "Pages of the replica's page pool in use (running, reserved, held until prefill settles, the warm-up page; "
+       "not the prefix cache's unreferenced pages, which are reclaimable)."),
     _m("dsa_pd_pages_total", "gauge", ("role", "model"), "prefill, decode",
        "Pages of the replica's page pool."),
     _m("dsa_pd_engine_step_seconds", "histogram", ("role", "model", "kind"), "prefill, decode",
@@ -146,6 +147,17 @@ _SPECS = (
        "forward(s), sampling and read-back.", STEP_BUCKETS_S),
     _m("dsa_pd_rejections", "counter", ("role", "model", "reason"), "prefill, decode",
        "Requests a replica refused (pages, queue_timeout: answered 429 overloaded), by reason."),
+    _m("dsa_pd_prefix_cache_queries", "counter", ("role", "model"), "prefill, decode",
+       "Prompt tokens looked up in the replica's prefix cache (workers/prefix_cache.py) by the requests it "
+       "admitted: prefill tasks, decode reservations (pd) and local prefills (monolithic), re-prefills included."),
+    _m("dsa_pd_prefix_cache_hits", "counter", ("role", "model"), "prefill, decode",
+       "Of those, prompt tokens found cached (full 64-token pages): not computed again, and on decode not pushed "
+       "again. The hit rate is hits / queries."),
+    _m("dsa_pd_prefix_cache_pages", "gauge", ("role", "model"), "prefill, decode",
+       "Pages the replica's prefix cache holds (shared by running requests, or unreferenced: reclaimable, "
+       "counted as free in dsa_pd_pages_used)."),
+    _m("dsa_pd_prefix_cache_evictions", "counter", ("role", "model"), "prefill, decode",
+       "Cached pages evicted (least recently used first) because the pool needed free pages."),
     _m("dsa_pd_preemptions", "counter", ("role", "model", "reason"), "decode",
        "Running requests preempted (their pages freed, re-prefilled later), by reason."),
     # ---- decode only

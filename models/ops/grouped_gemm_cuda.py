@@ -180,10 +180,12 @@ def gemm_config(expected_m: int, N: int, K: int) -> dict:
         cfg = dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)
     elif expected_m <= 16:
         cfg = dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=4)
-    elif expected_m <= 64:
+    elif expected_m <= 32:
         cfg = dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4)
-    else:
-        cfg = dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=4)
+    elif expected_m <= 64:  # 16 experts at batch 128: 0.69x (gate_up) / 0.78x (down) the time of BM 64
+        cfg = dict(BM=128, BN=64, BK=128, num_warps=8, num_stages=3)
+    else:  # prefill: compute-bound, the large tiles (0.82x the time of BM 64 at 512 rows per expert)
+        cfg = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
     cfg["BN"] = min(cfg["BN"], _pow2_at_least_16(N))
     cfg["BK"] = min(cfg["BK"], _pow2_at_least_16(K))
     return cfg

@@ -26,7 +26,7 @@ def test_defaults_are_a_cpu_demo():
         assert (pool.backend, pool.device, pool.dtype, pool.kv_cache_dtype) == ("reference", "cpu", "float32", "auto")
         assert (pool.tensor_parallel_size, pool.num_gpus, pool.page_size, pool.mtp_draft_tokens) == (1, 0.0, 64, 0)
         assert pool.num_replicas is None and pool.autoscaling is None
-    assert cfg.router.policy == "least_loaded"
+    assert cfg.router.policy == "cache_aware" and cfg.features.prefix_caching
     assert cfg.transfer.warmup_at_start and cfg.transfer.deadline_s > 0
     assert (cfg.features.two_batch_overlap, cfg.features.mtp_topk_reuse, cfg.features.draft_topk) == (False, False, 1)
     assert cfg.model_name == "tiny-deepseek_v32"

@@ -1,46 +1,94 @@
-"""Replica ranking of the request routers (the pure part; the routers run for real in test_serve_app)."""
+"""Replica ranking of the request routers: the pure ranking, and the decode router choosing between two
+replicas whose real prefix caches hold different prefixes (the routers also run in test_serve_app)."""
 
 from __future__ import annotations
 
-from deployments.router import Candidate, prefix_hash, rank
+import asyncio
+import random
+from types import SimpleNamespace
 
+from deployments.replica_stats import DecodeStats, PrefixKeys
+from deployments.router import Candidate, DecodeRouter, cached_prefix, prefix_keys, rank
+from workers.page_pool import PagePool
+from workers.prefix_cache import PrefixCache
 
-def test_prefix_hash_covers_full_pages_only():
-    a = list(range(200))
-    assert prefix_hash(a[:63], 4) is None
-    assert prefix_hash(a[:64], 4) == prefix_hash(a[:100], 4) == prefix_hash(a[:64] + [9] * 70, 1)
-    assert prefix_hash(a, 1) != prefix_hash(a, 2)  # two pages hashed, not one
-    assert prefix_hash(a, 4) == prefix_hash(a + [1] * 100, 3)  # only 3 full pages in 200 tokens
+SALT = b"decode-salt"
 
 
 def test_least_loaded_then_free_pages():
     cands = [Candidate("a", 3), Candidate("b", 1, 0.9), Candidate("c", 1, 0.1), Candidate("d", 0, 0.99)]
     assert rank(cands, "least_loaded") == ["d", "c", "b", "a"]
+    assert rank(cands, "cache_aware", 0.25) == ["d", "c", "b", "a"]  # no overlap: the same
 
 
-def test_affinity_breaks_ties_and_is_stable_when_replicas_leave():
-    hint = prefix_hash(list(range(64)), 1)
-    cands = [Candidate(k, 2) for k in "abcdef"]
-    first = rank(cands, "least_loaded", hint)[0]
-    # Same prefix, same replica; a replica other than the chosen one leaving does not move it.
-    assert rank(reversed(cands), "least_loaded", hint)[0] == first
-    assert rank([c for c in cands if c.key != ("a" if first != "a" else "b")], "least_loaded", hint)[0] == first
-    # Prefixes spread over replicas.
-    firsts = {rank(cands, "least_loaded", prefix_hash([i] * 64, 1))[0] for i in range(40)}
-    assert len(firsts) >= 4
+def test_cache_aware_weighs_cached_pages_against_load():
+    # 8 cached pages at weight 0.25 are worth 2 requests in flight.
+    cands = [Candidate("a", 0), Candidate("b", 1, cached=8)]
+    assert rank(cands, "cache_aware", 0.25)[0] == "b"
+    assert rank([Candidate("a", 0), Candidate("b", 2, cached=8)], "cache_aware", 0.25)[0] == "a"  # tie: pressure, id
+    assert rank([Candidate("a", 0), Candidate("b", 3, cached=8)], "cache_aware", 0.25)[0] == "a"
+    assert rank(cands, "least_loaded", 0.25)[0] == "a"  # the cache is not looked at
 
 
-def test_prefix_affinity_tolerates_slack_but_not_more():
-    hint = prefix_hash(list(range(64)), 1)
-    even = [Candidate(k, 0) for k in "abcd"]
-    pick = rank(even, "prefix_affinity", hint)[0]
-    others = [Candidate(k, 0) for k in "abcd" if k != pick]
-    assert rank(others + [Candidate(pick, 2)], "prefix_affinity", hint, affinity_slack=2)[0] == pick
-    assert rank(others + [Candidate(pick, 3)], "prefix_affinity", hint, affinity_slack=2)[0] != pick
-    assert rank(others + [Candidate(pick, 3)], "least_loaded", hint, affinity_slack=2)[-1] == pick
+def test_a_lookup_stops_at_the_first_missing_page():
+    assert cached_prefix([1, 2, 3, 4], {1, 2, 4}) == 2
+    assert cached_prefix([1, 2], set()) == 0 and cached_prefix([], {1}) == 0
 
 
 def test_round_robin_rotates():
     cands = [Candidate(k, 5 - i) for i, k in enumerate("abc")]
     assert [rank(cands, "round_robin", turn=t)[0] for t in range(4)] == ["a", "b", "c", "a"]
     assert rank([], "least_loaded") == []
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 300) for _ in range(n)]
+
+
+def _replica(rid: str, pool: PagePool, requests: int):
+    """What Serve hands a router for one decode replica: its id and the routing stats it reported."""
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    stats = DecodeStats(agent=rid, free_pages=pool.free_count, total_pages=pool.num_pages, queued=0,
+                        **PrefixKeys(pool).fields(), reserved_pages=0, running=requests, awaiting_kv=0,
+                        held_pages=0, requests=requests, queued_prompt_pages=0, decode_tokens=0, mtp_drafted=0,
+                        mtp_accepted=0, mtp_acceptance_rate=0.0, preemptions=0, decode_graph_replays=0,
+                        known_prefills=1)
+    return SimpleNamespace(replica_id=ReplicaID(rid, DeploymentID("DecodeServer", "app")),
+                           routing_stats=stats.to_dict(), replica_metadata={"agent": rid})
+
+
+def test_two_decode_replicas_holding_different_prefixes():
+    """Each replica's pool ran one long prompt; a request goes to the replica holding its prefix unless
+    that one is overloaded; a restarted replica (a fresh pool) reports nothing."""
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+
+    system_a, system_b = _tokens(1000, 1), _tokens(1000, 2)  # 15 full pages each
+    pools = {}
+    for rid, system in (("r-a", system_a), ("r-b", system_b)):
+        pool = pools[rid] = PagePool(64, PrefixCache(SALT))
+        pages, _ = pool.acquire(system, 16)
+        pool.free(pages, system, len(system) - 1)
+    router = DecodeRouter(DeploymentID("DecodeServer", "app"), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(policy="cache_aware", overlap_weight=0.25, model="m")
+
+    def first(prompt, loads, pool_of=pools):
+        pending = SimpleNamespace(kwargs={"prefix_keys": prefix_keys(prompt, SALT, 256)},
+                                  routing_context=SimpleNamespace(should_backoff=False))
+        replicas = [_replica(rid, pool_of[rid], loads[rid]) for rid in ("r-a", "r-b")]
+        ranked = asyncio.run(router.choose_replicas(replicas, pending))
+        return ranked[0][0].replica_id.unique_id
+
+    question = _tokens(40, 3)
+    assert first(system_a + question, {"r-a": 0, "r-b": 0}) == "r-a"
+    assert first(system_b + question, {"r-a": 0, "r-b": 0}) == "r-b"
+    # 15 cached pages at 0.25 are worth 3.75 requests: a busier holder still wins, an overloaded one not.
+    assert first(system_b + question, {"r-a": 0, "r-b": 3}) == "r-b"
+    assert first(system_b + question, {"r-a": 0, "r-b": 4}) == "r-a"
+    # No prefix in common: the least loaded.
+    assert first(_tokens(500, 4), {"r-a": 1, "r-b": 0}) == "r-b"
+    # r-b restarts: its new pool reports no key, so the load decides.
+    restarted = {**pools, "r-b": PagePool(64, PrefixCache(SALT))}
+    assert PrefixKeys(restarted["r-b"]).fields()["prefix_keys"] == ()
+    assert first(system_b + question, {"r-a": 0, "r-b": 1}, restarted) == "r-a"

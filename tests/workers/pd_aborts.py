@@ -10,17 +10,19 @@ from workers.request import Request
 from workers.sample.params import SamplingParams
 
 
-def abort_at_every_phase(pre, dec) -> None:
+def abort_at_every_phase(pre, dec, prefix: list[int] = ()) -> None:
     """Queued, mid-prefill, mid-transfer and mid-decode aborts on a prefill worker
     ``pre`` and a decode worker ``dec`` driven in this process (prefill chunks of
-    32 tokens); asserts both pools come back to their starting free counts."""
+    32 tokens); asserts both pools come back to their starting free counts.
+    ``prefix``: tokens every prompt starts with (e.g. pages already in both pools'
+    prefix caches: the aborted requests then hold shared cached pages)."""
     p_start, d_start = pre.pool.free_count, dec.pool.free_count
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
     def start(rid, n):
-        r = Request(rid, random_prompt(n, 300, n), params)
+        r = Request(rid, list(prefix) + random_prompt(n, 300, n), params)
         pages = dec.reserve(r, pre.link.agent.name)
-        pre.submit(PrefillTask(rid, r.prompt, params, dec.link.agent.name, pages))
+        pre.submit(PrefillTask(rid, r.prompt, params, dec.link.agent.name, pages, r.cached_pages))
         return r
 
     def pump(times=1):
@@ -35,7 +37,7 @@ def abort_at_every_phase(pre, dec) -> None:
     pump(2)
     r1 = start("m1", 100)          # mid-prefill: 100 tokens at 32 per step
     pump(1)
-    assert 0 < pre.active["m1"].done < 100
+    assert len(prefix) < pre.active["m1"].done < len(prefix) + 100
     dec.abort("m1")                # decode cancels: prefill is told and frees its pages
     pump(3)
     r2 = start("t2", 20)           # mid-transfer: prefill's answer is lost, as a failed RPC's would be

@@ -151,7 +151,14 @@ class ModelSource(_Strict):
         one finished first.
         """
         if self.path is not None:
-            return Path(self.path)
+            path = Path(self.path).expanduser()
+            if not path.is_absolute() and not path.exists():
+                # A shipped config's relative path (models/checkpoints/...) names a directory of
+                # the checkout, wherever Ray starts the replica's process.
+                in_checkout = Path(__file__).resolve().parents[1] / path
+                if in_checkout.exists():
+                    return in_checkout
+            return path
         assert self.tiny is not None
         cache = Path(self.cache_dir) if self.cache_dir else default_cache_dir()
         out = cache / self.tiny.dir_name

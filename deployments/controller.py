@@ -642,7 +642,7 @@ def resolve_model_config(app_cfg: AppConfig) -> tuple[ModelConfig | None, list[V
             if (made / "config.json").exists():
                 return load_config(made), []
             return config_from_dict(src.tiny.config_dict()), []
-        path = Path(str(src.path))
+        path = src.checkpoint_dir()
         if (path / "config.json").exists():
             cfg = load_config(path)
             if src.config is not None:

@@ -13,7 +13,8 @@ from models.config import config_from_dict
 from models.tiny import tiny_config_kwargs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-YAMLS = ("tiny_pd.yaml", "tiny_pd_gpu.yaml", "tiny_mono.yaml", "tiny_mono_gpu.yaml", "dsv32_pd.yaml", "glm5_pd.yaml")
+YAMLS = ("tiny_pd.yaml", "tiny_pd_gpu.yaml", "tiny_mono.yaml", "tiny_mono_gpu.yaml", "dsv32_pd.yaml", "glm5_pd.yaml",
+         "small_pd.yaml")
 
 
 def yaml_args(name: str) -> dict:
@@ -51,7 +52,13 @@ def gpu_model(arch: str = "deepseek_v32", **overrides):
 def shipped_model(name: str):
     """The ``ModelConfig`` ``configs/<name>`` serves: a tiny spec's (with the serving attention dims
     where it asks for them, as the cuda configs do), or the inline config.json copy."""
-    tiny = yaml_args(name)["model"].get("tiny")
+    model = yaml_args(name)["model"]
+    tiny = model.get("tiny")
+    if tiny is None and "config" not in model:  # a checkpoint shipped in the checkout
+        from deployments.app_config import AppConfig
+        from models.config import load_config
+
+        return load_config(AppConfig.model_validate(yaml_args(name)).model.checkpoint_dir())
     if tiny is None:
         return real_model(name)
     return gpu_model(tiny["arch"]) if tiny.get("attention") == "serving" else tiny_model(tiny["arch"])

@@ -29,11 +29,9 @@ in reverse). This module holds no page memory and knows nothing of requests.
 from __future__ import annotations
 
 import hashlib
-import json
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from attention.formats import PAGE_SIZE
@@ -67,7 +65,9 @@ def replica_salt(spec: "RankSpec", mtp: bool) -> bytes:
     everything besides the tokens that changes its pages' bytes (the checkpoint config, dtype, cache format,
     indexer rotation, backend, page layout, and ``mtp``: whether the MTP layer's pages are written). The
     routers hash prompts with it too, so replicas of one role share their keys."""
-    raw = json.loads((Path(spec.model_dir) / "config.json").read_text())
+    from models.registry import read_config_json  # a clear ConfigError for a missing checkpoint
+
+    raw = read_config_json(spec.model_dir)
     return cache_salt(config_identity(raw), spec.dtype, spec.kv_cache_dtype, spec.use_hadamard, spec.backend,
                       spec.page_layout, bool(mtp and spec.with_mtp))
 

@@ -325,6 +325,22 @@ def test_client_timeout_of_a_non_streamed_request_frees_pages(ready, prompt_len,
     wait_until(lambda: free_pages(ready) == base, 30, "pages back to their start counts")
 
 
+def test_a_repeated_prompt_is_served_from_both_prefix_caches(ready, client, reference):
+    # "n300" ran above (test_completion_equals_offline_greedy): its 4 full pages before the last
+    # token are cached on both sides now (the chain keys cover a page's next token too).
+    def hits():
+        s = stats(ready)
+        return s["prefill"][0]["stats"]["prefix_hits"], s["decode"][0]["stats"]["prefix_hits"]
+
+    before = hits()
+    ids = reference.prompts["n300"]
+    text, count, finish = reference.expect("n300", 12)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == (text, count, finish)
+    # Decode kept the pages: nothing was pushed for them (the replicas' snapshots lag a step).
+    wait_until(lambda: hits()[1] - before[1] >= 4 * 64, 10, f"decode prefix hits from {before}")
+
+
 def test_pools_end_where_they_started(ready, client):
     # After every test above (finishes, stops, disconnects, refusals) both pools are whole again.
     client.completions.create(model=MODEL, prompt="last", max_tokens=3)
@@ -340,7 +356,8 @@ def test_metrics_on_rays_prometheus_endpoint(ready):
         names = ("ray_dsa_pd_generated_tokens_total", "ray_dsa_pd_decode_ttft_seconds_count",
                  "ray_dsa_pd_request_ttft_seconds_count", "ray_dsa_pd_request_itl_seconds_count",
                  "ray_dsa_pd_mtp_draft_tokens_total", "ray_dsa_pd_kv_push_bytes_total",
-                 "ray_dsa_pd_kv_push_tail_seconds_count", 'ray_dsa_pd_kv_pushes_total{')
+                 "ray_dsa_pd_kv_push_tail_seconds_count", 'ray_dsa_pd_kv_pushes_total{',
+                 "ray_dsa_pd_prefix_cache_hits_total")
         pools = [f'ray_dsa_pd_{g}{{' for g in ("pages_used", "queue_depth")]
         return all(n in text for n in names + tuple(pools)) and 'role="prefill"' in text and text
     text = wait_until(scraped, 60, "dsa-pd series on Ray's metrics endpoint")

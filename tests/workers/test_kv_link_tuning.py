@@ -76,7 +76,7 @@ def test_only_prefill_replicas_build_a_link_that_pushes(monkeypatch):
     class Built(Exception):
         pass
 
-    def build_replica(spec, tp_size=1, worker_id=None, actor_options=None):
+    def build_replica(spec, tp_size=1, worker_id=None, actor_options=None, **_):
         seen[worker_id] = spec.push
         raise Built  # the tuning is all this test needs
 

@@ -14,6 +14,12 @@ Workloads (the peer's offline mode runs the same ones: ``bench/peers/vllm_offlin
 Every step's ``(start_s, end_s, prefill_tokens, decode_tokens)`` and every request's greedy
 token ids go to ``--json`` (the ids let ``bench/peers/agreement.py`` compare engines).
 
+``--grammar-regex R`` constrains every decode request's output to the regular expression ``R``
+(structured outputs: a token mask per row and step). What a constrained batch costs is its
+TPOT against the same run without it (and ``--no-overlap`` shows what overlap scheduling saves
+with constrained rows); pick an ``R`` that does not end within ``--output-len`` tokens, e.g.
+``"[a-z ,.]+"`` (a row whose grammar completes stops early and leaves the steady state).
+
     dsa-pd bench offline --model CKPT --backend cuda --device cuda --dtype bfloat16 \\
         --kv-cache-dtype fp8 --prefill 8x4096 1x16000 --batch-sizes 1 32 128 --json out.json
 """
@@ -34,14 +40,15 @@ def random_prompts(n: int, length: int, seed: int, vocab: int = 256) -> list[lis
     return torch.randint(0, vocab, (n, length), generator=g).tolist()
 
 
-def timed_run(llm, prompts: list[list[int]], max_new_tokens: int, tag: str) -> dict:
-    """Run ``prompts`` greedily to ``max_new_tokens`` each through ``llm.engine``, one timestamp per step."""
+def timed_run(llm, prompts: list[list[int]], max_new_tokens: int, tag: str, grammar=None) -> dict:
+    """Run ``prompts`` greedily to ``max_new_tokens`` each through ``llm.engine``, one timestamp per step.
+    grammar: a `workers.structured.GrammarSpec` every request's output must match (None: free)."""
     from workers.request import Request
     from workers.sample.params import SamplingParams
 
     eng = llm.engine
     sync = torch.cuda.synchronize if llm.runner.device.type == "cuda" else (lambda: None)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True, grammar=grammar)
     reqs = [Request(f"{tag}-{i}", list(p), params) for i, p in enumerate(prompts)]
     for r in reqs:
         rejected = eng.add_request(r)
@@ -74,15 +81,15 @@ def prefill_case(llm, batch: int, length: int, seed: int) -> dict:
             "prefill_tokens_per_s": batch * length / last_prefill, "prefill_s": last_prefill, **run}
 
 
-def decode_case(llm, batch: int, input_len: int, output_len: int, seed: int) -> dict:
-    run = timed_run(llm, random_prompts(batch, input_len, seed), output_len, f"decode{batch}")
+def decode_case(llm, batch: int, input_len: int, output_len: int, seed: int, grammar=None) -> dict:
+    run = timed_run(llm, random_prompts(batch, input_len, seed), output_len, f"decode{batch}", grammar)
     # Steady state: no prefill chunk in the step and the whole batch running.
     pure = [s["end_s"] - s["start_s"] for s in run["steps"]
             if not s["prefill_tokens"] and s["running_before"] == batch and s["decode_tokens"]]
     per_tok = [(s["end_s"] - s["start_s"]) / (s["decode_tokens"] / batch) for s in run["steps"]
                if not s["prefill_tokens"] and s["running_before"] == batch and s["decode_tokens"]]
     return {"case": f"decode batch {batch}", "batch": batch, "input_len": input_len, "output_len": output_len,
-            "steady_steps": len(pure),
+            "grammar": None if grammar is None else f"{grammar.kind}:{grammar.value}", "steady_steps": len(pure),
             "tpot_ms_median": 1e3 * statistics.median(per_tok) if per_tok else None,
             "tpot_ms_mean": 1e3 * statistics.fmean(per_tok) if per_tok else None,
             "step_ms_median": 1e3 * statistics.median(pure) if pure else None, **run}
@@ -103,6 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--mtp-draft-tokens", type=int, default=0)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-overlap", action="store_true", help="read every step back before the next (no overlap scheduling)")
+    p.add_argument("--grammar-regex", default=None,
+                   help="constrain every decode request's output to this regex (structured outputs; the "
+                        "checkpoint needs a tokenizer)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", default=None, help="write every case, with its step timeline and token ids")
     p.add_argument("--profile-steps", type=int, default=0,
@@ -114,7 +124,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args) -> int:
     from attention.formats import pages_for_tokens
     from workers.offline import LLM
+    from workers.structured import GrammarSpec
 
+    grammar = None if args.grammar_regex is None else GrammarSpec("regex", args.grammar_regex)
     cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.prefill]
     need = max([b * pages_for_tokens(n + 1) for b, n in cases]
                + [b * pages_for_tokens(args.input_len + args.output_len) for b in args.batch_sizes] + [1])
@@ -127,7 +139,7 @@ def run(args) -> int:
               cuda_graphs=False if args.no_cuda_graphs else None, overlap_scheduling=not args.no_overlap)
     startup = time.perf_counter() - t0
     out = {"model": args.model, "backend": args.backend, "device": args.device, "dtype": args.dtype,
-           "overlap_scheduling": not args.no_overlap,
+           "overlap_scheduling": not args.no_overlap, "grammar_regex": args.grammar_regex,
            "kv_cache_dtype": args.kv_cache_dtype, "startup_s": startup, "num_pages": num_pages, "cases": []}
     if torch.cuda.is_available() and args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name()
@@ -135,13 +147,13 @@ def run(args) -> int:
     for b, n in cases:
         prefill_case(llm, b, n, args.seed + 99)
     for b in args.batch_sizes:
-        decode_case(llm, b, args.input_len, 4, args.seed + 98)
+        decode_case(llm, b, args.input_len, 4, args.seed + 98, grammar)
     for b, n in cases:
         c = prefill_case(llm, b, n, args.seed)
         out["cases"].append(c)
         print(f"{c['case']}: {c['prefill_tokens_per_s']:,.0f} tokens/s ({c['prefill_s']:.3f} s)", flush=True)
     for b in args.batch_sizes:
-        c = decode_case(llm, b, args.input_len, args.output_len, args.seed)
+        c = decode_case(llm, b, args.input_len, args.output_len, args.seed, grammar)
         out["cases"].append(c)
         tpot = "-" if c["tpot_ms_median"] is None else f"{c['tpot_ms_median']:.2f}"
         print(f"{c['case']}: TPOT median {tpot} ms over {c['steady_steps']} steady steps", flush=True)

@@ -32,10 +32,6 @@ from deployments.controller import AppConfigError, check_args, plan_placement
 
 log = logging.getLogger("ray.serve")
 
-DIRECTORY_TTL_S = 10.0
-"""A replica whose heartbeats stopped this long is treated as gone by its peers."""
-
-
 def _router_config(router_cls: type, cfg: AppConfig, role: str) -> RequestRouterConfig:
     from deployments.router import ROUTING_STATS_PERIOD_S
 
@@ -75,7 +71,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
         max_ongoing_requests=1000,
         # Every replica heartbeats twice a second: access logs would drown the rest.
         logging_config={"enable_access_log": False},
-    ).bind(ttl_s=DIRECTORY_TTL_S)
+    ).bind(ttl_s=cfg.transfer.peer_ttl_s)
     prefill = None
     if not cfg.monolithic:
         prefill = serve.deployment(PrefillServer).options(

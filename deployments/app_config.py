@@ -328,6 +328,11 @@ class TransferConfig(_Strict):
     """KV page transfer (prefill -> decode over NIXL). Ignored in monolithic mode, which transfers nothing."""
 
     deadline_s: float = Field(30.0, gt=0, description="A transfer not complete by then is aborted, pages freed.")
+    peer_ttl_s: float = Field(
+        10.0, gt=0, description="A replica whose heartbeats (twice a second, through the peer directory) stopped "
+        "this long is gone for its peers: they forget its NIXL agent and fail its transfers at once, without "
+        "waiting for their deadline. Keep it above the longest pause a live replica may take.",
+    )
     warmup_at_start: bool = Field(
         True, description="Transfer once between every prefill/decode rank pair at start: a new pair's first "
         "transfer is ~10x slower (DESIGN.md)."

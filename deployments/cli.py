@@ -7,6 +7,7 @@
     dsa-pd serve CONFIG.yaml [SERVE RUN OPTIONS]   (check, then `serve run`; exit 1 on a violation)
     dsa-pd bench serve [--base-url URL] [--num-prompts N] ...   (load an OpenAI-compatible server; docs/benchmarking.md)
     dsa-pd bench offline --model CKPT [--backend cuda ...]   (the offline engine, per-step timeline)
+    dsa-pd bench soak [--base-url URL] [--duration S] ...    (a bounded soak of a running server; docs/reliability.md)
 """
 
 from __future__ import annotations
@@ -123,10 +124,17 @@ def _bench_offline(args) -> int:
     return run(args)
 
 
+def _bench_soak(args) -> int:
+    from bench.soak import run
+
+    return run(args)
+
+
 def _add_bench(sub) -> None:
     """``dsa-pd bench KIND``: one sub-subcommand per benchmark."""
     from bench.offline import add_arguments as add_offline_arguments
     from bench.serve.cli import add_arguments as add_serve_arguments
+    from bench.soak.cli import add_arguments as add_soak_arguments
 
     p = sub.add_parser("bench", help="benchmarks (`bench serve`: load an OpenAI-compatible server)")
     kinds = p.add_subparsers(dest="bench_command", required=True)
@@ -140,6 +148,12 @@ def _add_bench(sub) -> None:
                                      "timeline (bench/offline.py).")
     add_offline_arguments(o)
     o.set_defaults(func=_bench_offline)
+    k = kinds.add_parser("soak", help="a bounded soak of a running server: streams, cancellations, bad requests",
+                         description="Concurrent clients with a mix of lengths, cancellations and bad requests for a "
+                                     "fixed time; then no unexpected error, every pool whole and every replica's "
+                                     "memory flat (docs/reliability.md).")
+    add_soak_arguments(k)
+    k.set_defaults(func=_bench_soak)
 
 
 def main(argv: list[str] | None = None) -> int:

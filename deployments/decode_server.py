@@ -17,8 +17,11 @@ orchestrates each request (DESIGN.md, request path).
 
 A cancelled call (client disconnect: Serve cancels the ingress request and
 its calls here) aborts the request on the worker thread, which frees its
-pages, and cancels the prefill call, which frees prefill's. A failed prefill
-call or transfer ends the request with an error output.
+pages, and cancels the prefill call, which frees prefill's. A prefill replica
+that dies before the first token costs the request one retry on another
+prefill replica (`retry_id`); a second fault, a failed transfer or a prefill
+call that raised ends the request with an error output (a fault's error is
+marked `workers.request.UNAVAILABLE`: 503 at the ingress).
 
 In monolithic mode (no ``prefill`` handle; the worker has no NIXL agent)
 steps 1-3 are one: the worker thread hands the request to the engine, which
@@ -33,6 +36,7 @@ import time
 from typing import Any, AsyncIterator
 
 from ray import serve
+from ray.exceptions import RayActorError
 
 from deployments.admission import queue_timeout_s
 from deployments.app_config import AppConfig
@@ -44,7 +48,7 @@ from deployments.router import PromptKeys
 from deployments.stream_pacing import StreamPacer, paced_outputs
 from workers.engine import RequestOutput
 from workers.prefill_worker import PrefillResult, PrefillTask
-from workers.request import Request
+from workers.request import FinishReason, Request, unavailable
 from workers.sample.params import SamplingParams
 
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
@@ -60,6 +64,8 @@ class DecodeServer(ReplicaServer):
         if cfg.monolithic != (prefill is None):
             raise ValueError(f"mode {cfg.mode!r} with{'out' if prefill is None else ''} a prefill deployment")
         self.prefill = prefill
+        self._streams: dict[str, Any] = {}  # attempt id -> its stream from the worker thread
+        self.retryable: set[str] = set()  # attempts whose prefill replica died (`_await_prefill`)
         self.pacer = StreamPacer(cfg.decode.stream_items_per_s)
         self.prompt_keys = None if prefill is None else PromptKeys(cfg, "prefill", model_dir)  # the prefill router's
         self.worker_id = f"decode-{serve.get_replica_context().replica_id.unique_id}"
@@ -78,53 +84,79 @@ class DecodeServer(ReplicaServer):
 
     # -------------------------------------------------------------- requests
     async def _await_prefill(self, task: PrefillTask, response) -> None:
-        """Hand the prefill replica's answer (or its failure) to the engine."""
+        """Hand the prefill replica's answer (or its failure) to the engine. A replica that died (or
+        that Serve could not reach) marks the attempt for one retry (``self.retryable``)."""
         agent = None
         try:
             agent, result = await response
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - the prefill replica died or raised: this request fails
+        except RayActorError as e:  # the prefill replica died mid-task: a fault, not the request's
+            self.retryable.add(task.request_id)
+            result = PrefillResult(task.request_id, False, error=unavailable(f"the prefill replica died: {e}"))
+        except Exception as e:  # noqa: BLE001 - the prefill replica raised: this request fails
             result = PrefillResult(task.request_id, False, error=f"prefill call failed: {e}")
         self.thread.post(self.thread.prefill_result, result, agent)
+
+    async def _start_pd(self, attempt_id: str, prompt: list[int], params: SamplingParams,
+                        admit_by: float | None) -> tuple[Any, Any, RequestOutput | None]:
+        """Reserve pages for one attempt at ``prompt`` and call a prefill replica for it. Returns
+        (the prefill call, the task awaiting its answer, None), or (None, None, the refusal) when
+        decode refused the attempt before taking a page."""
+        self.thread.post(self.thread.reserve, Request(attempt_id, list(prompt), params), admit_by)
+        item = await self._streams[attempt_id].get()
+        if isinstance(item, RequestOutput):
+            return None, None, item
+        assert isinstance(item, Reserved)
+        task = PrefillTask(attempt_id, list(prompt), params, self.agent, item.pages, item.cached_pages)
+        call = self.prefill.prefill.remote(
+            task, self.offer, known_prefills=tuple(sorted(self.sync.known)),
+            prefix_keys=self.prompt_keys(prompt), admit_by=admit_by)
+        return call, asyncio.create_task(self._await_prefill(task, call)), None
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        prefix_keys: list[int] | None = None, admit_by: float | None = None) -> AsyncIterator[tuple]:
         """Stream the request's outputs as `RequestOutput.to_wire` tuples (see the
         module doc); the last one has ``finished`` set. ``admit_by``: wall-clock time by which the
         request must have started here and at prefill, else it is refused (``deployments.admission``).
-        ``prefix_keys``: the prompt's page keys, for the decode router (`deployments.router`)."""
+        ``prefix_keys``: the prompt's page keys, for the decode router (`deployments.router`).
+
+        A prefill replica that dies before the first token costs the request one retry, on another
+        prefill replica, as a new attempt (`retry_id`: new pages, a new receive; the dead attempt's
+        pages stay held until no WRITE of it can land). A second fault ends it with the error."""
         start = time.monotonic()
-        stream = self.thread.open_stream(request_id)
-        prefill_call = None
+        attempt_id = request_id
+        self._streams[attempt_id] = self.thread.open_stream(attempt_id)
+        prefill_call = waiter = None
         finished = False
         self.pacer.open()
         try:
             if self.prefill is None:
                 # Monolithic: the engine prefills the prompt itself; a refusal is the stream's first output.
                 self.thread.post(self.thread.add, Request(request_id, list(prompt), params), admit_by)
+                first = None
             else:
                 if not self.sync.known:
                     await self.sync.wait_for_peer(PEER_WAIT_S)
-                self.thread.post(self.thread.reserve, Request(request_id, list(prompt), params), admit_by)
-                item = await stream.get()
-                if isinstance(item, RequestOutput):  # refused before any page was taken
-                    finished = True
-                    self.metrics.finished(item)
-                    yield item.to_wire()
-                    return
-                assert isinstance(item, Reserved)
-                task = PrefillTask(request_id, list(prompt), params, self.agent, item.pages, item.cached_pages)
-                prefill_call = self.prefill.prefill.remote(
-                    task, self.offer, known_prefills=tuple(sorted(self.sync.known)),
-                    prefix_keys=self.prompt_keys(prompt),
-                    admit_by=admit_by)
-                waiter = asyncio.create_task(self._await_prefill(task, prefill_call))
-            first = True
-            async for out in paced_outputs(stream, self.pacer):
+                prefill_call, waiter, first = await self._start_pd(attempt_id, prompt, params, admit_by)
+                if first is None:
+                    first = await self._streams[attempt_id].get()
+                    if first.finish_reason == FinishReason.ERROR.value and attempt_id in self.retryable:
+                        log.warning("decode %s: request %s lost its prefill replica; retrying once: %s",
+                                    self.agent, request_id, first.error)
+                        self.metrics.retried("prefill_died")
+                        self._end_attempt(attempt_id, prefill_call, waiter)
+                        attempt_id = retry_id(request_id)
+                        self._streams[attempt_id] = self.thread.open_stream(attempt_id)
+                        # Admitted once already: the retry is not refused for the time it lost.
+                        prefill_call, waiter, first = await self._start_pd(attempt_id, prompt, params, None)
+                        if first is None:
+                            first = await self._streams[attempt_id].get()
+            first_token = True
+            async for out in paced_outputs(self._streams[attempt_id], self.pacer, first):
                 if out.token_ids:
-                    if first:
-                        first = False
+                    if first_token:
+                        first_token = False
                         self.metrics.first_token(time.monotonic() - start, len(prompt))
                     self.metrics.tokens(len(out.token_ids))
                 finished = out.finished
@@ -141,10 +173,22 @@ class DecodeServer(ReplicaServer):
                 yield error_output(request_id, f"decode failed: {e}").to_wire()
         finally:
             self.pacer.close()
-            self.thread.post(self.thread.abort, request_id)  # no-op when it finished
-            if prefill_call is not None and not waiter.done():
-                # Serve cancels the call on the prefill replica, which aborts
-                # the prefill and frees its pages.
-                prefill_call.cancel()
-                waiter.cancel()
-            self.thread.close_stream(request_id)
+            self._end_attempt(attempt_id, prefill_call, waiter)
+
+    def _end_attempt(self, attempt_id: str, prefill_call, waiter) -> None:
+        """Abort ``attempt_id`` here (a no-op when it finished) and at prefill, and close its stream."""
+        self.thread.post(self.thread.abort, attempt_id)
+        if prefill_call is not None and not waiter.done():
+            # Serve cancels the call on the prefill replica, which aborts
+            # the prefill and frees its pages.
+            prefill_call.cancel()
+            waiter.cancel()
+        self.retryable.discard(attempt_id)
+        self._streams.pop(attempt_id, None)
+        self.thread.close_stream(attempt_id)
+
+
+def retry_id(request_id: str) -> str:
+    """The id of a request's second attempt: a new id, since a receiver never reuses one (a late
+    notification of the dead attempt must not complete the new one)."""
+    return f"{request_id}~retry"

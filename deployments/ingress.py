@@ -29,12 +29,15 @@ Every request's end-to-end timings and outcome are recorded here
 # No ``from __future__ import annotations`` here: FastAPI reads the route
 # handlers' annotations (``request: Request``) as real types.
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
 from deployments.admission import InFlight, PoolFit, admit_by, max_requests
@@ -46,6 +49,7 @@ from deployments.openai.errors import (
     InvalidRequest,
     OpenAIError,
     Overloaded,
+    Unavailable,
     check_model,
     check_prompt_length,
     error_from_exception,
@@ -56,7 +60,7 @@ from deployments.openai.protocol import ChatCompletionRequest, CompletionRequest
 from deployments.openai.reasoning import reasoning_parser_for
 from deployments.openai.render import renderer_for, resolve_settings
 from deployments.openai.tools import tool_parser_for
-from deployments.openai.structured import constrain
+from deployments.openai.structured import constrain_off_loop
 from workers.structured import GrammarCompiler
 from deployments.openai.responses import (
     SSE_DONE,
@@ -79,6 +83,7 @@ from deployments.router import PromptKeys
 from deployments.text_stream import TextStream
 from models.config import load_config
 from workers.engine import RequestOutput
+from workers.request import UNAVAILABLE
 
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
 
@@ -86,6 +91,10 @@ app = FastAPI(title="dsa-pd", description="OpenAI-compatible API of a disaggrega
 # Bearer-token auth when args.api_key_env is set. Added before @serve.ingress
 # below: Serve serves a copy of the app frozen at decoration time.
 app.add_middleware(BearerAuth)
+
+COMPILE_THREADS = 2
+"""Threads compiling new grammars (structured outputs) beside the event loop: a large schema takes up to
+~100 ms; with two, one slow compile does not queue another."""
 
 # Engine finish reasons -> OpenAI's; an aborted request never reaches a client.
 _FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
@@ -107,7 +116,18 @@ def output_error(out: RequestOutput) -> OpenAIError:
     msg = out.error or "the request failed"
     if msg.startswith("overloaded:"):
         return Overloaded(msg.removeprefix("overloaded:").strip())
+    if msg.startswith(UNAVAILABLE):
+        return Unavailable(msg.removeprefix(UNAVAILABLE).strip())
     return OpenAIError(msg)
+
+
+def stream_error(exc: BaseException) -> OpenAIError:
+    """The error to answer when the decode call itself fails (not an error output): its replica died
+    or became unreachable (503: a fault, retry), else what `error_from_exception` makes of it."""
+    if isinstance(exc, RayActorError):
+        return Unavailable("the decode replica serving this request died or became unreachable; "
+                           "send the request again")
+    return error_from_exception(exc)
 
 
 class _ClientRequest:
@@ -220,6 +240,8 @@ class OpenAIIngress:
         # Structured outputs: grammars are compiled here first (a bad one is a 400 naming its field).
         self.model_type = model_cfg.arch
         self.grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, model_cfg.eos_token_ids)
+        # New grammars compile off the event loop (deployments.openai.structured.constrain_off_loop).
+        self.compile_pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
         self.decode = decode.options(stream=True)
         self.directory = directory
         self.created = int(time.time())
@@ -240,7 +262,10 @@ class OpenAIIngress:
 
     @app.get("/stats")
     async def stats(self) -> dict[str, Any]:
-        return await self.directory.snapshot.remote()
+        """Every prefill and decode replica's entry in the peer directory (``prefill``, ``decode``),
+        and ``ingress``: the ingress replica that answered (its process id, requests in flight)."""
+        snap = await self.directory.snapshot.remote()
+        return {**snap, "ingress": {"pid": os.getpid(), "in_flight": self.in_flight.count}}
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -262,8 +287,8 @@ class OpenAIIngress:
                 if bad:
                     raise InvalidRequest(f"token id {bad[0]} is out of the vocabulary (size {self.vocab_size})",
                                          param="prompt")
-            params = constrain(body, self._params(body, ids, body.max_tokens, "prompt"), self.grammars,
-                               self.model_type)
+            params = await constrain_off_loop(body, self._params(body, ids, body.max_tokens, "prompt"),
+                                              self.grammars, self.model_type, executor=self.compile_pool)
         except Exception as e:  # noqa: BLE001 - every refusal is an OpenAI error object
             return self._refuse(trace, e)
         return await self._run("completion", body, ids, params, trace)
@@ -275,8 +300,8 @@ class OpenAIIngress:
             body: ChatCompletionRequest = parse_request(await self._body(request), "chat")
             check_model(body.model, self.model_name)
             ids, chat = self._render_chat(body)
-            params = constrain(body, self._params(body, ids, body.completion_limit, "messages"), self.grammars,
-                               self.model_type, chat)
+            params = await constrain_off_loop(body, self._params(body, ids, body.completion_limit, "messages"),
+                                              self.grammars, self.model_type, chat, executor=self.compile_pool)
         except Exception as e:  # noqa: BLE001
             return self._refuse(trace, e)
         return await self._run("chat", body, ids, params, trace, chat)
@@ -313,8 +338,11 @@ class OpenAIIngress:
         """`error_response`, counted as the request's ``error`` outcome."""
         if isinstance(exc, BackPressureError):  # Serve's queue in the decode handle is full (a failsafe)
             exc = Overloaded("every decode replica is busy and Serve's queue before them is full; retry later")
-        trace.end("error", error_from_exception(exc))
-        return error_response(exc, self.limits.retry_after_s)
+        err = stream_error(exc)
+        if err.status_code >= 500 and not isinstance(exc, OpenAIError) and not isinstance(err, Unavailable):
+            log.error("internal error answering a request", exc_info=exc)
+        trace.end("error", err)
+        return error_response(err, self.limits.retry_after_s)
 
     def _params(self, body, ids: list[int], limit: int | None, param: str):
         if not ids:
@@ -432,16 +460,26 @@ class OpenAIIngress:
         try:
             if opening is not None:
                 yield sse_event(opening)
-            async for out in self._outputs(job, first):
-                if out.finish_reason == "error":
-                    job.trace.end("error", output_error(out))
-                    yield sse_event(output_error(out).to_response())
-                    break
-                delta = job.take(out)
-                empty = delta.empty if isinstance(delta, ChatDelta) else not delta
-                if empty and not out.finished and not job.want_logprobs:
-                    continue  # text held back (partial character, stop-string prefix, a tag's start)
-                yield sse_event(chunk(out, delta))
+            try:
+                async for out in self._outputs(job, first):
+                    if out.finish_reason == "error":
+                        job.trace.end("error", output_error(out))
+                        yield sse_event(output_error(out).to_response())
+                        break
+                    delta = job.take(out)
+                    empty = delta.empty if isinstance(delta, ChatDelta) else not delta
+                    if empty and not out.finished and not job.want_logprobs:
+                        continue  # text held back (partial character, stop-string prefix, a tag's start)
+                    yield sse_event(chunk(out, delta))
+            except Exception as e:  # noqa: BLE001 - the decode call broke mid-stream (its replica died)
+                err = stream_error(e)
+                if err.status_code >= 500 and not isinstance(err, Unavailable):
+                    log.error("the decode stream of %s failed", job.id, exc_info=e)
+                job.trace.end("error", err)
+                # A well-formed end: the error event, then [DONE], as for an error output.
+                yield sse_event(err.to_response())
+                yield SSE_DONE
+                return
             if job.body.include_usage:
                 yield sse_event(chunk_type(id=job.id, model=self.model_name, choices=[], usage=job.usage()))
             yield SSE_DONE

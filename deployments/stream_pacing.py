@@ -78,14 +78,16 @@ def take_ready(stream: asyncio.Queue, out: RequestOutput) -> RequestOutput:
     return out
 
 
-async def paced_outputs(stream: asyncio.Queue, pacer: StreamPacer) -> AsyncIterator[RequestOutput]:
+async def paced_outputs(stream: asyncio.Queue, pacer: StreamPacer,
+                        first: RequestOutput | None = None) -> AsyncIterator[RequestOutput]:
     """One request's outputs from ``stream``, merged and spaced by ``pacer``, up to the finished one.
+    ``first``: its first output, already taken from ``stream`` by the caller.
 
     The first output goes at once; after each, the next waits out the pacer's
     interval unless it is the final one (a finish is not held back)."""
     sent_at = None
     while True:
-        out = await stream.get()
+        out, first = (first, None) if first is not None else (await stream.get(), None)
         if sent_at is not None and not out.finished:
             wait = sent_at + pacer.interval() - time.monotonic()
             if wait > 0:

@@ -87,7 +87,7 @@ class DsaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def mtp_forward(self, batch: ForwardBatch, prev_hidden: torch.Tensor, cache, backend, depth: int = 0,
-                    reuse: SelectedTokens | None = None, draft: bool = True,
+                    reuse: SelectedTokens | None = None, draft: bool = True, rows: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor | None, torch.Tensor, SelectedTokens]:
         """One MTP step over ``batch``, whose ``input_ids`` are the tokens *after*
         each position (shifted by one) and ``prev_hidden`` ``[T, hidden]`` the
@@ -98,11 +98,19 @@ class DsaForCausalLM(nn.Module):
         ``draft=False``: only the MTP layer's cache pages are wanted (a prompt's
         prefill): no head, and None for the logits. Over an 8k-token chunk of
         DeepSeek-V3.2 the head is 15 TFLOP and a [8192, 129280] fp32 tensor
-        (4.2 GB) that prefill would throw away."""
+        (4.2 GB) that prefill would throw away.
+
+        ``rows``: int64 ``[n]`` on the batch's device, the only rows wanted: the three
+        outputs are those rows (``[n, vocab]``, ``[n, hidden]``, selection ``[n, topk]``),
+        and the head runs on them alone (a fixed-width draft forward wants one row of each
+        request's ``k + 1``: `workers.mtp_draft`). Every row still writes its cache entry."""
         mtp = self.mtp[depth]
         emb = mtp.embed_tokens(batch.input_ids)
         x = mtp.eh_proj(torch.cat([mtp.enorm(emb), mtp.hnorm(prev_hidden.to(emb.dtype))], dim=-1))
         cos, sin = self.rotary(batch.positions, x.dtype)
         x, selected = mtp.decoder(x, cos, sin, batch, cache, self.cfg.num_hidden_layers + depth, backend, None, reuse)
+        if rows is not None:
+            x = x.index_select(0, rows)
+            selected = SelectedTokens(selected.slots.index_select(0, rows), selected.positions.index_select(0, rows))
         logits = mtp.shared_head.head(mtp.shared_head.norm(x)).float() if draft else None
         return logits, x, selected

@@ -76,6 +76,28 @@ def default_graph_context(cfg, num_pages: int) -> int:
     return max(PAGE_SIZE, min(num_pages * PAGE_SIZE, int(cfg.max_position_embeddings)))
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device: on CUDA through pinned memory,
+    non-blocking (the caching host allocator keeps the pinned block until the copy ran). A blocking
+    copy waits for every kernel queued before it, so the host could not queue the next forward
+    while the device runs this one."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def patch_tokens(tokens: torch.Tensor, width: int, at: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` (`workers.model_runner.TokenPatch`) into int64 ``tokens`` ``[R * width]`` in place:
+    the last ``j`` tokens of each request ``at`` (int64 ``[m]`` on ``tokens``' device)."""
+    values = values.to(tokens.device, torch.int64)
+    if values.dim() == 1:
+        values = values[:, None]
+    j = values.shape[1]
+    if not 1 <= j <= width or values.shape[0] != at.shape[0]:
+        raise ValueError(f"a token patch of shape {tuple(values.shape)} for {at.shape[0]} requests of width {width}")
+    tokens.view(-1, width)[:, width - j:].index_copy_(0, at, values)
+
+
 @dataclass(frozen=True)
 class DecodeGraphPlan:
     """Which decode steps have a graph.
@@ -187,7 +209,7 @@ class DecodeInputs:
                 dirty.add(row)
         if dirty:
             rows = torch.tensor(sorted(dirty), dtype=torch.int64)
-            self.page_tables[rows.to(self.device)] = self._host_tables[rows].to(self.device)
+            self.page_tables[to_device(rows, self.device)] = to_device(self._host_tables[rows], self.device)
         return [self._row[k] for k in keys]
 
     def _release(self, key: str, dirty: set[int]) -> None:
@@ -226,14 +248,14 @@ class DecodeInputs:
             tok[row * w:(row + 1) * w] = tokens[i * w:(i + 1) * w]
             lens[row] = seq_lens[i]
             live[row] = 1
-        self.packed.copy_(torch.tensor(tok + lens + live, dtype=torch.int64))
+        self.packed.copy_(to_device(torch.tensor(tok + lens + live, dtype=torch.int64), self.device))
 
     def patch_tokens(self, rows: list[int], values: torch.Tensor) -> None:
-        """Set the new token of ``rows`` (width 1) from int64 device ``values`` ``[len(rows)]``."""
-        if self.plan.width != 1:
-            raise ValueError("device-fed tokens are for width-1 steps")
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        self.packed.index_copy_(0, index, values.to(self.device, torch.int64))
+        """Set the last ``j`` new tokens of ``rows`` from int64 device ``values`` ``[len(rows)]``
+        (``j`` = 1) or ``[len(rows), j]`` (an MTP verify's drafts: `workers.model_runner.TokenPatch`)."""
+        B, w = self.plan.max_batch_size, self.plan.width
+        index = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+        patch_tokens(self.packed[: B * w], w, index, values)
 
     def batch(self, bucket: int) -> ForwardBatch:
         """The forward over rows ``0 .. bucket-1``. Positions and cache slots are
@@ -314,7 +336,8 @@ class DecodeGraphs:
         ``seq_lens`` each context length after the step, ``page_tables`` each
         request's page ids (its live list: only new pages are copied).
         ``token_patch``: (request indices, int64 device tokens) replacing those
-        requests' tokens (width 1; `workers.model_runner.TokenPatch`).
+        requests' last tokens (`workers.model_runner.TokenPatch`: the tokens in
+        flight of a width-1 step, an MTP verify's drafts).
 
         Returns normed hidden ``[R * width, hidden]`` in ``keys`` order: a
         view of the graph's output buffer when the rows are in that order
@@ -342,4 +365,4 @@ class DecodeGraphs:
         if rows == list(range(R)):
             return hidden[: R * w]
         index = torch.tensor([row * w + j for row in rows for j in range(w)], dtype=torch.int64)
-        return hidden.index_select(0, index.to(hidden.device))
+        return hidden.index_select(0, to_device(index, hidden.device))

@@ -16,7 +16,7 @@ from transfer import ReceiveStatus
 from workers.engine import Engine, RequestOutput
 from workers.kv_link import KVLink
 from workers.prefill_worker import PrefillResult
-from workers.request import FinishReason, Request, RequestState
+from workers.request import FinishReason, Request, RequestState, unavailable
 
 
 @dataclass
@@ -111,7 +111,7 @@ class DecodeWorker:
                 a.transfer_done = True
                 outs += self._maybe_admit(a)
             else:
-                outs.append(self._fail(a, f"KV transfer {res.status.value}: {res.reason}", free_pages=False))
+                outs.append(self._fail(a, unavailable(f"KV transfer {res.status.value}: {res.reason}"), free_pages=False))
         if self.engine.has_work:
             outs += self.engine.step()
         return outs

@@ -2,13 +2,14 @@
 
 ``Engine.step()`` runs one scheduling round — prefill chunks (one PREFILL
 forward), then one decode step for every running request (a DECODE forward
-with one token each, or with MTP a draft phase and a ``next_n = k + 1`` verify
-forward) — and returns what each request produced.
+with one token each, or with MTP a draft phase (`workers.mtp_draft`) and a
+``next_n = k + 1`` verify forward) — and returns what each request produced.
 
 Sampling runs on the device for the whole batch: one `sample` (or, with
 MTP, one `accept`) call per forward, and the step's results come to the host
-in one read-back at its end (`_Sampled`). An MTP step reads its drafts back
-once more, before the verify forward that takes them as input.
+in one read-back at its end (`_Sampled`). An MTP step's drafts stay on the
+device: the verify forward takes them as device input (only a constrained
+request's drafts come to the host, for its grammar masks).
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from attention.formats import pages_for_tokens
 from models.batch import ForwardMode
 from workers.model_runner import DecodeStep, ModelRunner, WorkItem
-from workers.mtp import check_topk_reuse, draft_slot_layout
+from workers.mtp import check_topk_reuse
+from workers.mtp_draft import FixedWidthDrafter
 from workers.page_pool import PagePool
 from workers.request import FinishReason, Request
 from workers.sample.metadata import SamplingMetadata, TokenHistory
@@ -118,6 +120,8 @@ class _InFlight:
     host: torch.Tensor
     done: torch.cuda.Event | None
     index: dict[str, int]
+    read: bool = False
+    """Read back and emitted already (by the next launch, whose grammar masks needed its tokens)."""
 
 
 class Engine:
@@ -135,6 +139,8 @@ class Engine:
         self.eos = set(eos_token_ids)
         self.k = cfg.mtp_draft_tokens
         self.topk_reuse = mtp_topk_reuse
+        # The draft phase of an MTP step (`workers.mtp_draft.ExtendDrafter` is the spec it is tested against).
+        self.drafter = FixedWidthDrafter(runner, self.k, mtp_topk_reuse) if self.k else None
         self.detokenize = detokenize
         self.grammars = grammars
         self.requests: dict[str, Request] = {}
@@ -192,10 +198,13 @@ class Engine:
     def enable_cuda_graphs(self, max_context: int, capture: bool = True) -> None:
         """Run this engine's target decode steps (width 1, or ``k + 1`` with MTP)
         through per-bucket CUDA graphs for up to ``max_batch_size`` requests
-        with contexts up to ``max_context`` tokens (``workers.decode_graphs``);
+        with contexts up to ``max_context`` tokens (``workers.decode_graphs``),
+        and with MTP the draft forwards too (``workers.draft_graphs``);
         ``capture=False`` runs the same static-buffer path eagerly."""
         self.runner.enable_decode_graphs((self.k + 1,), self.cfg.max_batch_size, max_context, capture)
         g = self.runner.decode_graphs[self.k + 1]
+        if self.k:
+            self.drafter.enable_graphs(g, capture)
         log.info("decode steps of width %d: %s for batch sizes %s, contexts up to %d tokens",
                  self.k + 1, "CUDA graphs captured" if capture else "static buffers", g.plan.batch_sizes, max_context)
 
@@ -208,13 +217,17 @@ class Engine:
         """One scheduling round; returns what requests produced.
 
         Overlap scheduling: a pure-decode round (no prompt to prefill, no MTP,
-        no penalties, no constrained request, pages for every running request's next token free)
+        no penalties, pages for every running request's next token free)
         launches its forward and sampling, then reads back and emits the
         *previous* round's tokens while the device runs this one; the next
         round feeds this round's tokens to the model straight from the
         device. So a round's outputs come one call later, and the host's
         per-round work (stop checks, outputs, scheduling) hides behind the
-        device's. Any other round first reads back what is in flight.
+        device's. A constrained request's mask needs its previous token on
+        the host: such a round launches its forward, then reads the previous
+        round back and fills the masks while the forward runs, and only its
+        sampling waits for them (`_launch`). Any other round first reads back
+        what is in flight.
         """
         outs: dict[str, RequestOutput] = {}
         if self._inflight is not None and not self._can_overlap():
@@ -226,8 +239,8 @@ class Engine:
         # A request whose last token is already in flight needs no further step.
         ahead = [r for r in decode if len(r.output) + self._pending(r) < r.params.max_new_tokens]
         if self._can_overlap() and ahead and not sched.prefill and not sched.preempted:
-            prev, self._inflight = self._inflight, self._launch(ahead)
-            if prev is not None:
+            prev, self._inflight = self._inflight, self._launch(ahead, outs)
+            if prev is not None and not prev.read:
                 self._drain(prev, outs)
             return list(outs.values())
         if self._inflight is not None:  # late, but safe: pages cover the pending tokens
@@ -258,16 +271,16 @@ class Engine:
         """Whether the next round can launch before the one in flight is read back:
         decode only (nothing waiting or prefilling), no MTP (the drafts would need
         the tokens on the host), no penalties (they need every token on the host),
-        no request still short of its ``min_tokens``, no constrained request (its next grammar mask
-        needs this round's token on the host: structured outputs run the synchronous path, masks
-        filled while the forward runs), and pages for each running request's next token free without preempting."""
+        no request still short of its ``min_tokens``, and pages for each running request's next token free
+        without preempting. Constrained requests overlap too (`_launch` reads the previous round back
+        before their masks)."""
         s = self.scheduler
         if not self.cfg.overlap or self.k or s.waiting or s.prefilling or not s.running:
             return False
         need = 0
         for r in s.running:
             # A min_tokens block depends on the count of tokens generated, which lags by the one in flight.
-            if r.params.uses_penalties or len(r.output) < r.params.min_tokens or r.grammar is not None:
+            if r.params.uses_penalties or len(r.output) < r.params.min_tokens:
                 return False
             # What `schedule` grows each request to: the launch writes position num_tokens - 1
             # + pending (its token in flight), within tokens_to_hold(num_tokens).
@@ -278,9 +291,15 @@ class Engine:
         """Tokens of ``req`` sampled by the step in flight, not on the host yet (0 or 1)."""
         return int(self._inflight is not None and req.request_id in self._inflight.index)
 
-    def _launch(self, reqs: list[Request]) -> _InFlight:
+    def _launch(self, reqs: list[Request], outs: dict) -> _InFlight:
         """Launch one decode step of ``reqs`` and its sampling without waiting for either.
-        A request with a token in flight takes it as input from the device."""
+        A request with a token in flight takes it as input from the device.
+
+        A constrained request with a token in flight needs that token on the host for its next
+        grammar mask: then the step in flight is read back (its tokens emitted into ``outs``) after
+        this step's forward is launched, and the masks are filled while the forward runs; only
+        this step's sampling waits for them. Rows that end at that read-back are computed and
+        dropped, as an unconstrained row that stops is."""
         prev = self._inflight
         pending = [self._pending(r) for r in reqs]
         step = DecodeStep([r.request_id for r in reqs], [0 if p else r.last_token for r, p in zip(reqs, pending)],
@@ -295,11 +314,19 @@ class Engine:
         self.stats.decode_tokens += len(reqs)
         for r, n in zip(reqs, step.seq_lens):
             r.num_computed = n
-        sampled = self._sample(reqs, logits, skip_finished=True)
         tag = self.stats.steps
         # Frees from now on wait for this step: it may still write the KV of a
-        # request that ends meanwhile into that request's pages.
+        # request that ends meanwhile into that request's pages (also one that
+        # ends at the read-back just below).
         self.pool.hold_frees(tag)
+        masks = None
+        if any(r.grammar is not None for r in reqs):
+            if any(p and r.grammar is not None for r, p in zip(reqs, pending)):
+                prev.read = True
+                self._inflight = None
+                self._read_back(prev, outs, keep_hold=True)  # while the forward runs
+            masks = self._grammar_masks(reqs)
+        sampled = self._sample(reqs, logits, skip_finished=True, grammar=masks)
         if sampled.packed.device.type == "cuda":
             host = torch.empty(sampled.packed.shape, dtype=sampled.packed.dtype, pin_memory=True)
             host.copy_(sampled.packed, non_blocking=True)
@@ -313,11 +340,16 @@ class Engine:
         """Read back the launched step ``f`` (waiting for it) and emit its tokens."""
         if self._inflight is f:
             self._inflight = None
+        self._read_back(f, outs, keep_hold=self._inflight is not None)
+
+    def _read_back(self, f: _InFlight, outs: dict, keep_hold: bool) -> None:
+        """Wait for ``f``, give back the pages held for it, emit its tokens. keep_hold: a later step
+        is launched (frees keep waiting for it); else pages are freed at once from now on."""
         if f.done is not None:
             f.done.synchronize()
         # Steps complete in order: every step up to this one has run.
         self.pool.release_held(f.tag)
-        if self._inflight is None:
+        if not keep_hold:
             self.pool.hold_frees(None)
         f.sampled.emit(f.host.tolist(), outs)
 
@@ -484,80 +516,40 @@ class Engine:
         return self._sample(reqs, logits, grammar=masks)
 
     # ------------------------------------------------------------------ MTP
-    def _draft(self, reqs: list[Request], meta: SamplingMetadata) -> None:
-        """Write the MTP cache for each request's pending positions and chain
-        ``k`` draft tokens from the last one. ``meta``: the requests' sampling
-        metadata (draft step ``s`` uses their draw ``s``; the verify, draw ``k``)."""
-        items = [WorkItem(tuple(r.token_ids[r.pending_start + 1:r.pending_start + 1 + r.pending_hidden.shape[0]]),
-                          r.pending_start, tuple(r.page_table)) for r in reqs]
-        batch = self.runner.build_batch(ForwardMode.PREFILL, items)
-        logits, mtp_hidden, selected = self.model.mtp_forward(
-            batch, torch.cat([r.pending_hidden for r in reqs]), self.runner.cache, self.runner.backend)
-        last = torch.cumsum(batch.q_lens, 0) - 1
-        logits, h = logits[last], mtp_hidden[last]
-        sel = None
-        if self.topk_reuse:
-            from models.indexer import SelectedTokens
-            sel = SelectedTokens(selected.slots[last], selected.positions[last])
-        for r in reqs:
-            r.drafts, r.pending_hidden = [], None
-        # Drafts are proposals: no penalties or biases (the acceptance rule holds for any q).
-        # Nor grammar masks: drafting runs on the device without a read-back; the verify masks judge the drafts.
-        meta = replace(meta, penalties=None, bias=None, grammar=None)
-        drafts, probs = [], []
-        # Chained steps s = 1 .. k-1 write positions first_pos + s - 1, laid out
-        # by the one authoritative helper.
-        first_pos = torch.tensor([r.num_tokens for r in reqs])
-        layout = None
-        for step in range(self.k):
-            out = sample(logits, meta, draw_index=step, want_logprobs=False, want_probs=not meta.all_greedy)
-            drafts.append(out.tokens)
-            if out.probs is not None:
-                probs.append(out.probs)
-            if step == self.k - 1:
-                break
-            # The next step's input is this step's drafts, straight from the device: the
-            # items' token is a placeholder that input_ids replaces.
-            items = [WorkItem((0,), r.num_tokens + step, tuple(r.page_table)) for r in reqs]
-            batch = self.runner.build_batch(ForwardMode.DECODE, items)
-            batch.input_ids = out.tokens.to(batch.input_ids.device)
-            if layout is None:
-                layout = draft_slot_layout(batch.page_tables, first_pos.to(batch.page_tables.device), self.k - 1)
-            batch.out_slots = layout[step]
-            logits, h, selected = self.model.mtp_forward(batch, h, self.runner.cache, self.runner.backend, reuse=sel)
-            if self.topk_reuse:
-                sel = selected
-        # The verify forward takes the drafts as host token ids: the draft phase's one read-back.
-        for r, ds in zip(reqs, torch.stack(drafts, dim=1).tolist()):
-            r.drafts = ds
-        if probs:
-            q = torch.stack(probs, dim=1)  # [S, k, vocab], the sampled requests in batch order
-            for r, q_r in zip((r for r in reqs if not r.params.greedy), q):
-                r.draft_probs = q_r
-
     def _verify(self, reqs: list[Request]) -> _Sampled:
+        """The draft phase (``k`` drafts per request, left on the device) and one verify forward of
+        width ``k + 1`` over ``[last token, drafts]``; the acceptance joins the step's one read-back."""
         meta, history = self._sampling_inputs(reqs)
-        need = [r for r in reqs if r.pending_hidden is not None]
-        if need:
-            self._draft(need, meta if len(need) == len(reqs) else self._sampling_inputs(need)[0])
-        n = self.k + 1
-        step = DecodeStep([r.request_id for r in reqs], [t for r in reqs for t in (r.last_token, *r.drafts)],
-                          [r.num_tokens - 1 + n for r in reqs], [r.page_table for r in reqs], n)
+        drafts = self.drafter.draft(reqs, meta)
+        n, R = self.k + 1, len(reqs)
+        tokens = []
+        for r in reqs:  # the drafts' places are filled on the device (`TokenPatch`)
+            tokens.append(r.last_token)
+            tokens += [0] * self.k
+        step = DecodeStep([r.request_id for r in reqs], tokens, [r.num_tokens - 1 + n for r in reqs],
+                          [r.page_table for r in reqs], n)
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:  # their masks walk the drafts on the host: those rows' drafts come back
+            index = torch.tensor(constrained, dtype=torch.int64).to(drafts.tokens.device)
+            for i, ds in zip(constrained, drafts.tokens.index_select(0, index).tolist()):
+                reqs[i].drafts = ds
         masks = self._grammar_masks(reqs, drafts=True)  # the k + 1 positions' masks, while the forward runs
-        hidden = self.runner.decode(step)
-        logits = self.model.logits(hidden).view(len(reqs), n, -1)
+        hidden = self.runner.decode(step, token_patch=(list(range(R)), drafts.tokens))
+        logits = self.model.logits(hidden).view(R, n, -1)
         if masks is not None:
             meta.grammar = masks.wait(logits.device)
-        hidden = hidden.view(len(reqs), n, -1)
-        drafts = torch.tensor([r.drafts for r in reqs], dtype=torch.int64, device=logits.device)
-        q = None if meta.all_greedy else torch.stack([r.draft_probs for r in reqs if not r.params.greedy])
-        packed = accept(logits, drafts, meta, q, history, draw_index=self.k).packed()
+        # A copy: the graph's output buffer is rewritten by the next step, and the pending
+        # positions' hidden states feed the next draft.
+        hidden = hidden.view(R, n, -1).clone()
+        packed = accept(logits, drafts.tokens.to(logits.device), meta, drafts.probs, history,
+                        draw_index=self.k).packed()
         starts = [r.num_tokens - 1 for r in reqs]
         for r in reqs:
             r.rng_offset += n  # k draft draws and the verify's
             r.drafts, r.draft_probs = [], None
 
         def emit(rows: list[list[float]], outs) -> None:
+            views: list[torch.Tensor | None] = []
             for i, (r, samples) in enumerate(zip(reqs, AcceptOutput.unpack(rows, n, meta.top_logprobs))):
                 accepted = len(samples) - 1
                 self.stats.mtp_drafted += self.k
@@ -569,7 +561,10 @@ class Engine:
                     if self._emit(r, s.token, s.logprob, out, s.top_logprobs):
                         break
                 if r.finished:
+                    views.append(None)
                     continue
                 r.num_computed = r.num_tokens - 1
-                r.pending_hidden, r.pending_start = hidden[i, : accepted + 1].clone(), starts[i]
+                r.pending_hidden, r.pending_start = hidden[i, : accepted + 1], starts[i]
+                views.append(r.pending_hidden)
+            self.drafter.remember(reqs, views, hidden)
         return _Sampled(packed, emit)

@@ -10,7 +10,7 @@ from attention.cache import PagedKVCache
 from attention.formats import PAGE_SIZE, pages_for_tokens
 from models.batch import ForwardBatch, ForwardMode, slots_for_positions
 from models.model import DsaForCausalLM
-from workers.decode_graphs import DecodeGraphPlan, DecodeGraphs, graph_batch_sizes
+from workers.decode_graphs import DecodeGraphPlan, DecodeGraphs, graph_batch_sizes, patch_tokens, to_device
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,10 @@ def host_batch(items: list[WorkItem]) -> HostBatch:
 
 
 TokenPatch = tuple[list[int], torch.Tensor]
-"""Input tokens of a width-1 decode step that are on the device: (request indices
-in the step, int64 ``[m]`` their tokens)."""
+"""Input tokens of a decode step that are on the device: (request indices in the
+step, int64 ``[m]`` or ``[m, j]``: the last ``j`` of those requests' ``width`` new
+tokens; a width-1 step fed the tokens in flight (overlap scheduling), or an MTP
+verify fed its ``k`` drafts)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,6 @@ class ModelRunner:
         batch = self.build_batch(ForwardMode.DECODE, step.items())
         if token_patch is not None:
             at, values = token_patch
-            batch.input_ids[torch.tensor(at, dtype=torch.int64, device=batch.input_ids.device)] = values.to(
-                batch.input_ids.device)
+            at = to_device(torch.tensor(at, dtype=torch.int64), self.device)
+            patch_tokens(batch.input_ids, step.width, at, values)
         return self.model(batch, self.cache, self.backend)

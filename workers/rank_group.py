@@ -177,10 +177,11 @@ class GroupModel:
         return self.group.call_rank(0, "logits", hidden)
 
     def mtp_forward(self, batch, prev_hidden: torch.Tensor, cache=None, backend=None, depth: int = 0, reuse=None,
-                    draft: bool = True):
-        """As ``DsaForCausalLM.mtp_forward``: (fp32 logits ``[T, vocab]``, hidden ``[T, hidden]``, selection);
-        None with ``draft=False`` (the ranks wrote their MTP cache pages and send nothing back)."""
-        return self.group.call("mtp_forward", batch, prev_hidden, depth, reuse, draft)[0]
+                    draft: bool = True, rows: torch.Tensor | None = None):
+        """As ``DsaForCausalLM.mtp_forward``: (fp32 logits ``[T, vocab]``, hidden ``[T, hidden]``, selection),
+        only ``rows`` of them when given; None with ``draft=False`` (the ranks wrote their MTP cache pages
+        and send nothing back)."""
+        return self.group.call("mtp_forward", batch, prev_hidden, depth, reuse, draft, rows)[0]
 
 
 class GroupRunner(ModelRunner):

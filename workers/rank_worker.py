@@ -104,13 +104,15 @@ class RankWorker:
         return self._answer(hidden)
 
     @torch.inference_mode()
-    def mtp_forward(self, batch, prev_hidden: torch.Tensor, depth: int, reuse, draft: bool = True):
+    def mtp_forward(self, batch, prev_hidden: torch.Tensor, depth: int, reuse, draft: bool = True,
+                    rows: torch.Tensor | None = None):
         """``DsaForCausalLM.mtp_forward`` on this shard; rank 0 returns (fp32 logits ``[T, vocab]``,
-        MTP hidden ``[T, hidden]``, selection) on the host, others None. ``draft=False`` (a prompt's
-        prefill: only the cache pages are wanted): no head, and None from every rank."""
+        MTP hidden ``[T, hidden]``, selection) on the host (only ``rows`` of them when given), others
+        None. ``draft=False`` (a prompt's prefill: only the cache pages are wanted): no head, and None
+        from every rank."""
         logits, hidden, selected = self.model.mtp_forward(
             move_to(batch, self.device), prev_hidden.to(self.device), self.cache, self.backend, depth,
-            move_to(reuse, self.device), draft)
+            move_to(reuse, self.device), draft, move_to(rows, self.device))
         if self.rank or not draft:
             return None
         return logits.cpu(), hidden.cpu(), move_to(selected, torch.device("cpu"))

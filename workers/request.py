@@ -27,6 +27,17 @@ class FinishReason(str, Enum):
     ERROR = "error"       # transfer failure, rejected at admission, ...
 
 
+UNAVAILABLE = "unavailable:"
+"""Prefix of the error of a request ended by a fault of the serving system, not by the request (a
+replica died, a KV transfer failed or expired): the ingress answers 503 and the client may retry
+it as it is, where any other error is the request's own (or a bug: 500)."""
+
+
+def unavailable(detail: str) -> str:
+    """The error message of a request ended by a fault (``UNAVAILABLE``)."""
+    return f"{UNAVAILABLE} {detail}"
+
+
 # eq=False: a request is an entity, equal only to itself. The generated
 # field-by-field __eq__ made every `req in running` in the scheduler compare
 # prompts and outputs: O(batch^2) list compares per step, half the engine

@@ -16,7 +16,7 @@ from typing import Iterable
 
 from deployments.admission import overload_reason
 from deployments.metrics.series import Series, never_raises
-from deployments.metrics.table import PREEMPTION_REASONS, PUSH_STATUSES, REJECTION_REASONS
+from deployments.metrics.table import PREEMPTION_REASONS, PUSH_STATUSES, REJECTION_REASONS, RETRY_REASONS
 from deployments.replica_stats import DecodeStats, PrefillStats, ReplicaStats, StepRecord
 
 
@@ -147,6 +147,9 @@ class DecodeMetrics(ReplicaMetrics):
             self.mtp_lengths.zero(length=str(n))
         for reason in PREEMPTION_REASONS:
             self.preemptions.zero(reason=reason)
+        self.retries = Series("dsa_pd_retries", {"role": "decode", "model": model})
+        for reason in RETRY_REASONS:
+            self.retries.zero(reason=reason)
         self._last: DecodeStats | None = None
 
     def _running(self, stats: DecodeStats) -> int:
@@ -166,6 +169,11 @@ class DecodeMetrics(ReplicaMetrics):
         self.mtp_accepted.inc(stats.mtp_accepted - (last.mtp_accepted if last else 0))
         self.preemptions.inc(stats.preemptions - (last.preemptions if last else 0), reason="pages")
         self._last = stats
+
+    @never_raises
+    def retried(self, reason: str) -> None:
+        """A request's prefill sent again (``reason``: one of `RETRY_REASONS`)."""
+        self.retries.inc(1, reason=reason)
 
     @never_raises
     def first_token(self, seconds: float, prompt_tokens: int) -> None:

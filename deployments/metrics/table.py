@@ -28,7 +28,8 @@ ROLES = ("prefill", "decode")
 # ------------------------------------------------------------- label values
 OUTCOMES = ("stop", "length", "error", "cancelled")
 """``outcome`` of an ingress request: the two OpenAI finish reasons, an error answer, or a client that left."""
-ERROR_TYPES = ("invalid_request_error", "context_length_exceeded", "model_not_found", "overloaded", "server_error")
+ERROR_TYPES = ("invalid_request_error", "context_length_exceeded", "model_not_found", "overloaded", "unavailable",
+               "server_error")
 """``error_type`` of an ingress request that ended with an error: the OpenAI error's ``code`` if it has one,
 else its ``type``; ``none`` for every other outcome."""
 STEP_KINDS = ("prefill", "decode", "verify")
@@ -44,6 +45,9 @@ running will free enough), ``queue_timeout`` (it had not started by its ``admit_
 ``limits.queue_timeout_s``, answered 429; deployments/admission.py), ``handshake`` (the caller's NIXL
 offer was refused), ``unknown_peer`` (the router picked a prefill replica the decode caller has not
 handshaked with)."""
+RETRY_REASONS = ("prefill_died",)
+"""``reason`` a decode replica sent a request's prefill again: ``prefill_died`` (the prefill replica died
+before the first token; the request's one retry, as a new attempt on another prefill replica)."""
 PREEMPTION_REASONS = ("pages",)
 """``reason`` a running request was preempted: ``pages`` (no free page for its next tokens)."""
 ROUTER_OUTCOMES = ("least_loaded", "prefix_cache", "round_robin", "no_replica")
@@ -160,6 +164,9 @@ _SPECS = (
        "Cached pages evicted (least recently used first) because the pool needed free pages."),
     _m("dsa_pd_preemptions", "counter", ("role", "model", "reason"), "decode",
        "Running requests preempted (their pages freed, re-prefilled later), by reason."),
+    _m("dsa_pd_retries", "counter", ("role", "model", "reason"), "decode",
+       "Requests whose prefill a decode replica sent again, by reason (prefill_died: the prefill replica died "
+       "before the first token). A request is retried at most once; a second fault answers 503."),
     # ---- decode only
     _m("dsa_pd_decode_ttft_seconds", "histogram", ("model",), "decode",
        "Decode-side time to first token: from the decode replica accepting the request to its first token "

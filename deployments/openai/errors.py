@@ -3,7 +3,8 @@
 Errors follow OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``; :func:`error_from_exception` maps any exception to an
 :class:`OpenAIError` with the HTTP status to answer with (400 bad request,
-404 unknown model, 429 overloaded, 500 otherwise). ``param`` names the field
+404 unknown model, 429 overloaded, 503 a fault of the serving system (a
+replica died, a KV transfer failed), 500 otherwise). ``param`` names the field
 at fault (``messages[2].tool_call_id``), so a client can tell which of its
 values was refused.
 """
@@ -24,6 +25,7 @@ __all__ = [
     "ModelNotFound",
     "OpenAIError",
     "Overloaded",
+    "Unavailable",
     "check_model",
     "check_prompt_length",
     "error_from_exception",
@@ -110,6 +112,18 @@ class Overloaded(OpenAIError):
 
     def headers(self) -> dict[str, str]:
         return {} if self.retry_after_s is None else {"Retry-After": str(max(0, int(self.retry_after_s)))}
+
+
+class Unavailable(OpenAIError):
+    """503: the request was lost to a fault of the serving system, not refused for what it asked (a
+    prefill or decode replica died, a KV transfer failed or expired); sending it again may succeed.
+
+    OpenAI's clients retry a 503 (with their backoff). Serve replaces a dead replica by itself.
+    """
+
+    status_code = 503
+    type = "server_error"
+    code = "unavailable"
 
 
 def _loc(loc: tuple[Any, ...]) -> str | None:

@@ -8,7 +8,9 @@ Sources (at most one per request; a second is a 400 naming it):
   ``additionalProperties: false`` — as OpenAI's strict mode requires);
 - ``tool_choice`` (chat) ``required`` or ``{"type": "function", "function":
   {"name"}}``: the reply is a block of tool calls in the model family's markup
-  (`deployments.openai.tools.grammar`), parsed back into ``tool_calls``;
+  (`deployments.openai.tools.grammar`), parsed back into ``tool_calls``, and
+  finishes ``tool_calls`` (``length`` when ``max_tokens`` cuts it); ``stop`` /
+  ``stop_token_ids`` are refused with it (they would cut the markup);
 - ``structured_outputs`` (both endpoints, vLLM's extension): exactly one of
   ``json`` (a schema, as an object or JSON text), ``regex``, ``choice`` (a
   list of strings), ``grammar`` (Lark or GBNF), ``json_object: true``.
@@ -17,15 +19,21 @@ Sources (at most one per request; a second is a 400 naming it):
 the request's ``check``); `constrain` compiles the grammar with the ingress's
 `GrammarCompiler` (its errors are 400s naming the field, and the compiled
 grammar is cached: the replicas compile the same text with the same
-tokenizer) and puts it into the `SamplingParams`. A chat reply that starts
+tokenizer) and puts it into the `SamplingParams`. The ingress calls it as
+`constrain_off_loop`: compiling takes up to ~100 ms for a large schema (and
+the first constrained request builds llguidance's view of the tokenizer,
+about a second for a 128k vocabulary), which must not stall the event loop
+that serves every other request. A chat reply that starts
 inside a thinking block is constrained after ``</think>`` only
 (`GrammarSpec.reasoning_end`). Free of Ray, like the rest of ``deployments.openai``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from concurrent.futures import Executor
 from dataclasses import replace
 from typing import Any
 
@@ -35,7 +43,8 @@ from deployments.openai.errors import InvalidRequest
 from deployments.openai.tools.grammar import forced_tool_grammar
 from workers.structured import GrammarCompiler, GrammarSpec
 
-__all__ = ["StructuredOutputs", "check_structured", "constrain", "grammar_spec", "strict_schema"]
+__all__ = ["StructuredOutputs", "check_structured", "constrain", "constrain_off_loop", "grammar_spec",
+           "strict_schema"]
 
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -83,6 +92,14 @@ def check_structured(body) -> None:
         # A complete grammar allows only EOS, which min_tokens blocks: no token would be left to sample.
         raise InvalidRequest(f"min_tokens cannot be combined with {sources[0]} (structured outputs)",
                              param="min_tokens")
+    if sources == ["tool_choice"]:
+        # A forced call's reply is its markup (newlines, tags) and ends as tool_calls; a stop string or
+        # stop token would end it partway, as content, with finish_reason stop.
+        for field in ("stop", "stop_token_ids"):
+            if getattr(body, field):
+                raise InvalidRequest(f"{field} cannot be combined with a forced tool call (tool_choice "
+                                     f"'required' or a named function): it would cut the call's markup",
+                                     param=field)
     so = getattr(body, "structured_outputs", None)
     if so is not None:
         given = so.given()
@@ -173,13 +190,15 @@ def grammar_spec(body, compiler: GrammarCompiler, model_type: str, reasoning_end
     return GrammarSpec(kind, getattr(so, kind), reasoning_end), f"structured_outputs.{kind}"
 
 
-def constrain(body, params, compiler: GrammarCompiler, model_type: str, chat=None):
-    """``params`` (`SamplingParams`) with the request's grammar, compiled once here so that a bad one
-    is a 400 naming its field; ``params`` itself for an unconstrained request. chat: the chat reply's
-    `ChatOutput` (a reply that starts inside a thinking block is constrained after it)."""
+def _reasoning_end(chat) -> str | None:
+    """The closing tag of the thinking block a chat reply starts inside (None: it starts with content)."""
     reasoning = getattr(chat, "reasoning_parser", None)
-    end = reasoning.end_tag if reasoning is not None and reasoning.in_reasoning else None
-    found = grammar_spec(body, compiler, model_type, end)
+    return reasoning.end_tag if reasoning is not None and reasoning.in_reasoning else None
+
+
+def _with_grammar(params, found: tuple[GrammarSpec, str] | None, compiler: GrammarCompiler):
+    """``params`` with the grammar of ``found`` (`grammar_spec`'s answer), compiled (a 400 naming its
+    field when it does not compile); ``params`` itself when ``found`` is None."""
     if found is None:
         return params
     spec, param = found
@@ -187,3 +206,31 @@ def constrain(body, params, compiler: GrammarCompiler, model_type: str, chat=Non
     if error:
         raise InvalidRequest(f"{param}: the grammar does not compile: {error}", param=param)
     return replace(params, grammar=spec)
+
+
+def constrain(body, params, compiler: GrammarCompiler, model_type: str, chat=None):
+    """``params`` (`SamplingParams`) with the request's grammar, compiled once here so that a bad one
+    is a 400 naming its field; ``params`` itself for an unconstrained request. chat: the chat reply's
+    `ChatOutput` (a reply that starts inside a thinking block is constrained after it). Blocks while
+    it compiles: on an event loop, use `constrain_off_loop`."""
+    return _with_grammar(params, grammar_spec(body, compiler, model_type, _reasoning_end(chat)), compiler)
+
+
+async def constrain_off_loop(body, params, compiler: GrammarCompiler, model_type: str, chat=None,
+                             executor: Executor | None = None):
+    """`constrain`, with the slow parts on ``executor``'s threads (None: the loop's default executor;
+    llguidance releases the GIL while it compiles) so that the event loop keeps serving other requests.
+
+    An unconstrained request never leaves the loop, nor does one whose grammar is already compiled
+    (the common case: clients send the same schema or tools on every request): writing a grammar's
+    text is cheap once llguidance's tokenizer exists. A new grammar compiles on a thread, and so does
+    the first constrained request's whole `constrain` (it builds that tokenizer)."""
+    if not _sources(body):
+        return params
+    loop = asyncio.get_running_loop()
+    if not compiler.tokenizer_ready:
+        return await loop.run_in_executor(executor, constrain, body, params, compiler, model_type, chat)
+    found = grammar_spec(body, compiler, model_type, _reasoning_end(chat))
+    if found is None or compiler.is_compiled(found[0]):
+        return _with_grammar(params, found, compiler)  # a cache hit: nothing to compile
+    return await loop.run_in_executor(executor, _with_grammar, params, found, compiler)

@@ -4,6 +4,7 @@ agreement check, the generated serve configs, and the ratio table."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -15,6 +16,7 @@ from bench.peers.table import load, table
 from deployments.controller import check_args
 from models.tiny import _config_class, make_tiny
 from workers.offline import LLM
+from workers.structured import GrammarSpec
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +37,16 @@ def test_offline_timeline_counts_every_token_and_ids_match_generate(llm):
     p = prefill_case(llm, batch=2, length=100, seed=3)  # 100 > chunk_size: two chunks each
     assert p["prefill_tokens_per_s"] > 0 and sum(s["prefill_tokens"] for s in p["steps"]) == 200
     assert llm.pool.free_count == llm.pool.num_pages
+
+
+def test_offline_decode_under_a_grammar(llm):
+    # --grammar-regex: every decode request constrained (what a constrained batch costs is measured so).
+    spec = GrammarSpec("regex", "[a-z ,.]+")
+    c = decode_case(llm, batch=2, input_len=30, output_len=5, seed=4, grammar=spec)
+    assert c["grammar"] == "regex:[a-z ,.]+" and c["steady_steps"] > 0
+    tok = llm.engine.grammars.tokenizer
+    assert all(re.fullmatch(spec.value, tok.decode(ids)) for ids in c["token_ids"]), c["token_ids"]
+    assert c["token_ids"] == llm.generate(random_prompts(2, 30, 4), max_new_tokens=5, ignore_eos=True, grammar=spec)
 
 
 def test_agreement_finds_the_divergence_and_a_non_negative_margin(llm):

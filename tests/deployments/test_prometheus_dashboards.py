@@ -275,7 +275,8 @@ def test_an_error_and_a_cancelled_stream_are_counted_by_outcome(run):
               for x in run.prom.query("sum by (outcome, error_type) (ray_dsa_pd_requests_total)", run.t0)}
     assert series == {("stop", "none"): 0, ("length", "none"): 0, ("cancelled", "none"): 1,
                       ("error", "invalid_request_error"): 0, ("error", "context_length_exceeded"): 0,
-                      ("error", "model_not_found"): 1, ("error", "overloaded"): 0, ("error", "server_error"): 0}
+                      ("error", "model_not_found"): 1, ("error", "overloaded"): 0, ("error", "unavailable"): 0,
+                      ("error", "server_error"): 0}
     # The cancelled request was prefilled, then left: its prompt counted by both roles.
     for role in ("prefill", "decode"):
         assert _counter(run.prom, f'sum(ray_dsa_pd_prompt_tokens_total{{role="{role}"}})', run.t0) == CANCELLED_PROMPT

@@ -8,7 +8,8 @@ with the same dtype and KV format as the config. Checked: greedy output of
 completions and chat, streamed and not, equals the reference for the same
 prompt token ids, also under concurrent clients; every refused request gets
 its OpenAI error object and status; a client leaving mid-stream (or a
-non-streamed request timing out) frees its pages on both sides.
+non-streamed request timing out) frees its pages on both sides; and
+`dsa-pd bench serve` against it (tests/deployments/bench_serve_checks.py).
 """
 
 from __future__ import annotations
@@ -368,3 +369,11 @@ def test_metrics_on_rays_prometheus_endpoint(ready):
               if line.startswith("ray_dsa_pd_kv_push_bytes_total{")]
     done = [line for line in text.splitlines() if line.startswith("ray_dsa_pd_kv_pushes_total{") and 'status="done"' in line]
     assert sum(pushed) > 0 and done
+
+
+# `dsa-pd bench serve` against this module's server, collected here and run last (one server start
+# less in CI than a module of its own).
+from tests.deployments.bench_serve_checks import (  # noqa: F401
+    test_a_prompt_over_max_model_len_is_a_failed_request,
+    test_random_workload_counts_what_the_server_generated,
+)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -37,7 +39,7 @@ from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import merged, yaml_args
 from tests.deployments.hostile_bodies import raw_bodies
 from tests.deployments.offline_reference import prompt_ids
-from tests.deployments.serve_process import serve_args, wait_until
+from tests.deployments.serve_process import REPO, serve_args, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -365,4 +367,33 @@ def test_a_burst_of_4x_capacity_is_answered_429_or_completed(server):
         wait_until(lambda: seen.append(_overloaded_total(server)) or seen[-1] == want, 60, "overload counters")
     except AssertionError:
         raise AssertionError(f"overload counters {seen[-1] if seen else None}, expected {want}") from None
+    _whole_and_answering(server)
+
+
+# --------------------------------------------------------------------------- soak (short)
+SOAK_S = 40
+"""CI's soak: 40 s of 4 clients (docs/reliability.md records the 10-minute run of `dsa-pd bench soak`)."""
+
+
+def test_a_short_soak_ends_clean(server, tmp_path):
+    """`dsa-pd bench soak` (as an operator runs it, a process of its own) against this server: streams,
+    chat, whole answers, cancellations at every phase and bad bodies; no unexpected answer, every pool
+    whole after it, every replica's memory flat after the warm-up."""
+    out = tmp_path / "soak.json"
+    cmd = [sys.executable, "-m", "bench.soak", "--base-url", server.url, "--api-key", KEY, "--vocab-size",
+           str(VOCAB), "--duration", str(SOAK_S), "--clients", "4", "--warmup", "10", "--sample-every", "2",
+           "--prompt-len", "8", "200", "--output-len", "1", "40", "--settle", "60", "--save-result", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=SOAK_S + 180)
+    result = json.loads(out.read_text())
+    print({k: result[k] for k in ("requests", "tokens", "unexpected", "leaked_pages", "memory_growth")})
+    assert result["unexpected"] == 0, result["unexpected_detail"]
+    assert result["leaked_pages"] == 0, result["pools"]
+    assert not result["memory_grown"], result["memory_growth"]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    reqs = result["requests"]
+    for kind in ("stream", "chat", "nonstream", "bad"):
+        assert reqs.get(kind, {}).get("ok", 0) > 0, reqs
+    assert reqs["cancel"].get("cancelled", 0) > 0, reqs
+    # Every process /stats names was sampled: both replicas and the ingress.
+    assert {name.split("-")[0].split(" ")[0] for name in result["memory_series"]} == {"prefill", "decode", "ingress"}
     _whole_and_answering(server)

@@ -4,14 +4,18 @@ checkpoints' real tokenizers.
 
 A forced call's grammar is checked from both sides: random walks through it (a uniformly random
 allowed token each step: anything the grammar lets any model write) always parse into tool calls
-whose arguments validate against the function's schema, streamed or not; and the markup the
-family's own encoder writes for a valid call is accepted by it.
+whose arguments validate against the function's schema, streamed or not, and finish
+``tool_calls`` as the ingress assembles the reply; and the markup the family's own encoder writes
+for a valid call is accepted by it. A new grammar compiles off the ingress's event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -19,12 +23,15 @@ import pytest
 from deployments.openai.errors import InvalidRequest
 from deployments.openai.protocol import parse_request
 from deployments.openai.render.deepseek_v32 import encode_tool_calls
-from deployments.openai.structured import constrain, strict_schema
+from deployments.openai.chat_output import ChatOutput
+from deployments.openai.structured import constrain, constrain_off_loop, strict_schema
 from deployments.openai.tools import tool_parser_for
+from deployments.text_stream import TextStream
 from models.tiny import _byte_alphabet
 from models.tiny_native import GLM5_CHAT_TEMPLATE, make_native_tokenizer
 from tests.workers.test_grammar_mask import walk
 from workers.sample.params import SamplingParams
+from workers.engine import RequestOutput
 from workers.structured import GrammarCompiler
 
 SEED = random.SystemRandom().randrange(1 << 31)
@@ -82,6 +89,10 @@ def refused(body: dict, compiler=None, kind="chat") -> InvalidRequest:
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    # A stop would cut a forced call's markup (it would end as content, finish "stop").
+    ({"tools": TOOLS, "tool_choice": "required", "stop": ["\n"]}, "stop"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "ping"}}, "stop_token_ids": [10]},
+     "stop_token_ids"),
 ])
 def test_body_rules_name_the_field(body, param):
     e = refused(body)
@@ -215,3 +226,91 @@ def test_glm_string_keywords_it_cannot_write_are_refused(compilers):
     assert e.value.param == "tools[0].function.parameters.properties.s"
     # DeepSeek writes such a value as JSON (string="false"): no refusal there.
     assert constrain(body, SamplingParams(), compilers["deepseek_v32"], "deepseek_v32").grammar is not None
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def answer(arch, compiler, body, ids: list[int], engine_finish: str):
+    """The reply the ingress assembles (`deployments.ingress._ClientRequest`) from engine outputs carrying
+    ``ids`` three tokens at a time, the last one finished with ``engine_finish``: (each streamed
+    chunk's finish_reason, the non-streamed response's finish_reason, its message)."""
+    from deployments.ingress import _ClientRequest
+    from deployments.metrics.ingress import IngressMetrics
+
+    chat = ChatOutput(TextStream(compiler.tokenizer, body.stop_sequences), None,
+                      tool_parser_for(arch)(body.tool_dicts()), parallel_tool_calls=body.parallel_tool_calls is not False)
+    job = _ClientRequest("chat", body, 1, compiler.tokenizer, IngressMetrics("m").start(), chat)
+    chunks = []
+    for i in range(0, len(ids), 3):
+        last = i + 3 >= len(ids)
+        job.take(RequestOutput("r", ids[i:i + 3], [0.0] * len(ids[i:i + 3]), last, engine_finish if last else None))
+        chunks.append(job.finish_reason)  # what `_events` puts on this output's chunk
+    return chunks, job.finish_reason, chat.message()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("choice", [NAMED, "required"])
+def test_a_forced_call_finishes_tool_calls_streamed_and_not(compilers, arch, choice):
+    """Whatever a model writes under a forced call's grammar (random walks through it) ends, once the
+    grammar is complete (the engine's ``stop``), as ``finish_reason: "tool_calls"`` on the last chunk
+    and in the response, with the calls and no content; cut by max_tokens it ends ``length``."""
+    c = compilers[arch]
+    body = parse_request(tool_body(choice), "chat")
+    spec = params_for(tool_body(choice), c, arch).grammar
+    rng = random.Random(SEED)
+    for _ in range(4):
+        ids = walk(c, spec, rng, max_tokens=5000)
+        chunks, finish, msg = answer(arch, c, body, ids, "stop")
+        assert chunks[-1] == finish == "tool_calls" and set(chunks[:-1]) == {None}, (SEED, ids)
+        assert msg.tool_calls and not (msg.content or "").strip(), (SEED, ids)
+        assert all(t.function.name in (SCHEMAS if choice == "required" else {"get_weather"})
+                   for t in msg.tool_calls)
+        chunks, finish, _ = answer(arch, c, body, ids[: len(ids) // 2], "length")
+        assert chunks[-1] == finish == "length"
+
+
+def test_a_slow_compile_leaves_the_event_loop_free(compilers):
+    """A new large schema compiles on a thread (`constrain_off_loop`, as the ingress calls it): while it
+    compiles, an unconstrained request and one whose schema is already compiled are answered on the
+    event loop at once; then the slow one gets the grammar `constrain` gives."""
+    c = GrammarCompiler(compilers["deepseek_v32"].tokenizer, 320, [257])
+    big = {"type": "object", "required": [f"k{i}" for i in range(2500)], "properties": {
+        f"k{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 11 + 9}}}[0-9]+$"} for i in range(2500)}}
+    slow = parse_request({"model": "m", "messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "big", "schema": big}}}, "chat")
+    cached = parse_request({"model": "m", "messages": USER, "response_format": {"type": "json_object"}}, "chat")
+    free = parse_request({"model": "m", "messages": USER}, "chat")
+    params = SamplingParams(max_new_tokens=64)
+    warm = constrain(cached, params, c, "deepseek_v32")  # builds llguidance's tokenizer and caches json_object
+    timed = {}
+
+    def compile_timed(*args):
+        t = time.perf_counter()
+        try:
+            return constrain(*args)
+        finally:
+            timed["compile"] = time.perf_counter() - t
+
+    async def main():
+        with ThreadPoolExecutor(2) as pool:
+            loop = asyncio.get_running_loop()
+            # The slow request's compile, timed on its thread (the code path constrain_off_loop takes for it).
+            slow_task = asyncio.ensure_future(constrain_off_loop(slow, params, c, "deepseek_v32", executor=pool))
+            await asyncio.sleep(0)  # it has handed its compile to a thread
+            t0 = time.perf_counter()
+            got_free = await constrain_off_loop(free, params, c, "deepseek_v32", executor=pool)
+            got_cached = await constrain_off_loop(cached, params, c, "deepseek_v32", executor=pool)
+            others = time.perf_counter() - t0
+            pending = not slow_task.done()
+            got_slow = await slow_task
+            # The same compile on the loop would stall it for its whole duration.
+            again = GrammarCompiler(c.tokenizer, 320, [257])
+            await loop.run_in_executor(pool, compile_timed, slow, params, again, "deepseek_v32")
+        return got_free, got_cached, got_slow, others, pending
+
+    got_free, got_cached, got_slow, others, pending = asyncio.run(main())
+    assert got_free is params and got_cached.grammar == warm.grammar
+    assert pending, "the slow compile finished before the others were answered: it ran on the loop"
+    assert got_slow.grammar == constrain(slow, params, c, "deepseek_v32").grammar and c.is_compiled(got_slow.grammar)
+    assert others < timed["compile"] / 4, (others, timed)

@@ -74,6 +74,7 @@ def test_ci_values_files_are_the_expected_ones():
     assert ci_values("dsv32")["serveConfig"]["preset"] == "dsv32_pd"
     assert ci_values("glm5")["serveConfig"]["preset"] == "glm5_pd"
     assert ci_values("autoscaling-auth")["auth"]["enabled"] is True
+    assert ci_values("dsv32")["auth"] == {"enabled": True, "secretName": "dsa-pd-api-key", "source": "file"}
     assert ci_values("autoscaling-auth")["decode"]["autoscaling"]
 
 
@@ -136,7 +137,7 @@ def test_the_validators_reject_a_misspelt_field():
 @pytest.mark.parametrize("case", list(CASES))
 def test_serve_config_is_the_source_plus_the_documented_additions(case):
     """serveConfigV2 is the YAML `serve run` takes: the source config, plus only what values.yaml
-    documents (role pins; api_key_env with auth; autoscaling bounds from the values)."""
+    documents (role pins; api_key_env or api_key_file with auth; autoscaling bounds from the values)."""
     r, values = rendered(case), values_of(case)
     got = r.serve_config
     source = source_config(values)
@@ -144,7 +145,9 @@ def test_serve_config_is_the_source_plus_the_documented_additions(case):
     roles = ["decode"] if src_app["args"].get("mode") == "monolithic" else ["prefill", "decode"]
     assert [d["name"] for d in app.pop("deployments")] == [DEPLOYMENT[role] for role in roles]
     args = app["args"]
-    if values["auth"]["enabled"]:
+    if values["auth"]["enabled"] and values["auth"]["source"] == "file":
+        assert args.pop("api_key_file") == values["auth"]["mountPath"] + "/api-key"
+    elif values["auth"]["enabled"]:
         assert args.pop("api_key_env") == "DSA_PD_API_KEY"
     for role in roles:
         auto = values[role]["autoscaling"]
@@ -430,6 +433,39 @@ def test_auth_from_a_secret():
     assert all(e["name"] != "DSA_PD_API_KEY" for c in ray_containers(off).values() for e in c.get("env", []))
 
 
+def test_auth_from_a_secret_mounted_as_a_file(tmp_path):
+    """auth.source file: every Ray container mounts only the Secret's key, read-only, where the serve
+    config's api_key_file points (no key in any environment), and the ingress's own loader reads
+    the file as the kubelet writes it (the Secret's bytes, here with a trailing newline)."""
+    from deployments.app_config import AppConfig
+    from deployments.auth import load_api_key
+
+    r = rendered("dsv32")
+    path = r.app_args["api_key_file"]
+    assert path == "/etc/dsa-pd/auth/api-key" and "api_key_env" not in r.app_args
+    volume = {"name": "api-key", "secret": {"secretName": "dsa-pd-api-key",
+                                            "items": [{"key": "api-key", "path": "api-key"}]}}
+    for group, template in r.pod_templates().items():  # the ingress may run on any Ray node
+        c = template["spec"]["containers"][0]
+        assert volume in template["spec"]["volumes"], group
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "api-key"]
+        assert mount == {"name": "api-key", "mountPath": "/etc/dsa-pd/auth", "readOnly": True}, group
+        assert all(e["name"] != "DSA_PD_API_KEY" for e in c.get("env", [])), group
+        # The file the app reads is the volume's projected item.
+        assert path == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
+    (tmp_path / "api-key").write_text("s3cret-key\n")
+    args = {**r.app_args, "api_key_file": str(tmp_path / "api-key")}
+    assert load_api_key(AppConfig.model_validate(args)) == "s3cret-key"
+    assert "mounted at /etc/dsa-pd/auth/api-key" in r.notes
+    # A mount path of one's own; the env source leaves no volume behind.
+    values = copy.deepcopy(CASES["dsv32"])
+    values["auth"]["mountPath"] = "/run/secrets/dsa-pd"
+    moved = render(values)
+    assert moved.app_args["api_key_file"] == "/run/secrets/dsa-pd/api-key"
+    env = rendered("autoscaling-auth")
+    assert all(v["name"] != "api-key" for t in env.pod_templates().values() for v in t["spec"]["volumes"])
+
+
 def test_notes_say_how_to_reach_the_endpoint_and_dashboards():
     notes = rendered("default").notes
     assert "kubectl -n llm port-forward svc/demo-dsa-pd-serve-svc 8000:8000" in notes
@@ -490,6 +526,19 @@ DSV32 = {"serveConfig": {"preset": "dsv32_pd"}}
     ({"serveConfig": {"inline": {"applications": [{"name": "x", "import_path": "deployments.app:build_app",
                                                    "args": {"api_key_env": "KEY"}}]}}},
      "auth.enabled: the serve config sets args.api_key_env (KEY)"),
+    ({"serveConfig": {"inline": {"applications": [{"name": "x", "import_path": "deployments.app:build_app",
+                                                   "args": {"api_key_file": "/k"}}]}}},
+     "auth.enabled: the serve config sets args.api_key_file (/k), but the chart mounts no key file"),
+    # The key's Secret volume needs a directory of its own.
+    ({**DSV32, "modelStorage": {"type": "pvc", "pvc": {"claimName": "w"}},
+      "auth": {"enabled": True, "secretName": "k", "source": "file", "mountPath": "/models/key"}},
+     "auth.mountPath: /models/key overlaps modelStorage.mountPath at /models"),
+    ({"auth": {"enabled": True, "secretName": "k", "source": "file", "mountPath": "/dev"}},
+     "auth.mountPath: /dev overlaps the shared memory (/dev/shm) at /dev/shm"),
+    ({"auth": {"enabled": True, "secretName": "k", "source": "file", "mountPath": "/var/cache/dsa-pd"}},
+     "auth.mountPath: /var/cache/dsa-pd overlaps the tiny model's cache"),
+    ({"auth": {"source": "vault"}}, "at '/auth/source'"),
+    ({"auth": {"mountPath": "/etc/key/"}}, "at '/auth/mountPath'"),
     ({"serveConfig": {"inline": {"applications": []}}}, "serveConfig: the chart deploys one dsa-pd application"),
     ({"serveConfig": {"inline": {"applications": [{"name": "x", "import_path": "my.app:build"}]}}},
      "serveConfig: applications[0].import_path must be deployments.app:build_app"),

@@ -20,8 +20,9 @@ from safetensors.torch import load_file, save_file
 from models.tiny import make_tiny
 
 
-def make_mtp_friendly(arch: str, out: Path, seed: int = 5, layer_scale: float = 0.03) -> Path:
-    make_tiny(arch, out, seed=seed)
+def make_mtp_friendly(arch: str, out: Path, seed: int = 5, layer_scale: float = 0.03, **dims) -> Path:
+    """``dims``: config overrides for `models.tiny.make_tiny` (e.g. the serving attention dims)."""
+    make_tiny(arch, out, seed=seed, **dims)
     cfg = json.loads((out / "config.json").read_text())
     L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
     index = json.loads((out / "model.safetensors.index.json").read_text())

@@ -4,6 +4,9 @@ must be exactly those of the step-by-step engine."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 from models.tiny import make_tiny
@@ -12,6 +15,7 @@ from workers.offline import LLM
 from workers.page_pool import PagePool
 from workers.request import Request
 from workers.sample.params import SamplingParams
+from workers.structured import GrammarSpec
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +97,51 @@ def test_pool_holds_frees_until_their_step_completed():
     assert pool.free_count == 8 and pool.held_count == 0
     with pytest.raises(ValueError, match="freed twice"):
         pool.free(a)
+
+
+# A bounded JSON object, a regex and a choice: each completes within MAX_CONSTRAINED tokens (the tiny
+# byte-level tokenizer writes a character per token), at different steps.
+GRAMMARS = [GrammarSpec.json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 99}},
+                                     "required": ["n"], "additionalProperties": False}),
+            GrammarSpec("regex", r"[a-z]{2,4}\."),
+            GrammarSpec.choice(["yes", "no thanks"])]
+MAX_CONSTRAINED = 12
+
+
+def _mixed_requests():
+    """Unconstrained rows (seeded, greedy) between constrained ones (greedy, seeded, greedy), one batch."""
+    out = []
+    for i in range(5):
+        grammar = GRAMMARS[i // 2] if i % 2 == 0 else None  # rows 0, 2, 4 constrained
+        params = SamplingParams(max_new_tokens=MAX_CONSTRAINED if grammar else 7 + i, ignore_eos=grammar is None,
+                                temperature=0.9 if i in (1, 2) else 0.0, seed=11 + i, grammar=grammar)
+        out.append(Request(f"m{i}", random_prompt(6 + 3 * i, 250, 40 + i), params))
+    return out
+
+
+def test_constrained_rows_overlap_and_emit_what_the_step_by_step_engine_does(tiny):
+    """A batch with constrained requests keeps overlap scheduling (each launch reads the step in flight
+    back before the grammar masks, while its forward runs); every row's tokens, logprobs and finish
+    are the step-by-step engine's, the constrained outputs match their grammars, and every page
+    comes back (a constrained row that completes has one step computed and dropped)."""
+    want, _ = _run(LLM(tiny, overlap_scheduling=False, chunk_size=128), _mixed_requests())
+    llm = LLM(tiny, chunk_size=128)
+    got, ahead = _run(llm, _mixed_requests())
+    assert ahead > 5  # launched ahead while constrained rows ran (before: never)
+
+    def flat(outs):
+        return [t for o in outs for t in o.token_ids], outs[-1].finish_reason
+
+    assert {k: flat(v) for k, v in got.items()} == {k: flat(v) for k, v in want.items()}
+    for k in want:  # a launched-ahead row that ended changes a step's batch: fp32 sums, not tokens
+        assert [x for o in got[k] for x in o.logprobs] == pytest.approx([x for o in want[k] for x in o.logprobs],
+                                                                         abs=1e-4), k
+    tok = llm.engine.grammars.tokenizer
+    texts = {k: tok.decode(flat(v)[0]) for k, v in got.items()}
+    assert 0 <= json.loads(texts["m0"])["n"] <= 99
+    assert re.fullmatch(GRAMMARS[1].value, texts["m2"]), texts["m2"]
+    assert texts["m4"] in ("yes", "no thanks")
+    assert all(flat(got[k])[1] == "stop" for k in ("m0", "m2", "m4"))
+    assert all(sum(o.finished for o in v) == 1 and v[-1].finished for v in got.values())
+    assert llm.pool.free_count == llm.pool.num_pages and llm.pool.held_count == 0

@@ -76,6 +76,11 @@ class GrammarCompiler:
 
     # ------------------------------------------------------------ tokenizer
     @property
+    def tokenizer_ready(self) -> bool:
+        """llguidance's tokenizer is built (`ll_tokenizer` is then cheap: writing a grammar's text is)."""
+        return self._llt is not None
+
+    @property
     def ll_tokenizer(self):
         if self._llt is None:
             with self._lock:
@@ -156,6 +161,11 @@ class GrammarCompiler:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return m
+
+    def is_compiled(self, spec: GrammarSpec) -> bool:
+        """``spec`` is in the cache (`validate` / `matcher` of it compile nothing)."""
+        with self._lock:
+            return spec in self._cache
 
     def validate(self, spec: GrammarSpec) -> str:
         """'' when ``spec`` compiles (it is then cached), else llguidance's error message."""

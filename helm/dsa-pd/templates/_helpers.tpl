@@ -93,14 +93,23 @@ tests/helm compares the two):
 {{- $_ := set $app "args" $args -}}
 {{- $model := $args.model | default dict -}}
 
-{{- /* Auth: the ingress reads the key from the environment variable the Secret fills. */ -}}
+{{- /* Auth: the ingress reads the key from the environment variable the Secret fills
+       (auth.source env), or from the Secret's key mounted as a file (auth.source file). */ -}}
 {{- if .Values.auth.enabled -}}
 {{- if not .Values.auth.secretName -}}
 {{- fail "auth.secretName: auth.enabled needs an existing Secret that holds the API key" -}}
 {{- end -}}
+{{- if eq (include "dsa-pd.authSource" .) "file" -}}
+{{- $_ := set $args "api_key_file" (include "dsa-pd.apiKeyFile" .) -}}
+{{- $_ := unset $args "api_key_env" -}}
+{{- else -}}
 {{- $_ := set $args "api_key_env" "DSA_PD_API_KEY" -}}
+{{- $_ := unset $args "api_key_file" -}}
+{{- end -}}
 {{- else if $args.api_key_env -}}
 {{- fail (printf "auth.enabled: the serve config sets args.api_key_env (%s), but the chart puts no key on the pods; turn auth on (auth.enabled, auth.secretName) or drop api_key_env" $args.api_key_env) -}}
+{{- else if $args.api_key_file -}}
+{{- fail (printf "auth.enabled: the serve config sets args.api_key_file (%s), but the chart mounts no key file; turn auth on (auth.enabled, auth.secretName, auth.source file) or drop api_key_file" $args.api_key_file) -}}
 {{- end -}}
 
 {{- /* Model storage: the checkpoint must be where the volume is mounted. */ -}}
@@ -223,7 +232,35 @@ tests/helm compares the two):
 {{- $_ := set $plan "tinyModel" $model -}}
 {{- $_ := set $plan "tinyCache" ($model.cache_dir | default "/var/cache/dsa-pd") -}}
 {{- end -}}
+
+{{- /* The key file's directory is a volume of its own: no other mount may sit at or above it, nor under it. */ -}}
+{{- if and .Values.auth.enabled (eq (include "dsa-pd.authSource" .) "file") -}}
+{{- $dir := trimSuffix "/" .Values.auth.mountPath -}}
+{{- $others := dict "/dev/shm" "the shared memory (/dev/shm)" -}}
+{{- if ne $ms.type "none" -}}{{- $_ := set $others (trimSuffix "/" $ms.mountPath) "modelStorage.mountPath" -}}{{- end -}}
+{{- if $model.tiny -}}{{- $_ := set $others (trimSuffix "/" (toString $plan.tinyCache)) "the tiny model's cache (model.cache_dir)" -}}{{- end -}}
+{{- range $path, $what := $others -}}
+{{- if or (eq $dir $path) (hasPrefix (printf "%s/" $path) $dir) (hasPrefix (printf "%s/" $dir) $path) -}}
+{{- fail (printf "auth.mountPath: %s overlaps %s at %s; the key file's Secret needs a directory of its own" $.Values.auth.mountPath $what $path) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- toYaml $plan -}}
+{{- end -}}
+
+{{/*
+auth.source, defaulted (env) for values files written before it existed.
+*/}}
+{{- define "dsa-pd.authSource" -}}
+{{- .Values.auth.source | default "env" -}}
+{{- end -}}
+
+{{/*
+The API key's file with auth.source file: the Secret's key (auth.secretKey)
+projected as "api-key" into the volume mounted at auth.mountPath.
+*/}}
+{{- define "dsa-pd.apiKeyFile" -}}
+{{- printf "%s/api-key" (trimSuffix "/" .Values.auth.mountPath) -}}
 {{- end -}}
 
 {{/*
@@ -238,7 +275,7 @@ fraction in exponent form as "1e-06", which YAML 1.1 readers (PyYAML, and so
 
 {{/*
 Environment shared by every Ray container: the tiny-model cache, the HF
-token, the API key, then the chart-wide env and the group's own.
+token, the API key (auth.source env), then the chart-wide env and the group's own.
 Args: dict root plan group.
 */}}
 {{- define "dsa-pd.env" -}}
@@ -254,7 +291,7 @@ Args: dict root plan group.
       name: {{ $root.Values.hfToken.secretName }}
       key: {{ $root.Values.hfToken.secretKey }}
 {{- end }}
-{{- if $root.Values.auth.enabled }}
+{{- if and $root.Values.auth.enabled (eq (include "dsa-pd.authSource" $root) "env") }}
 - name: DSA_PD_API_KEY
   valueFrom:
     secretKeyRef:
@@ -350,6 +387,11 @@ spec:
         - name: tiny-model-cache
           mountPath: {{ .plan.tinyCache }}
         {{- end }}
+        {{- if and $root.Values.auth.enabled (eq (include "dsa-pd.authSource" $root) "file") }}
+        - name: api-key
+          mountPath: {{ $root.Values.auth.mountPath }}
+          readOnly: true
+        {{- end }}
   volumes:
     - name: dshm
       emptyDir:
@@ -369,5 +411,15 @@ spec:
     {{- if .plan.tinyModel }}
     - name: tiny-model-cache
       emptyDir: {}
+    {{- end }}
+    {{- if and $root.Values.auth.enabled (eq (include "dsa-pd.authSource" $root) "file") }}
+    # Only the API key, as "api-key" (a Secret volume is updated in place when the Secret
+    # changes; the ingress reads it at start).
+    - name: api-key
+      secret:
+        secretName: {{ $root.Values.auth.secretName }}
+        items:
+          - key: {{ $root.Values.auth.secretKey }}
+            path: api-key
     {{- end }}
 {{- end -}}

@@ -1,4 +1,6 @@
-"""`dsa-pd bench serve` against `serve run configs/tiny_pd.yaml` (one server for the module).
+"""`dsa-pd bench serve` against `serve run configs/tiny_pd.yaml`: tests collected by
+tests/deployments/test_serve_app.py, which imports them to run on its server (``ready``: one
+server start less in CI).
 
 Checked: a random token-id workload completes with the counts and lengths the
 server generated (each request replayed non-streamed, independently of the
@@ -16,23 +18,6 @@ import pytest
 
 from bench.serve.datasets import random_requests
 from deployments.cli import main
-from tests.deployments.app_fixtures import CONFIGS
-from tests.deployments.serve_process import ServeProcess
-
-pytestmark = pytest.mark.slow
-
-CONFIG = CONFIGS / "tiny_pd.yaml"
-
-
-@pytest.fixture(scope="module")
-def ready(tmp_path_factory):
-    work = tmp_path_factory.mktemp("bench-serve")
-    proc = ServeProcess(CONFIG, work, cache_dir=work / "cache").start()
-    try:
-        proc.wait_ready(timeout=240)
-        yield proc
-    finally:
-        proc.stop()
 
 
 def bench(url: str, out_dir, *extra: str) -> tuple[int, dict]:

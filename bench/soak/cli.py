@@ -87,6 +87,7 @@ async def soak(args) -> dict:
     leaked = sum(p["leaked"] for p in pools)
     return {
         "model": model, "clients": args.clients, "duration_s": args.duration, "load_s": load_s,
+        "warmup_s": args.warmup,
         "requests": record.table(), "tokens": record.tokens,
         "unexpected": len(record.unexpected), "unexpected_detail": record.unexpected[:50],
         "pools": pools, "leaked_pages": leaked,

@@ -81,6 +81,11 @@ def test_mtp_drafts_are_accepted_and_change_nothing(models):
     assert mtp.generate(prompts, max_new_tokens=32, ignore_eos=True) == base
     # A trained next-next-token layer: well above what a random one gets (~1/vocab).
     assert mtp.stats()["mtp_acceptance_rate"] > 0.2
+    # PD with MTP (pages pushed over NIXL in DRAM, decode drafting from prefill's hidden state) equals
+    # monolithic with MTP, and so the run without MTP.
+    pd = LLM(CKPT, dtype="float32", kv_cache_dtype="auto", mtp_draft_tokens=2, pd=True)
+    assert pd.generate(prompts, max_new_tokens=32, ignore_eos=True) == base
+    assert pd.stats()["mtp_acceptance_rate"] > 0.2
 
 
 def test_it_writes_english(models):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.workers.graph_workload import PROMPTS, generate_mixed
+
 pytestmark = pytest.mark.gpu
 
 SERVING_DIMS = dict(kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128, index_n_heads=64,
@@ -45,10 +47,8 @@ def test_graph_replay_equals_eager_gpu(arch, k, tmp_path):
         return got
 
     graphs.run = checked_run
-    prompts = [[40 + (i * 7 + j * 13) % 80 for j in range(n)] for i, n in enumerate((5, 70, 150, 260, 64, 1, 33, 129))]
-    for p in prompts[:2]:  # batches of one first
-        llm.generate([p], max_new_tokens=4, ignore_eos=True)
-    outs = llm.generate(prompts, max_new_tokens=24, ignore_eos=True)
+    prompts = PROMPTS
+    outs = generate_mixed(llm)
     assert not mismatches, mismatches[:5]
     assert graphs.replays == len(sizes) and len(sizes) >= 20, (graphs.replays, len(sizes))
     assert len(set(sizes)) >= 2, sizes

@@ -205,7 +205,7 @@ def test_dsa_pd_check_of_the_embedded_config_can_fail(tmp_path):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_worker_groups_hold_what_the_app_places(case):
-    """Each role's pins equal the app's own placement plan (deployments/controller.py) plus a
+    """Each role's pins equal the app's own placement plan (deployments/controller/placement.py) plus a
     label selector of its group's Ray label, and the group's pods hold its replicas at both ends
     of the replica range with no pod left idle at the low end."""
     from ray._private.label_utils import validate_label_selector, validate_node_labels

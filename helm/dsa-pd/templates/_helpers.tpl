@@ -68,7 +68,7 @@ The deployment plan, as YAML (templates read it with fromYaml): the final serve
 config and, per role, what its worker group must hold. Every check that needs
 the serve config fails here, naming the value to change.
 
-Per role (the same arithmetic as deployments/controller.py's plan_placement;
+Per role (the same arithmetic as deployments/controller/placement.py's plan_placement;
 tests/helm compares the two):
   a replica holds tensor_parallel_size x num_cpus CPUs and, with one rank,
   num_gpus GPUs (a fraction allowed), with N > 1 ranks N GPUs on one node;

@@ -294,12 +294,15 @@ class RoleConfig(_Strict):
         """Whether this role loads the MTP layer (and has cache pages for it)."""
         return self.mtp_draft_tokens > 0
 
-    def rank_spec(self, model_dir: str | Path = "", push: PushTuning = PushTuning()) -> RankSpec:
+    def rank_spec(self, model_dir: str | Path = "", push: PushTuning = PushTuning(),
+                  two_batch_overlap: bool = False) -> RankSpec:
         """What each rank of a replica of this role loads. The MTP layer is loaded only where
         drafts use it: the memory plan, the cache geometry and the handshake's has_mtp follow
-        ``mtp_draft_tokens``. ``model_dir`` may stay empty for sizing (`RankSpec.cache_spec`)."""
+        ``mtp_draft_tokens``. ``model_dir`` may stay empty for sizing (`RankSpec.cache_spec`).
+        ``two_batch_overlap``: ``features.two_batch_overlap`` (`models.two_batch`)."""
         return RankSpec(str(model_dir), self.backend, self.device, self.dtype, self.kv_cache_dtype, self.num_pages,
-                        with_mtp=self.has_mtp, push=push, page_layout=self.page_layout)
+                        with_mtp=self.has_mtp, push=push, page_layout=self.page_layout,
+                        two_batch_overlap=two_batch_overlap)
 
     @property
     def ongoing_requests_cap(self) -> int:
@@ -361,7 +364,10 @@ class Features(_Strict):
     """Feature switches; the controller rejects combinations that cannot work."""
 
     two_batch_overlap: bool = Field(
-        False, description="Overlap two micro-batches (compute vs communication); not with top-k sharing."
+        False, description="Run each eager forward of a tensor-parallel replica as two micro-batches whose "
+        "all-reduces overlap the other's compute (models/two_batch.py): tensor_parallel_size > 1, the reference "
+        "backend for now (the cuda backend's micro-batches need streams of their own, not measured yet), not with "
+        "top-k sharing; CUDA-graphed decode steps run whole."
     )
     mtp_topk_reuse: bool = Field(
         False, description="Reuse the indexer top-k of the first MTP draft step in later draft steps."

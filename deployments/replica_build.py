@@ -52,9 +52,13 @@ def _build(app_cfg: AppConfig, role: str, model_dir: str | Path, worker_id: str,
     role_cfg = app_cfg.for_role(role)
     place = plan_placement(app_cfg).for_role(role)
     options = rank_actor_options(place) if role_cfg.tensor_parallel_size > 1 else None
-    parts = build_replica(role_cfg.rank_spec(model_dir, push), role_cfg.tensor_parallel_size,
+    parts = build_replica(role_cfg.rank_spec(model_dir, push, app_cfg.features.two_batch_overlap),
+                          role_cfg.tensor_parallel_size,
                           worker_id if link else None, options, prefix_caching=app_cfg.features.prefix_caching,
                           mtp=role_cfg.has_mtp)
+    if app_cfg.features.two_batch_overlap:
+        log.info("%s: two-batch overlap on (each multi-request forward as two micro-batches, models/two_batch.py)",
+                 worker_id)
     if parts.group is not None:
         where = (f"bundles {list(place.rank_bundle_indices)} of the replica's placement group"
                  if "scheduling_strategy" in options[0] else "no placement group")

@@ -68,6 +68,9 @@ class DsaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.qk_rope_head_dim)
         n_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
         self.mtp = nn.ModuleList([MTPLayer(cfg, tp, dtype, hadamard) for _ in range(n_mtp)])
+        self.two_batch = None
+        """A `models.two_batch.TwoBatchOverlap` running each forward as two overlapped micro-batches
+        (set by `workers.rank_build.build_rank` when the spec asks for it); None: whole forwards."""
 
     @property
     def num_cache_layers(self) -> int:
@@ -75,6 +78,11 @@ class DsaForCausalLM(nn.Module):
         return self.cfg.num_hidden_layers + len(self.mtp)
 
     def forward(self, batch: ForwardBatch, cache, backend) -> torch.Tensor:
+        if self.two_batch is not None:  # tp > 1 with two-batch overlap (`models.two_batch`)
+            return self.two_batch(lambda micro: self._forward(micro, cache, backend), batch)
+        return self._forward(batch, cache, backend)
+
+    def _forward(self, batch: ForwardBatch, cache, backend) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
         selected: SelectedTokens | None = None

@@ -7,6 +7,8 @@ an argument (``TPContext``), never a global.
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +43,23 @@ class TPContext:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            dist.all_reduce(x, group=getattr(_thread, "group", None) or self.group)
         return x
+
+
+_thread = threading.local()
+
+
+@contextmanager
+def collectives_on(group):
+    """Run this thread's all-reduces on ``group`` instead of the model's own (`models.two_batch`: each
+    micro-batch has a process group of its own, so the two threads' collectives never interleave)."""
+    before = getattr(_thread, "group", None)
+    _thread.group = group
+    try:
+        yield
+    finally:
+        _thread.group = before
 
 
 SINGLE = TPContext()

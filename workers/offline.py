@@ -37,6 +37,8 @@ class LLM:
     > 1 runs each rank in its own Ray actor (``workers.rank_group``; gloo on
     CPU, NCCL and one GPU per rank on ``cuda``) driven by this process's
     engine; `shutdown` ends them.
+    two_batch_overlap: with ``tp_size > 1``, run each eager forward as two micro-batches whose
+    all-reduces overlap the other's compute (`models.two_batch`).
     prefix_caching: keep finished requests' full pages in each pool's prefix cache
     (`workers.prefix_cache`): a prompt's cached prefix is neither computed again
     nor, with ``pd=True``, pushed again; outputs are the same either way.
@@ -48,12 +50,13 @@ class LLM:
                  chunk_size: int = 256, max_batch_size: int = 64, pd: bool = False,
                  transfer_deadline_s: float = 600.0, cuda_graphs: bool | None = None,
                  cuda_graph_max_context: int | None = None, tp_size: int = 1, overlap_scheduling: bool = True,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, two_batch_overlap: bool = False):
         if kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
         self.model_dir = Path(model_dir)
         # hadamard None: rotate indexer keys only once they are quantized (RankSpec.use_hadamard).
-        spec = RankSpec(str(self.model_dir), backend, device, dtype, kv_cache_dtype, num_pages, hadamard)
+        spec = RankSpec(str(self.model_dir), backend, device, dtype, kv_cache_dtype, num_pages, hadamard,
+                        two_batch_overlap=two_batch_overlap)
         want_graphs = graphs_wanted(cuda_graphs, backend, device, tp_size)  # before any rank worker starts
         if pd and tp_size == 1 and torch.device(device).type == "cuda":
             # Measured on the H100 (nixl 1.5.1): a VRAM push between two agents of

@@ -20,6 +20,7 @@ from models.dtypes import DtypeName, torch_dtype
 from models.loader import load_model
 from models.model import DsaForCausalLM
 from models.parallel import SINGLE, TPContext
+from models.two_batch import TwoBatchOverlap
 from workers.kv_link import KVLink
 from workers.model_runner import ModelRunner
 from workers.push_tuning import PushTuning
@@ -34,7 +35,9 @@ class RankSpec:
     num_pages: pages of this rank's cache (the replica's one page pool hands out their ids);
     hadamard: rotate indexer keys/queries; None: only where they are quantized
     (``kv_cache_dtype == "fp8"``), as transformers' reference skips it in exact mode;
-    with_mtp: load the checkpoint's MTP layer(s) and give them cache layers.
+    with_mtp: load the checkpoint's MTP layer(s) and give them cache layers;
+    two_batch_overlap: run each eager forward as two micro-batches whose all-reduces overlap the
+    other's compute (`models.two_batch`; tensor parallel only: the ranks make two more process groups).
     """
 
     model_dir: str
@@ -47,6 +50,7 @@ class RankSpec:
     with_mtp: bool = True
     push: PushTuning = PushTuning()  # the KV link's posting threads, descriptor size, whether it pushes
     page_layout: str = "cross_layer"  # attention.cache.CacheSpec.page_layout
+    two_batch_overlap: bool = False
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # a clear error now, not at load
@@ -95,5 +99,18 @@ def build_rank(spec: RankSpec, tp: TPContext = SINGLE, device: str | None = None
     device = device or spec.device
     model = load_model(spec.model_dir, torch_dtype(spec.dtype), device, tp=tp, hadamard=spec.use_hadamard,
                        with_mtp=spec.with_mtp)
+    if spec.two_batch_overlap:
+        model.two_batch = TwoBatchOverlap(micro_batch_groups(tp))
     cache = PagedKVCache(spec.cache_spec(model.cfg), device)
     return RankParts(spec, model, cache, ModelRunner(model, cache, get_backend(spec.backend), device))
+
+
+def micro_batch_groups(tp: TPContext) -> tuple:
+    """Two more process groups of ``tp``'s ranks, one per micro-batch of a two-batch overlap. Every
+    rank must call this at the same point (``torch.distributed.new_group`` is collective)."""
+    import torch.distributed as dist
+
+    if tp.size < 2:
+        raise ValueError("two_batch_overlap overlaps tensor-parallel all-reduces: it needs tensor parallel size > 1")
+    ranks = list(range(tp.size))
+    return dist.new_group(ranks), dist.new_group(ranks)

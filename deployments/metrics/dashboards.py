@@ -154,9 +154,11 @@ def overview() -> Board:
     health = (
         _p("Routing decisions/s", "Rankings by the request routers, by target deployment and outcome.", "ops",
            Target(rate("dsa_pd_router_decisions", ("target", "outcome"), replica=False), "{{target}} {{outcome}}")),
-        _p("Rejections and preemptions/s", "Requests refused by a replica, and running requests preempted, "
-           "by role and reason.", "ops",
+        _p("Rejections, retries and preemptions/s", "Requests refused by a replica, requests whose prefill a "
+           "decode replica sent again (its prefill replica died), and running requests preempted, by role and "
+           "reason.", "ops",
            Target(rate("dsa_pd_rejections", ("role", "reason")), "rejected {{role}} {{reason}}"),
+           Target(rate("dsa_pd_retries", ("role", "reason")), "retried {{role}} {{reason}}"),
            Target(rate("dsa_pd_preemptions", ("role", "reason")), "preempted {{role}} {{reason}}")),
         _p("Prefix cache hit rate", "Prompt tokens found in the replicas' prefix caches / prompt tokens looked up, "
            "per role (not computed again; on decode, not pushed again).", "percentunit",

@@ -144,7 +144,7 @@ def run(tmp_path_factory) -> Run:
         r.server.stop()
 
 
-QUIET = {("overview", "Errors/s by type"), ("overview", "Rejections and preemptions/s"),
+QUIET = {("overview", "Errors/s by type"), ("overview", "Rejections, retries and preemptions/s"),
          ("prefill", "Rejections/s"), ("decode", "Preemptions/s"), ("transfer", "Push failures/s"),
          # configs/tiny_pd.yaml runs without MTP: its series read 0.
          ("decode", "MTP draft and accepted tokens/s"), ("decode", "MTP acceptance rate"),

@@ -2,10 +2,10 @@
 Serve replica reserves a placement group of 2 bundles and drives 2 rank
 worker actors; prefill rank i pushes to decode rank i over NIXL.
 
-Checked through the official openai client: greedy completions (streamed
-and not, concurrent, prompts that span pages and chunks) equal the offline
-single-process engine (`LLM(pd=False)`), and both pools return to their
-start counts.
+Checked through the official openai client, with two-batch overlap on:
+greedy completions (streamed and not, concurrent, prompts that span pages and
+chunks) equal the offline single-process engine (`LLM(pd=False)`, whole
+forwards), and both pools return to their start counts.
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ from tests.deployments.offline_reference import prompt_ids
 pytestmark = pytest.mark.slow
 
 # Half a CPU per rank: 2 ranks x 2 roles fit the 2-core CI machine (the ingress and directory take none).
+# Two-batch overlap on (models/two_batch.py): every rank runs its multi-request forwards as two
+# micro-batches on process groups of their own; the answers stay the offline engine's.
 RAW = merged(yaml_args("tiny_pd.yaml"),
              prefill={"tensor_parallel_size": 2, "num_cpus": 0.5, "chunk_size": 64},
-             decode={"tensor_parallel_size": 2, "num_cpus": 0.5})
+             decode={"tensor_parallel_size": 2, "num_cpus": 0.5},
+             features={"two_batch_overlap": True})
 ARGS = AppConfig.model_validate(RAW)
 MODEL = ARGS.model_name
 PROMPTS = [prompt_ids(n, seed=700 + n) for n in (150, 7, 64, 90)]
@@ -44,6 +47,7 @@ def test_tp2_pools_answer_like_the_offline_engine(server, reference):
                          r"bundles \[0, 1\] of the replica's placement group\)", server.log())
     assert sorted(r for r, *_ in started) == ["decode", "prefill"], server.tail(80)
     assert len({p for _, *pids in started for p in pids}) == 4
+    assert len(re.findall(r"(prefill|decode)-\S+: two-batch overlap on", server.log())) == 2, server.tail(80)
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=180)
 

@@ -43,10 +43,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_replica(model_dir: Path, tp: TPContext, kv_cache_dtype: str, mtp: int) -> dict:
-    """Prompt logits of ``PROMPTS[0]`` and greedy outputs of all ``PROMPTS`` on this rank's shard."""
+def _run_replica(model_dir: Path, tp: TPContext, kv_cache_dtype: str, mtp: int, tbo: bool = False) -> dict:
+    """Prompt logits of ``PROMPTS[0]`` and greedy outputs of all ``PROMPTS`` on this rank's shard
+    (``tbo``: with two-batch overlap, `models.two_batch`)."""
     num_pages = 64
-    rank = build_rank(RankSpec(str(model_dir), kv_cache_dtype=kv_cache_dtype, num_pages=num_pages), tp)
+    rank = build_rank(RankSpec(str(model_dir), kv_cache_dtype=kv_cache_dtype, num_pages=num_pages,
+                               two_batch_overlap=tbo), tp)
     model, runner = rank.model, rank.runner
     shapes = {
         "q_b_proj rows": model.layers[0].self_attn.q_b_proj.weight.shape[0],
@@ -72,14 +74,16 @@ def _run_replica(model_dir: Path, tp: TPContext, kv_cache_dtype: str, mtp: int) 
     while any(not r.finished for r in reqs):
         engine.step()
     return {"logits": logits, "outputs": [list(r.output) for r in reqs], "shapes": shapes,
-            "free": pool.free_count, "mtp_drafted": engine.stats.mtp_drafted}
+            "free": pool.free_count, "mtp_drafted": engine.stats.mtp_drafted,
+            "overlapped": model.two_batch.overlapped if model.two_batch is not None else 0}
 
 
-def _rank_main(rank: int, world: int, port: int, model_dir: str, kv_cache_dtype: str, mtp: int, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, model_dir: str, kv_cache_dtype: str, mtp: int, out: str,
+               tbo: bool = False) -> None:
     torch.set_num_threads(1)  # two ranks share a small CI machine
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        res = _run_replica(Path(model_dir), TPContext(rank, world, dist.group.WORLD), kv_cache_dtype, mtp)
+        res = _run_replica(Path(model_dir), TPContext(rank, world, dist.group.WORLD), kv_cache_dtype, mtp, tbo)
         torch.save(res, f"{out}.{rank}")
         # Tear gloo down only once every rank is done with it. Without this, rank 0 aborted in
         # about one run in twenty on the 2-core CI machine ("terminate called without an active
@@ -89,10 +93,11 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, kv_cache_dtype:
         dist.destroy_process_group()
 
 
-def run_tp(model_dir: Path, world: int, kv_cache_dtype: str, mtp: int, tmp: Path) -> list[dict]:
+def run_tp(model_dir: Path, world: int, kv_cache_dtype: str, mtp: int, tmp: Path, tbo: bool = False) -> list[dict]:
     """Every rank's result of ``_run_replica`` with ``world`` gloo ranks in spawned processes."""
-    out = str(tmp / f"tp{world}-{kv_cache_dtype}-{mtp}")
-    mp.spawn(_rank_main, args=(world, _free_port(), str(model_dir), kv_cache_dtype, mtp, out), nprocs=world, join=True)
+    out = str(tmp / f"tp{world}-{kv_cache_dtype}-{mtp}-{int(tbo)}")
+    mp.spawn(_rank_main, args=(world, _free_port(), str(model_dir), kv_cache_dtype, mtp, out, tbo), nprocs=world,
+             join=True)
     return [torch.load(f"{out}.{r}") for r in range(world)]
 
 
@@ -123,6 +128,48 @@ def test_tp2_equals_tp1(arch, kv_cache_dtype, mtp, tmp_path):
     assert all(len(o) == NEW_TOKENS for o in ref["outputs"])
     assert ranks[0]["free"] == ref["free"] == 64
     assert (ranks[0]["mtp_drafted"] > 0) == (mtp > 0)
+
+
+@pytest.mark.parametrize("arch,kv_cache_dtype,mtp", [("deepseek_v32", "fp8", 1), ("glm_moe_dsa", "auto", 0)])
+def test_tp2_with_two_batch_overlap_equals_tp1(arch, kv_cache_dtype, mtp, tmp_path):
+    """Two-batch overlap (`models.two_batch`): each multi-request forward (prefill chunks of several
+    prompts, decode and MTP verify steps) runs as two micro-batches in two threads, each micro-batch's
+    all-reduces on a process group of its own. The output is tp 2's without it: equal to one
+    process's greedy output, on GLM-5 too, whose shared layers reuse top-k within each micro-batch."""
+    tiny = make_tiny(arch, tmp_path / arch, seed=7)
+    ref = _run_replica(tiny, SINGLE, kv_cache_dtype, mtp)
+    ranks = run_tp(tiny, 2, kv_cache_dtype, mtp, tmp_path, tbo=True)
+    assert all(r["overlapped"] > 0 for r in ranks), [r["overlapped"] for r in ranks]
+    assert ranks[0]["overlapped"] == ranks[1]["overlapped"]  # the ranks split every forward alike
+    assert ranks[0]["outputs"] == ranks[1]["outputs"] == ref["outputs"]
+    torch.testing.assert_close(ranks[0]["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
+    assert ranks[0]["free"] == ref["free"] == 64
+    assert (ranks[0]["mtp_drafted"] > 0) == (mtp > 0)
+    print(f"{arch} kv {kv_cache_dtype} mtp {mtp}: {ranks[0]['overlapped']} forwards as two micro-batches")
+
+
+def test_split_batch_keeps_every_request_whole():
+    """`models.two_batch.split_batch`: two halves of requests, each with its own tokens, rows and lengths."""
+    from models.batch import ForwardBatch
+    from models.two_batch import split_batch, split_point
+
+    q = torch.tensor([3, 1, 4, 2])
+    T = int(q.sum())
+    batch = ForwardBatch(ForwardMode.PREFILL, torch.arange(T), torch.arange(T) + 100, torch.arange(T) + 200,
+                         torch.arange(8, dtype=torch.int32).view(4, 2), torch.tensor([3, 5, 4, 9]), q, max_seq_len=9)
+    at = split_point(batch)
+    assert at == 2  # 3 + 1 tokens of 10: about half
+    a, b = split_batch(batch, at)
+    assert a.input_ids.tolist() == [0, 1, 2, 3] and b.input_ids.tolist() == [4, 5, 6, 7, 8, 9]
+    assert a.positions.tolist() == [100, 101, 102, 103] and b.out_slots.tolist() == [204, 205, 206, 207, 208, 209]
+    assert a.page_tables.tolist() == [[0, 1], [2, 3]] and b.page_tables.tolist() == [[4, 5], [6, 7]]
+    assert a.seq_lens.tolist() == [3, 5] and b.q_lens.tolist() == [4, 2] and a.max_seq_len == b.max_seq_len == 9
+    one = ForwardBatch(ForwardMode.DECODE, torch.tensor([1]), torch.tensor([4]), torch.tensor([4]),
+                       torch.zeros(1, 1, dtype=torch.int32), torch.tensor([5]), torch.tensor([1]))
+    assert split_point(one) is None
+    wide = ForwardBatch(ForwardMode.PREFILL, torch.arange(9), torch.arange(9), torch.arange(9),
+                        torch.zeros(2, 1, dtype=torch.int32), torch.tensor([8, 1]), torch.tensor([8, 1]))
+    assert split_point(wide) == 1  # each half keeps at least one request
 
 
 def test_shard_tensor_slices_weights_and_column_biases():

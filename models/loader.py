@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from models import fp8
 from models.config import ModelConfig, load_config
 from models.model import DsaForCausalLM
 from models.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TPContext
@@ -75,26 +76,44 @@ def shard_tensor(module, tensor: torch.Tensor, tp: TPContext) -> torch.Tensor:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               tp: TPContext = SINGLE, hadamard: bool = False, with_mtp: bool = True) -> DsaForCausalLM:
+               tp: TPContext = SINGLE, hadamard: bool = False, with_mtp: bool = True,
+               fp8_weights: bool = False) -> DsaForCausalLM:
     """Load config and weights. Raises ``ValueError`` naming every missing tensor
     (a layer that computes top-k without indexer weights is an error, never a
-    silent fallback)."""
+    silent fallback).
+
+    ``fp8_weights`` (the ``cuda`` backend): the projections an fp8 checkpoint stores
+    block-quantized stay fp8 (`models.fp8`); otherwise, and for a bf16 checkpoint,
+    every weight is held in ``dtype``."""
     cfg = load_config(model_dir)
     with torch.device("meta"):
         model = DsaForCausalLM(cfg, dtype=dtype, tp=tp, hadamard=hadamard, with_mtp=with_mtp)
-    return load_weights(model, model_dir, lambda name: module_name(name, cfg), device=device, tp=tp,
-                        read_dtype=dtype, tie_word_embeddings=cfg.tie_word_embeddings)
+    name_of = lambda name: module_name(name, cfg)  # noqa: E731
+    dequantize: bool | object = True
+    if fp8_weights and cfg.weight_block_size is not None:
+        fp8_names = fp8.checkpoint_fp8_modules(model, model_dir, name_of, cfg.weight_block_size)
+        fp8.to_fp8(model, fp8_names, cfg.weight_block_size)
+        dequantize = lambda ckpt: _owner_not_fp8(name_of(ckpt), fp8_names)  # noqa: E731
+    return load_weights(model, model_dir, name_of, device=device, tp=tp,
+                        read_dtype=dtype, tie_word_embeddings=cfg.tie_word_embeddings, dequantize=dequantize)
+
+
+def _owner_not_fp8(param: str | None, fp8_names: set[str]) -> bool:
+    """Whether the weight ``param`` (a parameter name) belongs to no fp8 module: dequantize it on load."""
+    return param is None or not any(param.startswith(n + ".") for n in fp8_names)
 
 
 def load_weights(model: torch.nn.Module, model_dir: str | Path, name_of, device: str = "cpu",
                  tp: TPContext = SINGLE, read_dtype: torch.dtype | None = None,
                  tie_word_embeddings: bool = False, tied: tuple[str, str] = ("lm_head.weight", "embed_tokens.weight"),
-                 ) -> torch.nn.Module:
+                 dequantize=True) -> torch.nn.Module:
     """Fill a model built on the meta device with a checkpoint's tensors (any architecture).
 
     ``name_of(checkpoint_name)`` gives the parameter name (``None``: not ours);
     tensors are read as ``read_dtype`` (fp8 ones dequantized to it) and copied
     into each parameter's own dtype; tensor-parallel shards are sliced here.
+    ``dequantize``: as `iter_checkpoint_tensors` takes it (fp8 modules read their
+    weights and scales as stored).
     ``tied = (head, embedding)``: with ``tie_word_embeddings`` a head the
     checkpoint lacks is copied from the embedding. Returns the model in eval
     mode. Raises ``ValueError`` naming every parameter left unloaded."""
@@ -110,7 +129,7 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, name_of, device:
     # one checkpoint tensor per expert and projection fills a slice of one parameter).
     placers = {n: m for n, m in modules.items() if hasattr(m, "load_checkpoint_tensor")}
     loaded: set[str] = set()
-    for ckpt_name, tensor in iter_checkpoint_tensors(model_dir, dtype=read_dtype):
+    for ckpt_name, tensor in iter_checkpoint_tensors(model_dir, dtype=read_dtype, dequantize=dequantize):
         name = name_of(ckpt_name)
         if name is not None and name not in params:
             placer = _placer_of(name, placers)

@@ -36,6 +36,8 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(cfg.hidden_size, self.rank + self.rope, bias=cfg.attention_bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.rank, dtype=dtype)
         self.kv_b_proj = ColumnParallelLinear(self.rank, cfg.num_attention_heads * (self.nope + self.v_dim), tp, dtype=dtype)
+        # Read as W_UK / W_UV by the absorbed products (`_absorbed_weights`), not through a GEMM of its own.
+        self.kv_b_proj.fp8_ok = False
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.v_dim, cfg.hidden_size, tp, bias=cfg.attention_bias, dtype=dtype)
         self.scale = mla_softmax_scale(cfg.hf_config.rope_parameters, cfg.qk_head_dim)
         self.indexer = Indexer(cfg, dtype, hadamard) if owns_indexer else None

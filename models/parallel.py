@@ -7,6 +7,7 @@ an argument (``TPContext``), never a global.
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,16 +67,60 @@ SINGLE = TPContext()
 
 
 class ReplicatedLinear(nn.Module):
-    """A projection every rank holds whole (small latent projections, routers)."""
+    """A projection every rank holds whole (small latent projections, routers).
+
+    ``weight [out, in]`` in ``dtype``, or, after `to_fp8`, float8_e4m3fn with
+    ``weight_scale_inv [ceil(out / b0), ceil(in / b1)]`` float32 (the checkpoint's
+    block scales, kept as stored): the forward then runs `models.ops.fp8_linear`
+    and returns ``dtype`` (the activations' dtype).
+    """
+
+    # False where a caller reads ``weight`` itself (MLA's absorbed ``kv_b_proj``): such a
+    # projection is dequantized on load even when the checkpoint stores it in fp8.
+    fp8_ok = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.dtype = dtype
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.weight_scale_inv = None
+        self.quant_block: tuple[int, int] | None = None
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the weight as fp8 with block scales (on the weight's device, normally meta, before loading).
+
+        Raises ValueError where this rank's shard would cut a scale block (the
+        checkpoint's scales then cannot be sliced with it)."""
+        if not self.fp8_ok:
+            raise ValueError(f"{type(self).__name__} reads its weight directly; it cannot be held in fp8")
+        b0, b1 = block
+        shard = getattr(self, "shard_dim", None)
+        if shard == 0 and self.tp.size > 1 and self.out_features % b0:
+            raise ValueError(f"output shard of {self.out_features} rows is not a multiple of the fp8 block {b0}")
+        if shard == 1 and self.tp.size > 1 and self.in_features % b1:
+            raise ValueError(f"input shard of {self.in_features} columns is not a multiple of the fp8 block {b1}")
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=torch.float8_e4m3fn,
+                                               device=device), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(math.ceil(self.out_features / b0), math.ceil(self.in_features / b1), dtype=torch.float32,
+                        device=device), requires_grad=False)
+        self.quant_block = (b0, b1)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_block is None:
+            return F.linear(x.to(self.weight.dtype), self.weight)
+        from models.ops.fp8_linear import fp8_linear
+
+        return fp8_linear(x.to(self.dtype), self.weight, self.weight_scale_inv, self.quant_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        if self.quant_block is None:
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        y = self._matmul(x)
+        return y if self.bias is None else y + self.bias
 
 
 class ColumnParallelLinear(ReplicatedLinear):
@@ -101,6 +146,5 @@ class RowParallelLinear(ReplicatedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction, not once per rank.
-        y = F.linear(x.to(self.weight.dtype), self.weight)
-        y = self.tp.all_reduce(y)
+        y = self.tp.all_reduce(self._matmul(x))
         return y if self.bias is None else y + self.bias

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -29,6 +29,7 @@ __all__ = [
     "FP8_QUANTIZATION_CONFIG",
     "SCALE_SUFFIX",
     "checkpoint_files",
+    "checkpoint_tensor_names",
     "checkpoint_block_size",
     "dequantize_fp8_block",
     "fp8_scale_shape",
@@ -143,6 +144,15 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+def checkpoint_tensor_names(model_dir: str | Path) -> list[str]:
+    """Every tensor name of a checkpoint (headers only: no tensor is read)."""
+    names: list[str] = []
+    for f in checkpoint_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            names.extend(h.keys())
+    return names
+
+
 def checkpoint_block_size(model_dir: str | Path) -> tuple[int, int] | None:
     """``weight_block_size`` from config.json's fp8 ``quantization_config``, or None.
 
@@ -159,13 +169,15 @@ def iter_checkpoint_tensors(
     model_dir: str | Path,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
-    dequantize: bool = True,
+    dequantize: bool | Callable[[str], bool] = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of a checkpoint, shard by shard.
 
     With ``dequantize`` (the default) each fp8 ``X.weight`` is yielded as the
     real weight (fp8 value x block scale) and its ``X.weight_scale_inv`` is
-    not yielded; without it both are yielded as stored (for fp8 GEMMs).
+    not yielded; without it both are yielded as stored (for fp8 GEMMs). A
+    callable decides per weight name (``dequantize("X.weight")``; its scale
+    follows the same decision).
     Floating tensors are cast to ``dtype`` when given (dequantized weights
     default to bfloat16 otherwise); integer tensors keep their dtype.
 
@@ -179,12 +191,13 @@ def iter_checkpoint_tensors(
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(f), framework="pt", device="cpu")) for f in files]
         where = {name: h for h in handles for name in h.keys()}
+        wants = dequantize if callable(dequantize) else (lambda _name, d=bool(dequantize): d)
         for h in handles:
             for name in h.keys():
-                if dequantize and name.endswith(SCALE_SUFFIX):
+                if name.endswith(SCALE_SUFFIX) and wants(name[: -len(SCALE_SUFFIX)]):
                     continue
                 t = h.get_tensor(name)
-                if dequantize and t.dtype == torch.float8_e4m3fn:
+                if t.dtype == torch.float8_e4m3fn and wants(name):
                     if block is None:
                         raise ConfigError(
                             f"tensor {name!r} is float8_e4m3fn but config.json has no fp8 "

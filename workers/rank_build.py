@@ -51,9 +51,16 @@ class RankSpec:
     push: PushTuning = PushTuning()  # the KV link's posting threads, descriptor size, whether it pushes
     page_layout: str = "cross_layer"  # attention.cache.CacheSpec.page_layout
     two_batch_overlap: bool = False
+    keep_fp8: bool | None = None  # None: `fp8_weights` follows the backend; tests set it to run fp8 weights on CPU
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # a clear error now, not at load
+
+    @property
+    def fp8_weights(self) -> bool:
+        """Whether an fp8 checkpoint's projections stay fp8 (the ``cuda`` backend's fp8 kernels); the
+        ``reference`` backend dequantizes them on load (it is the spec the fp8 kernels are tested against)."""
+        return self.backend == "cuda" if self.keep_fp8 is None else self.keep_fp8
 
     @property
     def use_hadamard(self) -> bool:
@@ -98,7 +105,7 @@ def build_rank(spec: RankSpec, tp: TPContext = SINGLE, device: str | None = None
     """Load ``spec``'s model shard for rank ``tp.rank`` and allocate its caches on ``device`` (default ``spec.device``)."""
     device = device or spec.device
     model = load_model(spec.model_dir, torch_dtype(spec.dtype), device, tp=tp, hadamard=spec.use_hadamard,
-                       with_mtp=spec.with_mtp)
+                       with_mtp=spec.with_mtp, fp8_weights=spec.fp8_weights)
     if spec.two_batch_overlap:
         model.two_batch = TwoBatchOverlap(micro_batch_groups(tp))
     cache = PagedKVCache(spec.cache_spec(model.cfg), device)

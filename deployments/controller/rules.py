@@ -13,6 +13,7 @@ import pydantic
 
 from attention.formats import PAGE_SIZE, pages_for_tokens
 from deployments.app_config import AppConfig, RoleConfig
+from models import footprint
 from models.config import ConfigError, ModelConfig, config_from_dict, load_config
 from transfer.compat import diff_compat
 from workers.mtp import check_topk_reuse
@@ -224,27 +225,21 @@ def _model_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: ModelCo
                 f"{role}.tensor_parallel_size",
                 f"tensor_parallel_size {tp} does not divide {name} ({total}): models/ splits it across ranks{note}",
             ))
-    if divisible and tp > 1 and role_cfg.backend == "cuda" and m.weight_block_size is not None:
-        bh, bw = m.weight_block_size
-        hpr = m.num_attention_heads // tp
-        # fp8 weights stay quantized on the cuda backend: a rank's shard must
-        # start and end on a scale-block boundary or its scales would be split.
-        shard_dims = [
-            ("q_b_proj rows", hpr * m.qk_head_dim, bh),
-            ("kv_b_proj rows", hpr * (m.qk_nope_head_dim + m.v_head_dim), bh),
-            ("o_proj columns", hpr * m.v_head_dim, bw),
-        ]
-        if "dense" in m.mlp_layer_types:
-            shard_dims.append(("dense MLP columns", m.intermediate_size // tp, bh))
-        if m.n_shared_experts:
-            shard_dims.append(("shared expert columns", m.moe_intermediate_size * m.n_shared_experts // tp, bh))
-        for name, size, block in shard_dims:
-            if size % block:
-                out.append(Violation(
-                    f"{role}.tensor_parallel_size",
-                    f"with fp8 block-quantized weights ({bh}x{bw} blocks) each rank's {name} ({size}) must be a "
-                    f"multiple of {block}; tensor_parallel_size {tp} splits a scale block",
-                ))
+    shards_ok = divisible
+    if divisible and tp > 1 and role_cfg.rank_spec().fp8_weights and m.weight_block_size is not None:
+        # fp8 weights stay quantized on the cuda backend: a rank's shard must start and end on a
+        # scale-block boundary or its scales would be split. Asked of the model code itself (its
+        # fp8 modules built on the meta device, `ReplicatedLinear.to_fp8`), not restated here.
+        try:
+            footprint.meta_model(m, tp, fp8_weights=True, with_mtp=role_cfg.has_mtp)
+        except ValueError as e:
+            shards_ok = False
+            bh, bw = m.weight_block_size
+            out.append(Violation(
+                f"{role}.tensor_parallel_size",
+                f"with fp8 block-quantized weights ({bh}x{bw} blocks) tensor_parallel_size {tp} splits a scale "
+                f"block: {e}",
+            ))
 
     if role_cfg.backend == "cuda":
         # The kernels' own admission check (FlashMLA 512 + 64 latent/rope,
@@ -291,7 +286,7 @@ def _model_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: ModelCo
             f"max_model_len {max_len}{extra}: need at least {need} pages (or lower model.max_model_len)",
         ))
 
-    if role_cfg.device == "cuda":
+    if role_cfg.device == "cuda" and shards_ok:  # the plan builds the shard: only a shard that exists
         est = estimate_memory(role_cfg, m, gpu_memory_bytes)
         if not est.fits:
             without_pages = est.weights_bytes + est.workspace_bytes

@@ -15,9 +15,10 @@ fp8 (``quant_block = (b0, b1)``): ``w13`` / ``w2`` are float8_e4m3fn and
 ``w13_scale_inv [E_local, 2I / b0, ceil(H / b1)]`` / ``w2_scale_inv
 [E_local, ceil(H / b0), ceil(I / b1)]`` hold the checkpoint's
 ``weight_scale_inv`` blocks, stacked the same way (the layout DeepGEMM's
-grouped fp8 GEMMs take). The model loader dequantizes fp8 checkpoints today
-(``quant_block=None``); the reference grouped GEMM dequantizes one expert at
-a time when given scales.
+grouped fp8 GEMMs take). The loader keeps an fp8 checkpoint's experts in fp8
+on the ``cuda`` backend (`to_fp8`) and dequantizes them for the ``reference``
+backend; the reference grouped GEMM dequantizes one expert at a time when
+given scales, the Triton one tile by tile in registers.
 """
 
 from __future__ import annotations
@@ -38,24 +39,30 @@ class RoutedExperts(nn.Module):
         super().__init__()
         self.hidden, self.intermediate = hidden, intermediate
         self.first_expert, self.num_local = first_expert, num_local
-        self.quant_block = tuple(quant_block) if quant_block is not None else None
-        wdtype = torch.float8_e4m3fn if self.quant_block else dtype
-        self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, dtype=wdtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_local, hidden, intermediate, dtype=wdtype), requires_grad=False)
-        if self.quant_block:
-            b0, b1 = self.quant_block
-            if intermediate % b0:
-                # gate and up share no scale block only if I is a multiple of the block rows.
-                raise ValueError(f"moe_intermediate_size={intermediate} is not a multiple of the fp8 block {b0}")
-            self.w13_scale_inv = nn.Parameter(
-                torch.empty(num_local, 2 * intermediate // b0, math.ceil(hidden / b1), dtype=torch.float32),
-                requires_grad=False)
-            self.w2_scale_inv = nn.Parameter(
-                torch.empty(num_local, math.ceil(hidden / b0), math.ceil(intermediate / b1), dtype=torch.float32),
-                requires_grad=False)
-        else:
-            self.w13_scale_inv = self.w2_scale_inv = None
+        self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden, intermediate, dtype=dtype), requires_grad=False)
+        self.w13_scale_inv = self.w2_scale_inv = None
+        self.quant_block = None
+        if quant_block is not None:
+            self.to_fp8(tuple(quant_block))
         self._loaded: set[str] = set()
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the experts as fp8 with block scales (on the weights' device, normally meta, before loading)."""
+        b0, b1 = block
+        if self.intermediate % b0:
+            # gate and up share no scale block only if I is a multiple of the block rows.
+            raise ValueError(f"moe_intermediate_size={self.intermediate} is not a multiple of the fp8 block {b0}")
+        E, H, I, dev = self.num_local, self.hidden, self.intermediate, self.w13.device
+        fp8 = torch.float8_e4m3fn
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, H, dtype=fp8, device=dev), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, H, I, dtype=fp8, device=dev), requires_grad=False)
+        self.w13_scale_inv = nn.Parameter(
+            torch.empty(E, 2 * I // b0, math.ceil(H / b1), dtype=torch.float32, device=dev), requires_grad=False)
+        self.w2_scale_inv = nn.Parameter(
+            torch.empty(E, math.ceil(H / b0), math.ceil(I / b1), dtype=torch.float32, device=dev),
+            requires_grad=False)
+        self.quant_block = (b0, b1)
 
     def extra_repr(self) -> str:
         return (f"experts [{self.first_expert}, {self.first_expert + self.num_local}), hidden={self.hidden}, "

@@ -24,9 +24,9 @@ def _triton_importable() -> bool:
 
 
 def grouped_gemm_ops(kernels: str, x: torch.Tensor, experts: RoutedExperts) -> ModuleType:
-    """``grouped_gemm_cuda`` (Triton) for the ``cuda`` kernels on a CUDA device
-    with triton importable and unquantized weights; ``grouped_gemm_ref`` otherwise."""
-    if kernels == "cuda" and x.is_cuda and experts.quant_block is None and _triton_importable():
+    """``grouped_gemm_cuda`` (Triton; bf16 or fp8 block-quantized weights) for the ``cuda`` kernels
+    on a CUDA device with triton importable; ``grouped_gemm_ref`` otherwise."""
+    if kernels == "cuda" and x.is_cuda and _triton_importable():
         from models.ops import grouped_gemm_cuda
 
         return grouped_gemm_cuda

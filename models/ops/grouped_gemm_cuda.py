@@ -3,7 +3,8 @@ and only their weights are read.
 
 Same signatures and semantics as ``grouped_gemm_ref`` (the spec), for bf16 /
 fp16 (and fp32, exact ``ieee`` dot) activations and weights, fp32
-accumulation. Three kernels per MoE layer:
+accumulation; fp8 block-quantized weights are dequantized tile by tile in
+registers (weight-only fp8: half the weight bytes of bf16, the same products). Three kernels per MoE layer:
 
 1. ``gate_up``: grouped GEMM of the routed tokens with ``w13``; a program
    computes the same ``BN`` columns of gate and of up and writes
@@ -51,14 +52,19 @@ _NO_TILE = 1 << 30  # m-tile index of a spare contiguous-grid program: past ever
 def _grouped_gemm_kernel(
     a_ptr, a_stride,
     w_ptr, w_stride_e, w_stride_n,
+    s_ptr, s_stride_e, s_stride_n,
     out_ptr, out_stride,
     pairs_ptr, row_start_ptr, counts_ptr,
     tile_expert_ptr, tile_m_ptr,
     N: tl.constexpr, K: tl.constexpr, A_DIV: tl.constexpr, GATE_UP: tl.constexpr, TILE_MAP: tl.constexpr,
+    W_FP8: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """out[pair] = a[pair // A_DIV] @ w[e, :N]^T over expert e's pairs (GATE_UP:
-    silu(a @ w[e, :N]^T) * (a @ w[e, N:2N]^T)); w ``[E, *, K]`` with unit K stride."""
+    silu(a @ w[e, :N]^T) * (a @ w[e, N:2N]^T)); w ``[E, *, K]`` with unit K stride.
+
+    W_FP8: w is float8_e4m3fn with block scales ``s[e, row // B0, k // B1]``; each
+    weight tile is dequantized in registers to a's dtype (BK divides B1)."""
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
     if TILE_MAP:  # one (expert, m-tile) per program
@@ -75,6 +81,8 @@ def _grouped_gemm_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     w_rows = w_ptr + e.to(tl.int64) * w_stride_e + offs_n.to(tl.int64)[:, None] * w_stride_n  # [BN, 1]
+    s_rows = s_ptr + e.to(tl.int64) * s_stride_e + (offs_n // B0) * s_stride_n  # [BN] (W_FP8)
+    s_rows_up = s_ptr + e.to(tl.int64) * s_stride_e + ((offs_n + N) // B0) * s_stride_n
     # A `while`: Triton 3.6's interpreter cannot take a run-time `range` bound loaded from memory.
     while mt < mt_end:
         offs_m = mt * BM + tl.arange(0, BM)
@@ -89,9 +97,15 @@ def _grouped_gemm_kernel(
             a = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w_mask = n_ok[:, None] & k_ok[None, :]
             w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+            if W_FP8:
+                s = tl.load(s_rows + k0 // B1, mask=n_ok, other=0.0)
+                w = (w.to(tl.float32) * s[:, None]).to(a.dtype)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
             if GATE_UP:
                 wu = tl.load(w_rows + N * w_stride_n + offs_k[None, :], mask=w_mask, other=0.0)
+                if W_FP8:
+                    su = tl.load(s_rows_up + k0 // B1, mask=n_ok, other=0.0)
+                    wu = (wu.to(tl.float32) * su[:, None]).to(a.dtype)
                 acc_up = tl.dot(a, tl.trans(wu), acc_up, input_precision=PRECISION)
         if GATE_UP:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
@@ -211,10 +225,15 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _launch(a, w, out, layout: ExpertLayout, N: int, K: int, a_div: int, gate_up: bool, maps: dict,
-            cfg: dict | None = None) -> None:
+            cfg: dict | None = None, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> None:
     """One grouped GEMM (``cfg``: tile sizes and launch options, default `gemm_config`'s; the tuning
-    bench, bench/grouped_gemm_tune.py, passes its candidates)."""
-    cfg = cfg or gemm_config(layout.expected_m, N, K)
+    bench, bench/grouped_gemm_tune.py, passes its candidates). ``scale`` / ``block``: fp8 ``w``."""
+    cfg = dict(cfg or gemm_config(layout.expected_m, N, K))
+    if scale is not None:
+        # One scale column per K tile: BK must divide the block's width.
+        cfg["BK"] = min(cfg["BK"], block[1])
+        if block[1] % cfg["BK"]:
+            raise ValueError(f"fp8 block width {block[1]} is not a multiple of the K tile {cfg['BK']}")
     BM = cfg["BM"]
     if layout.masked:
         tile_e = tile_m = layout.counts  # unused
@@ -224,10 +243,12 @@ def _launch(a, w, out, layout: ExpertLayout, N: int, K: int, a_div: int, gate_up
             maps[BM] = tile_map(layout.counts, BM, layout.num_pairs)
         tile_e, tile_m = maps[BM]
         programs = tile_e.shape[0]
+    s, b0, b1 = (scale, block[0], block[1]) if scale is not None else (w, 1, 1)  # s unused without fp8
     _grouped_gemm_kernel[(programs, triton.cdiv(N, cfg["BN"]))](
-        a, a.stride(0), w, w.stride(0), w.stride(1), out, out.stride(0),
+        a, a.stride(0), w, w.stride(0), w.stride(1), s, s.stride(0), s.stride(1), out, out.stride(0),
         layout.pairs, layout.row_start, layout.counts, tile_e, tile_m,
-        N=N, K=K, A_DIV=a_div, GATE_UP=gate_up, TILE_MAP=not layout.masked, PRECISION=_precision(a.dtype), **cfg,
+        N=N, K=K, A_DIV=a_div, GATE_UP=gate_up, TILE_MAP=not layout.masked, W_FP8=scale is not None,
+        B0=b0, B1=b1, PRECISION=_precision(a.dtype), **cfg,
     )
 
 
@@ -235,9 +256,14 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, layout:
                    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                    block: tuple[int, int] | None = None) -> torch.Tensor:
     """x ``[T, H]``, w13 ``[E_local, 2I, H]``, w2 ``[E_local, H, I]`` -> ``[T * top_k, H]``
-    (x's dtype; rows of other ranks' pairs are left unwritten: ``combine`` skips them)."""
-    if w13_scale is not None or w2_scale is not None:
-        raise NotImplementedError("fp8 grouped GEMMs are not built yet: use grouped_gemm_ref (dequantizes)")
+    (x's dtype; rows of other ranks' pairs are left unwritten: ``combine`` skips them).
+
+    fp8 weights (float8_e4m3fn) come with ``w13_scale [E_local, 2I / b0, ceil(H / b1)]``,
+    ``w2_scale [E_local, ceil(H / b0), ceil(I / b1)]`` and ``block``; x keeps its dtype and the
+    kernels dequantize each weight tile in registers."""
+    fp8 = w13_scale is not None
+    if fp8 != (w2_scale is not None) or fp8 != (block is not None) or fp8 != (w13.dtype == torch.float8_e4m3fn):
+        raise ValueError("fp8 expert weights need both scale stacks and the block, and only fp8 weights take them")
     E, I2, H = w13.shape
     I = I2 // 2
     if tuple(w2.shape) != (E, H, I) or x.shape[-1] != H or layout.num_local != E:
@@ -245,7 +271,8 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, layout:
                          f"{layout.num_local} local experts in the layout")
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("expert weights need a unit stride along their input dim")
-    x = x.to(w13.dtype)
+    if not fp8:
+        x = x.to(w13.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
     P = layout.num_pairs
@@ -254,8 +281,8 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, layout:
     if P == 0 or E == 0:
         return y
     maps: dict = {}
-    _launch(x, w13, act, layout, I, H, layout.top_k, True, maps)
-    _launch(act, w2, y, layout, H, I, 1, False, maps)
+    _launch(x, w13, act, layout, I, H, layout.top_k, True, maps, scale=w13_scale, block=block)
+    _launch(act, w2, y, layout, H, I, 1, False, maps, scale=w2_scale, block=block)
     return y
 
 

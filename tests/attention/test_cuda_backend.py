@@ -802,7 +802,7 @@ def compare_backends(model_dir, dtype, device="cuda", max_new_tokens=24):
     cuda_out = cuda_llm.generate(prompts, max_new_tokens=max_new_tokens, ignore_eos=True)
     first_div = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(cuda_out, ref_out)]
     return {"greedy_equal": cuda_out == ref_out, "first_divergence": first_div, "steps": steps,
-            "cuda": cuda_out, "reference": ref_out}
+            "cuda": cuda_out, "reference": ref_out, "cuda_llm": cuda_llm}
 
 
 # Tolerances of the teacher-forced comparison, from the H100 runs of 2026-11-22

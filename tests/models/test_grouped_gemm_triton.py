@@ -176,18 +176,23 @@ def _compile_worker() -> None:
         src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}}, constexprs=consts, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
-    sig = dict(a_ptr="*bf16", a_stride="i64", w_ptr="*bf16", w_stride_e="i64", w_stride_n="i64", out_ptr="*bf16",
-               out_stride="i64", pairs_ptr="*i32", row_start_ptr="*i32", counts_ptr="*i32", tile_expert_ptr="*i32",
-               tile_m_ptr="*i32")
-    # DeepSeek-V3.2: gate_up of a decode step (masked) and down of a prefill chunk (contiguous).
-    for expected_m, gate_up, tile_map, (N, K) in ((1, True, False, (2048, 7168)), (512, False, True, (7168, 2048))):
-        cfg = cu.gemm_config(expected_m, N, K)
-        options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-        k = compile_one(cu._grouped_gemm_kernel, sig,
-                        dict(N=N, K=K, A_DIV=8 if gate_up else 1, GATE_UP=gate_up, TILE_MAP=tile_map,
-                             PRECISION="tf32", **cfg), options, [n for n in sig if n.endswith(("_ptr", "stride"))])
-        ir = k.asm["ttgir"]
-        assert "async_copy_global_to_local" in ir, f"K loop not pipelined ({expected_m=}, {gate_up=})"
+    # DeepSeek-V3.2: gate_up of a decode step (masked) and down of a prefill chunk (contiguous),
+    # bf16 and fp8 (128 x 128 block scales) weights.
+    for fp8 in (False, True):
+        sig = dict(a_ptr="*bf16", a_stride="i64", w_ptr="*fp8e4nv" if fp8 else "*bf16", w_stride_e="i64",
+                   w_stride_n="i64", s_ptr="*fp32", s_stride_e="i64", s_stride_n="i64", out_ptr="*bf16",
+                   out_stride="i64", pairs_ptr="*i32", row_start_ptr="*i32", counts_ptr="*i32",
+                   tile_expert_ptr="*i32", tile_m_ptr="*i32")
+        for expected_m, gate_up, tile_map, (N, K) in ((1, True, False, (2048, 7168)),
+                                                      (512, False, True, (7168, 2048))):
+            cfg = cu.gemm_config(expected_m, N, K)
+            options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+            k = compile_one(cu._grouped_gemm_kernel, sig,
+                            dict(N=N, K=K, A_DIV=8 if gate_up else 1, GATE_UP=gate_up, TILE_MAP=tile_map,
+                                 W_FP8=fp8, B0=128 if fp8 else 1, B1=128 if fp8 else 1, PRECISION="tf32", **cfg),
+                            options, [n for n in sig if n.endswith(("_ptr", "stride"))])
+            ir = k.asm["ttgir"]
+            assert "async_copy_global_to_local" in ir, f"K loop not pipelined ({expected_m=}, {gate_up=}, {fp8=})"
     compile_one(cu._combine_kernel, dict(y_ptr="*bf16", w_ptr="*fp32", ids_ptr="*i64", out_ptr="*bf16", H="i32",
                                          first_expert="i32", num_local="i32"),
                 dict(TOP_K=8, ALL_LOCAL=False, BH=1024), dict(num_warps=4), ["y_ptr", "out_ptr"])

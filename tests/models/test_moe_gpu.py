@@ -1,7 +1,7 @@
 """The Triton routed-experts MoE on the GPU at DeepSeek-V3.2 dims.
 
 H = 7168, I = 2048, 256 experts, top-8 (8 groups, 4 compete), one shared
-expert, bf16. Against the torch reference grouped GEMM (a per-expert loop):
+expert, bf16 activations, bf16 and fp8 (128 x 128 blocks) weights. Against the torch reference grouped GEMM (a per-expert loop):
 
 * grouped GEMMs (masked and contiguous layouts) at T in {1, 32, 128} with
   random, hot (one expert in every token) and one-group (8 experts take every
@@ -40,25 +40,42 @@ def _close(got: torch.Tensor, want: torch.Tensor, label: str, tol: float = 2e-2)
     assert err <= tol * scale and rel <= tol, label
 
 
-@pytest.fixture(scope="module")
-def moe():
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def moe(request):
+    """The MoE layer with random weights; ``fp8``: routed and shared experts block-quantized (128 x 128)."""
     pytest.importorskip("triton")
     from models.moe.layer import MoE
     from models.parallel import SINGLE
+    from models.weights import quantize_fp8_block
 
     cfg = SimpleNamespace(n_routed_experts=E, num_experts_per_tok=K, n_group=8, topk_group=4, norm_topk_prob=True,
                           routed_scaling_factor=2.5, hidden_size=H, moe_intermediate_size=I, n_shared_experts=1)
+    fp8 = request.param == "fp8"
     with torch.device("meta"):
         layer = MoE(cfg, SINGLE, torch.bfloat16)
+        if fp8:
+            layer.experts.to_fp8((128, 128))
+            for lin in (layer.shared_experts.gate_proj, layer.shared_experts.up_proj, layer.shared_experts.down_proj):
+                lin.to_fp8((128, 128))
     layer = layer.to_empty(device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(SEED)
     with torch.no_grad():
         for name, p in layer.named_parameters():
+            if name.endswith("_scale_inv"):
+                continue  # filled with their weights below
             if name.endswith("e_score_correction_bias"):
                 p.normal_(0.0, 0.01, generator=gen)
+            elif p.dtype == torch.float8_e4m3fn:
+                owner = layer.get_submodule(name.rsplit(".", 1)[0])
+                scale = getattr(owner, name.rsplit(".", 1)[1] + "_scale_inv")
+                for i in range(p.shape[0] if p.dim() == 3 else 1):
+                    w = torch.empty(p.shape[-2:], device="cuda").normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+                    q, s = quantize_fp8_block(w, (128, 128))
+                    (p[i] if p.dim() == 3 else p).copy_(q)
+                    (scale[i] if p.dim() == 3 else scale).copy_(s)
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
-    print(f"MOE_TEST_SEED={SEED}")
+    print(f"MOE_TEST_SEED={SEED} weights {request.param}")
     return layer.eval()
 
 
@@ -82,27 +99,32 @@ def test_grouped_gemm_equals_reference_gpu(moe, T, kind, ranks):
 
     gen = torch.Generator(device="cuda").manual_seed(SEED + T)
     first, n_local = ranks
-    w13, w2 = moe.experts.w13.data[first:first + n_local], moe.experts.w2.data[first:first + n_local]
+    ex = moe.experts
+    w13, w2 = ex.w13.data[first:first + n_local], ex.w2.data[first:first + n_local]
+    # fp8: the unused experts' scales are poisoned instead (NaN is no fp8 e4m3fn value worth relying on).
+    p13, p2 = (ex.w13_scale_inv.data[first:first + n_local], ex.w2_scale_inv.data[first:first + n_local]) \
+        if ex.quant_block else (w13, w2)
+    scales = dict(w13_scale=p13, w2_scale=p2, block=ex.quant_block) if ex.quant_block else {}
     ids = _ids(T, kind, gen)
     x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
     wts = torch.rand(T, K, generator=gen, device="cuda")
     unused = sorted(set(range(first, first + n_local)) - set(ids.flatten().tolist()))
     idx = torch.tensor([e - first for e in unused], device="cuda", dtype=torch.long)
-    saved = (w13[idx].clone(), w2[idx].clone())
-    w13[idx] = float("nan")
-    w2[idx] = float("nan")
+    saved = (p13[idx].clone(), p2[idx].clone())
+    p13[idx] = float("nan")
+    p2[idx] = float("nan")
     try:
         for make in (dispatch.masked_layout, dispatch.contiguous_layout):
             layout = make(ids, first, n_local, E)
             label = f"T={T} {kind} experts [{first}, {first + n_local}) {make.__name__}"
             mine = layout.local_pairs().flatten()
-            y = cu.expert_outputs(x, w13, w2, layout)
-            y_ref = ref.expert_outputs(x, w13, w2, layout)
+            y = cu.expert_outputs(x, w13, w2, layout, **scales)
+            y_ref = ref.expert_outputs(x, w13, w2, layout, **scales)
             assert torch.isfinite(y[mine]).all(), label
             _close(y[mine], y_ref[mine], label)
             _close(cu.combine(y, wts, layout), ref.combine(y_ref, wts, layout), label + " combined")
     finally:
-        w13[idx], w2[idx] = saved
+        p13[idx], p2[idx] = saved
 
 
 @pytest.mark.parametrize("T", TOKENS)

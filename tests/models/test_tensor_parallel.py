@@ -43,12 +43,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_replica(model_dir: Path, tp: TPContext, kv_cache_dtype: str, mtp: int, tbo: bool = False) -> dict:
+def _run_replica(model_dir: Path, tp: TPContext, kv_cache_dtype: str, mtp: int, tbo: bool = False,
+                 fp8: bool = False) -> dict:
     """Prompt logits of ``PROMPTS[0]`` and greedy outputs of all ``PROMPTS`` on this rank's shard
-    (``tbo``: with two-batch overlap, `models.two_batch`)."""
+    (``tbo``: with two-batch overlap, `models.two_batch`; ``fp8``: an fp8 checkpoint's weights kept fp8)."""
     num_pages = 64
     rank = build_rank(RankSpec(str(model_dir), kv_cache_dtype=kv_cache_dtype, num_pages=num_pages,
-                               two_batch_overlap=tbo), tp)
+                               two_batch_overlap=tbo, keep_fp8=fp8), tp)
     model, runner = rank.model, rank.runner
     shapes = {
         "q_b_proj rows": model.layers[0].self_attn.q_b_proj.weight.shape[0],
@@ -57,6 +58,7 @@ def _run_replica(model_dir: Path, tp: TPContext, kv_cache_dtype: str, mtp: int, 
         "first expert": model.layers[1].mlp.first_expert,
         "dense gate rows": model.layers[0].mlp.gate_proj.weight.shape[0],
         "mtp experts": model.mtp[0].decoder.mlp.experts.num_local,
+        "weight dtypes": sorted({str(p.dtype) for p in model.parameters()}),
     }
     assert isinstance(model.layers[1].mlp, MoE)
     pool = PagePool(num_pages)
@@ -79,11 +81,11 @@ def _run_replica(model_dir: Path, tp: TPContext, kv_cache_dtype: str, mtp: int, 
 
 
 def _rank_main(rank: int, world: int, port: int, model_dir: str, kv_cache_dtype: str, mtp: int, out: str,
-               tbo: bool = False) -> None:
+               tbo: bool = False, fp8: bool = False) -> None:
     torch.set_num_threads(1)  # two ranks share a small CI machine
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        res = _run_replica(Path(model_dir), TPContext(rank, world, dist.group.WORLD), kv_cache_dtype, mtp, tbo)
+        res = _run_replica(Path(model_dir), TPContext(rank, world, dist.group.WORLD), kv_cache_dtype, mtp, tbo, fp8)
         torch.save(res, f"{out}.{rank}")
         # Tear gloo down only once every rank is done with it. Without this, rank 0 aborted in
         # about one run in twenty on the 2-core CI machine ("terminate called without an active
@@ -93,10 +95,11 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, kv_cache_dtype:
         dist.destroy_process_group()
 
 
-def run_tp(model_dir: Path, world: int, kv_cache_dtype: str, mtp: int, tmp: Path, tbo: bool = False) -> list[dict]:
+def run_tp(model_dir: Path, world: int, kv_cache_dtype: str, mtp: int, tmp: Path, tbo: bool = False,
+           fp8: bool = False) -> list[dict]:
     """Every rank's result of ``_run_replica`` with ``world`` gloo ranks in spawned processes."""
-    out = str(tmp / f"tp{world}-{kv_cache_dtype}-{mtp}-{int(tbo)}")
-    mp.spawn(_rank_main, args=(world, _free_port(), str(model_dir), kv_cache_dtype, mtp, out, tbo), nprocs=world,
+    out = str(tmp / f"tp{world}-{kv_cache_dtype}-{mtp}-{int(tbo)}-{int(fp8)}")
+    mp.spawn(_rank_main, args=(world, _free_port(), str(model_dir), kv_cache_dtype, mtp, out, tbo, fp8), nprocs=world,
              join=True)
     return [torch.load(f"{out}.{r}") for r in range(world)]
 
@@ -128,6 +131,19 @@ def test_tp2_equals_tp1(arch, kv_cache_dtype, mtp, tmp_path):
     assert all(len(o) == NEW_TOKENS for o in ref["outputs"])
     assert ranks[0]["free"] == ref["free"] == 64
     assert (ranks[0]["mtp_drafted"] > 0) == (mtp > 0)
+
+
+def test_tp2_with_fp8_weights_equals_tp1_dequantized(tmp_path):
+    """An fp8 checkpoint (16 x 16 blocks: several per projection) held in fp8 and sharded, scales with
+    their rows / columns, on two ranks == one process that dequantized it on load."""
+    tiny = make_tiny("deepseek_v32", tmp_path / "fp8", seed=11, fp8=True, fp8_block=(16, 16))
+    ref = _run_replica(tiny, SINGLE, "auto", 1)
+    ranks = run_tp(tiny, 2, "auto", 1, tmp_path, fp8=True)
+    assert "torch.float8_e4m3fn" in ranks[0]["shapes"]["weight dtypes"]
+    assert "torch.float8_e4m3fn" not in ref["shapes"]["weight dtypes"]
+    torch.testing.assert_close(ranks[0]["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
+    assert ranks[0]["outputs"] == ranks[1]["outputs"] == ref["outputs"]
+    assert ranks[0]["free"] == 64
 
 
 @pytest.mark.parametrize("arch,kv_cache_dtype,mtp", [("deepseek_v32", "fp8", 1), ("glm_moe_dsa", "auto", 0)])

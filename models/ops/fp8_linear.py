@@ -1,0 +1,43 @@
+"""``y = x @ W^T`` with a block-quantized fp8 weight: the dispatcher and the torch reference.
+
+The weight stays as the checkpoint stores it: ``w`` float8_e4m3fn ``[N, K]`` and
+``scale`` float32 ``[ceil(N / b0), ceil(K / b1)]``, the real weight being
+``w * scale`` per ``b0 x b1`` block (`models.weights.dequantize_fp8_block`).
+
+* ``reference`` (every CPU tensor, and CUDA without Triton): dequantize the
+  weight to x's dtype, then ``F.linear``. Bit for bit what a model whose loader
+  dequantized the checkpoint computes: the spec the fast paths are tested against.
+* ``cuda`` (`models.ops.fp8_linear_cuda`): a Triton GEMM that dequantizes the
+  weight tile by tile in registers (weight-only fp8: decode reads half the bytes
+  of bf16), and for prefill-sized inputs DeepGEMM's fp8 GEMM with per-token
+  1 x 128 activation quantization (fp8 tensor cores).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from models.weights import dequantize_fp8_block
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """x ``[..., K]`` -> ``[..., N]`` in x's dtype, through the dequantized weight."""
+    return F.linear(x, dequantize_fp8_block(w, scale, block, x.dtype))
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """x ``[..., K]`` (bf16 / fp16 / fp32) -> ``[..., N]`` in x's dtype; see the module docstring."""
+    if x.is_cuda and _triton_importable():
+        from models.ops import fp8_linear_cuda
+
+        return fp8_linear_cuda.linear(x, w, scale, block)
+    return reference(x, w, scale, block)

@@ -1,0 +1,188 @@
+"""fp8 block-quantized linear layers on the GPU (`models.ops.fp8_linear` dispatches here).
+
+Two kernels, chosen by the number of rows ``M``:
+
+* ``w8a16`` (Triton; decode, and every M where DeepGEMM is missing): the weight
+  tile is loaded as fp8, multiplied by its block scale in registers and cast to
+  the activations' dtype, then a bf16 tensor-core dot with fp32 accumulation.
+  It reads each weight byte once (half of bf16's bytes: what a memory-bound
+  decode step pays for) and computes exactly the dequantized reference's
+  product up to accumulation order. Small M splits K across programs (fp32
+  partials summed in a fixed order: deterministic) so that a batch-1 GEMV
+  occupies every SM.
+* ``deepgemm`` (M >= `DEEPGEMM_MIN_M`, prefill): activations quantized per token
+  and 128-column group (`act_quant`, one Triton kernel; scales written in the
+  MN-major layout DeepGEMM's SM90 kernels read), then ``deep_gemm.fp8_gemm_nt``
+  on fp8 tensor cores with the checkpoint's 128 x 128 weight scales as stored.
+
+Both take ``w`` float8_e4m3fn ``[N, K]``, ``scale`` float32 ``[ceil(N / b0),
+ceil(K / b1)]`` and x ``[..., K]``, and return ``[..., N]`` in x's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+ACT_GROUP = 128  # DeepGEMM's activation scale granularity (1 x 128)
+DEEPGEMM_MIN_M = 256  # below this the weight read dominates: w8a16 reads the same bytes without the quantization
+
+
+@triton.jit
+def _w8a16_kernel(
+    a_ptr, a_stride, w_ptr, w_stride, s_ptr, s_stride, out_ptr, out_split_stride, out_stride, M,
+    N: tl.constexpr, K: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, K_PER: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """out[split, m, n] = sum over this split's K range of a[m, k] * (w[n, k] * s[n // B0, k // B1])."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * a_stride
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * w_stride
+    s_rows = s_ptr + (offs_n // B0) * s_stride
+    k_start = pid_k * K_PER
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K_PER, BK):
+        kk = k_start + k0
+        offs_k = kk + tl.arange(0, BK)
+        k_ok = offs_k < K
+        a = tl.load(a_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        # BK divides B1 (`w8a16_config`): one scale column per tile.
+        s = tl.load(s_rows + kk // B1, mask=n_ok & (kk < K), other=0.0)
+        w = (w.to(tl.float32) * s[:, None]).to(a.dtype)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    out = out_ptr + pid_k * out_split_stride + offs_m.to(tl.int64)[:, None] * out_stride + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, x_stride, q_ptr, q_stride, sf_ptr, sf_stride, K, G: tl.constexpr):
+    """Row ``pid(0)``, group ``pid(1)``: q = x / s in fp8 with s = max(|x|, 1e-4) / 448 over the group;
+    s to ``sf[group, row]`` (MN-major)."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    offs = g * G + tl.arange(0, G)
+    ok = offs < K
+    x = tl.load(x_ptr + row * x_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-4) / 448.0
+    q = tl.clamp(x / s, -448.0, 448.0)
+    tl.store(q_ptr + row * q_stride + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(sf_ptr + g * sf_stride + row, s)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def w8a16_config(M: int, N: int, K: int, block: tuple[int, int], sms: int) -> dict:
+    """Tiles, K splits and launch options of `w8a16` for an ``[M, K] x [N, K]^T`` product."""
+    if M <= 16:
+        cfg = dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)
+    elif M <= 32:
+        cfg = dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=4)
+    elif M <= 64:
+        cfg = dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4)
+    else:
+        cfg = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+    cfg["BN"] = min(cfg["BN"], _pow2_at_least_16(N))
+    # One scale column per K tile: BK must divide the block's width (a power of two, >= 16 for tl.dot).
+    cfg["BK"] = min(cfg["BK"], _pow2_at_least_16(K), block[1])
+    if block[1] % cfg["BK"]:
+        raise ValueError(f"fp8 block width {block[1]} is not a multiple of the K tile {cfg['BK']}")
+    k_tiles = triton.cdiv(K, cfg["BK"])
+    split = 1
+    if M <= 64:  # a GEMV-like product: too few output tiles to occupy the GPU without splitting K
+        tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
+        split = max(1, min(triton.cdiv(2 * sms, tiles), k_tiles // 4))
+    k_per = triton.cdiv(k_tiles, split) * cfg["BK"]
+    cfg["SPLIT"] = triton.cdiv(K, k_per)
+    cfg["K_PER"] = k_per
+    return cfg
+
+
+def w8a16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+          cfg: dict | None = None) -> torch.Tensor:
+    """x ``[M, K]`` -> ``[M, N]`` in x's dtype (``cfg``: `w8a16_config`'s, or a tuning candidate)."""
+    M, K = x.shape
+    N = w.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if M == 0:
+        return torch.empty(0, N, dtype=x.dtype, device=x.device)
+    cfg = dict(cfg or w8a16_config(M, N, K, block, _num_sms(x.device.index or 0) if x.is_cuda else 132))
+    split = cfg.pop("SPLIT")
+    out = torch.empty(split, M, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    grid = (triton.cdiv(M, cfg["BM"]), triton.cdiv(N, cfg["BN"]), split)
+    _w8a16_kernel[grid](
+        x, x.stride(0), w, w.stride(0), scale, scale.stride(0), out, out.stride(0), out.stride(1), M,
+        N=N, K=K, B0=block[0], B1=block[1], PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
+    )
+    return out[0] if split == 1 else out.sum(0).to(x.dtype)
+
+
+def act_quant(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ``[M, K]`` -> (fp8 ``[M, K]``, float32 scales ``[M, ceil(K / group)]``), x ~= q * s per group.
+
+    The scales are a transposed view of a ``[groups, M']`` buffer, ``M'`` = M rounded up to 4
+    (16-byte rows): the MN-major, TMA-aligned layout DeepGEMM's SM90 GEMMs read without a copy."""
+    M, K = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    groups = triton.cdiv(K, group)
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    sf = torch.empty(groups, (M + 3) // 4 * 4, dtype=torch.float32, device=x.device)
+    if M:
+        _act_quant_kernel[(M, groups)](x, x.stride(0), q, q.stride(0), sf, sf.stride(0), K, G=group, num_warps=1)
+    return q, sf[:, :M].t()
+
+
+@functools.cache
+def _deep_gemm():
+    try:
+        import deep_gemm
+    except ImportError:
+        return None
+    return deep_gemm if hasattr(deep_gemm, "fp8_gemm_nt") else None
+
+
+def deepgemm_fits(M: int, N: int, K: int, block: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether `deepgemm` takes this product: DeepGEMM installed, 128 x 128 weight blocks, bf16
+    out, K a multiple of the 128-wide scale groups, N of its 64-wide output tiles."""
+    return (tuple(block) == (128, 128) and dtype == torch.bfloat16 and K % ACT_GROUP == 0 and N % 64 == 0
+            and _deep_gemm() is not None)
+
+
+def deepgemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x bf16 ``[M, K]`` -> bf16 ``[M, N]`` on fp8 tensor cores (x quantized per 1 x 128 group)."""
+    q, sf = act_quant(x)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
+    _deep_gemm().fp8_gemm_nt((q, sf), (w, scale), out)
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """x ``[..., K]`` -> ``[..., N]`` in x's dtype: `deepgemm` from `DEEPGEMM_MIN_M` rows where it fits,
+    `w8a16` otherwise."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M, N = x2.shape[0], w.shape[0]
+    if M >= DEEPGEMM_MIN_M and deepgemm_fits(M, N, K, block, x.dtype):
+        y = deepgemm(x2, w, scale)
+    else:
+        y = w8a16(x2, w, scale, block)
+    return y.view(*lead, N)

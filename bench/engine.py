@@ -18,7 +18,11 @@ verify step) it prints, all measured in this run:
 * ``kernel sum ms``: the summed durations of the GPU kernels (and memsets /
   copies) of one step, from ``torch.profiler`` over the eager run;
 * ``graph / kernel sum`` (issue 5 target: <= 1.2) and, per batch size, the
-  verify step over the plain step (target at batch 32: <= 1.3).
+  verify step over the plain step (target at batch 32: <= 1.3);
+* ``roofline ms``: the bytes the step must read once over the GPU's HBM bandwidth
+  (`bench/roofline.py`), and ``graph / roofline`` (issue 18 target: <= 1.3).
+
+``--fp8`` holds the projections and experts in fp8 (128 x 128 block scales).
 
 The forward ends at the final norm: the lm_head GEMM and sampling run after
 the graph (``Engine._decode``). ``python bench/engine.py [--batch 32 128]
@@ -44,6 +48,7 @@ import torch  # noqa: E402
 
 from attention.formats import PAGE_SIZE  # noqa: E402
 from bench.cuda_profile import profile_calls  # noqa: E402
+from bench.roofline import decode_step_bytes, hbm_bytes_per_s  # noqa: E402
 
 def versions() -> dict:
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
@@ -55,8 +60,11 @@ def versions() -> dict:
     return out
 
 
-def build_model(layers: int, experts: int):
-    """A random-weight DeepSeek-V3.2-shaped ``DsaForCausalLM`` on the GPU (no checkpoint written)."""
+def build_model(layers: int, experts: int, fp8: bool = False):
+    """A random-weight DeepSeek-V3.2-shaped ``DsaForCausalLM`` on the GPU (no checkpoint written);
+    ``fp8``: the projections a DeepSeek fp8 checkpoint quantizes held in fp8 with 128 x 128 block
+    scales (`models.fp8`), as the cuda backend holds a real fp8 checkpoint."""
+    from models import fp8 as fp8_modules
     from models.config import load_config
     from models.model import DsaForCausalLM
     from bench.peers.checkpoint import dsv32_shaped_kwargs
@@ -68,11 +76,17 @@ def build_model(layers: int, experts: int):
         cfg = load_config(tmp)
     with torch.device("meta"):
         model = DsaForCausalLM(cfg, dtype=torch.bfloat16, hadamard=True)
+        if fp8:
+            fp8_modules.to_fp8(model, fp8_modules.planned_fp8_modules(model, (128, 128)), (128, 128))
     model = model.to_empty(device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:
+            if name.endswith("_scale_inv"):
+                p.fill_(0.02)  # fp8 codes ~N(0, 1) times 0.02: the bf16 weights' scale
+            elif p.dtype == torch.float8_e4m3fn:
+                p.copy_(torch.randn(p.shape, device="cuda", generator=gen).to(torch.float8_e4m3fn))
+            elif p.dim() == 1:
                 p.fill_(1.0 if "norm" in name else 0.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
@@ -121,13 +135,15 @@ def main() -> None:
     ap.add_argument("--next-n", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--fp8", action="store_true", help="fp8 block-quantized projections and experts")
     ap.add_argument("--json", type=str, default=None)
     args = ap.parse_args()
 
     info = versions()
     print("versions:", json.dumps(info))
     backend = get_backend("cuda")
-    model = build_model(args.layers, args.experts)
+    model = build_model(args.layers, args.experts, args.fp8)
+    bandwidth = hbm_bytes_per_s(info["gpu"])
     max_ctx = args.context * 3 // 2 + args.next_n
     pages_per_req = -(-max_ctx // PAGE_SIZE)
     num_pages = max(args.batch) * pages_per_req + 1
@@ -167,7 +183,12 @@ def main() -> None:
             ksum = kernel_ms(step)
             with torch.inference_mode():
                 same = torch.equal(eager.run(*step_args), graphs.run(*step_args))
+            floor = decode_step_bytes(model, B * width, ctx, width, cache.spec)
+            roofline_ms = floor.total / bandwidth * 1000
             row = {"batch": B, "width": width, "mean_context": sum(ctx) / B, "graph_ms": graph_ms,
+                   "roofline_ms": roofline_ms, "graph_over_roofline": graph_ms / roofline_ms,
+                   "bytes": {"dense_weights": floor.dense_weights, "routed_experts": floor.routed_experts,
+                             "kv_cache": floor.kv_cache},
                    "eager_ms": eager_ms, "kernel_sum_ms": ksum, "graph_over_kernels": graph_ms / ksum,
                    "eager_over_kernels": eager_ms / ksum, "replay_equals_eager": same,
                    "tokens_per_s": B * width / graph_ms * 1000}
@@ -176,11 +197,14 @@ def main() -> None:
             del graphs, eager, g
             torch.cuda.empty_cache()
 
-    print("\n| batch | width | graph ms | eager ms | kernel sum ms | graph / kernels | eager / kernels | replay == eager |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\nweights: {'fp8' if args.fp8 else 'bf16'}; HBM {bandwidth / 1e12:.2f} TB/s (bench/roofline.py)")
+    print("| batch | width | graph ms | roofline ms | graph / roofline | eager ms | kernel sum ms | graph / kernels "
+          "| replay == eager |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['width']} | {r['graph_ms']:.3f} | {r['eager_ms']:.3f} | {r['kernel_sum_ms']:.3f} | "
-              f"**{r['graph_over_kernels']:.2f}** | {r['eager_over_kernels']:.2f} | {r['replay_equals_eager']} |")
+        print(f"| {r['batch']} | {r['width']} | {r['graph_ms']:.3f} | {r['roofline_ms']:.3f} | "
+              f"**{r['graph_over_roofline']:.2f}** | {r['eager_ms']:.3f} | {r['kernel_sum_ms']:.3f} | "
+              f"{r['graph_over_kernels']:.2f} | {r['replay_equals_eager']} |")
     by = {(r["batch"], r["width"]): r for r in rows}
     for B in args.batch:
         if (B, 1) in by and (B, args.next_n) in by and args.next_n != 1:

@@ -80,7 +80,8 @@ def check_w8a16(gen) -> None:
 
 
 def check_act_quant(gen, interpreter: bool = True) -> None:
-    """Scales = group amax / 448 exactly; codes = torch's round-to-nearest-even of x / s, except (in
+    """Scales = group amax / 448 exactly; codes = torch's round-to-nearest-even of x / s (up to ties at
+    a midpoint, see below), except (in
     Triton 3.6's interpreter only) where rounding carries into the next power of two: the interpreter
     drops the carry (127.9 -> 64, not 128; 23 of 1000 codes here). The GPU test asserts every code."""
     from models.ops import fp8_linear_cuda as cu
@@ -95,9 +96,13 @@ def check_act_quant(gen, interpreter: bool = True) -> None:
         assert q.dtype == torch.float8_e4m3fn and sf.shape == (M, -(-K // 128)) and sf.stride(0) == 1
         groups = torch.nn.functional.pad(x, (0, sf.shape[1] * 128 - K)).view(M, -1, 128)
         torch.testing.assert_close(sf, groups.abs().amax(-1).clamp(min=1e-4) / 448.0, rtol=1e-6, atol=0)
-        want = (x / sf.repeat_interleave(128, dim=1)[:, :K]).to(torch.float8_e4m3fn).float()
+        scaled = x / sf.repeat_interleave(128, dim=1)[:, :K]
+        want = scaled.to(torch.float8_e4m3fn).float()
         got = q.float()
         wrong = got != want
+        # The kernel's division is not the correctly rounded one: a value within 1e-5 of the midpoint
+        # of two codes may take the other (one in ~10^5 on the H200: 76.0 -> 72 or 80).
+        wrong &= ((scaled.abs() - (got.abs() + want.abs()) / 2).abs() > 1e-5 * scaled.abs()) | (got.sign() != want.sign())
         if interpreter:
             carry = (want.abs().log2() == want.abs().log2().round()) & (got == want / 2)
             wrong &= ~carry

@@ -34,6 +34,22 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tupl
     return F.linear(x, dequantize_fp8_block(w, scale, block, x.dtype))
 
 
+def quantize_activations(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """x ``[..., K]`` rounded as fp8 GEMMs with dynamic 1 x ``group`` activation scales see it: each
+    row's groups scaled by ``max(|x|, 1e-4) / 448``, cast to e4m3 and back (float32)."""
+    K = x.shape[-1]
+    pad = -K % group
+    xf = F.pad(x.float(), (0, pad)).unflatten(-1, (-1, group))
+    s = xf.abs().amax(-1, keepdim=True).clamp(min=1e-4) / 448.0
+    return ((xf / s).to(torch.float8_e4m3fn).float() * s).flatten(-2)[..., :K]
+
+
+def reference_w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The product a W8A8 GEMM (DeepGEMM's) computes: quantized activations times the dequantized
+    weight, accumulated in float32; x's dtype out."""
+    return F.linear(quantize_activations(x), dequantize_fp8_block(w, scale, block, torch.float32)).to(x.dtype)
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """x ``[..., K]`` (bf16 / fp16 / fp32) -> ``[..., N]`` in x's dtype; see the module docstring."""
     if x.is_cuda and _triton_importable():

@@ -7,7 +7,7 @@ and shapes of the release: ``model.layers.N...``, one tensor per expert and proj
 ``weight_scale_inv`` on the projections DeepSeek quantizes), then builds a cuda-backend rank of it
 (`workers.rank_build.build_rank`: weights kept fp8, fp8 page pool) and compares
 ``torch.cuda.memory_allocated()`` with the controller's plan (`deployments.controller`:
-``weight_bytes_per_rank`` + pages x ``bytes_per_page``). Prints both, their ratio and the load time.
+``weight_bytes_per_rank``, i.e. `models.footprint.weight_bytes`, + pages x ``bytes_per_page``). Prints both, their ratio and the load time.
 
 ``python bench/memory_check.py DIR --layers 4 [--experts 256] [--num-pages 2048] [--write [--write-only] [--bf16]]``
 (``--write-only``: a fast maker of real-dims checkpoints for the benches, fp8 or ``--bf16``).
@@ -103,8 +103,8 @@ def write_checkpoint(out: Path, layers: int, experts: int, fp8: bool = True) -> 
 
 
 def main() -> None:
-    from deployments.controller import weight_bytes_per_rank
     from models.config import load_config
+    from models.footprint import weight_bytes
     from workers.rank_build import RankSpec, build_rank
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -134,8 +134,9 @@ def main() -> None:
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t
     allocated = torch.cuda.memory_allocated() - before
-    weights = weight_bytes_per_rank(cfg, 1, dtype="bfloat16", fp8_weights=True, with_mtp=False,
-                                    hadamard=spec.use_hadamard)
+    # What `dsa-pd check` prints (deployments.controller.weight_bytes_per_rank calls this; the GPU host
+    # lacks pydantic, so the controller itself is not imported here).
+    weights = weight_bytes(cfg, 1, torch.bfloat16, spec.fp8_weights, with_mtp=False, hadamard=spec.use_hadamard)
     pages = args.num_pages * spec.cache_spec(cfg).page_bytes()
     loaded_weights = sum(t.numel() * t.element_size() for t in list(rank.model.parameters()) + list(rank.model.buffers()))
     row = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "experts": args.experts,

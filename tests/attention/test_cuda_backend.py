@@ -778,13 +778,15 @@ def greedy_single(llm, prompt, n):
         llm.pool.free(pages)
 
 
-def compare_backends(model_dir, dtype, device="cuda", max_new_tokens=24):
+def compare_backends(model_dir, dtype, device="cuda", max_new_tokens=24, ref_dir=None, ref_backend="reference"):
     """The reference's greedy continuation of each prompt (alone), the cuda backend's logits
-    teacher-forced on it, and both backends' free-running batched greedy outputs."""
+    teacher-forced on it, and both backends' free-running batched greedy outputs. ``ref_dir`` /
+    ``ref_backend``: what plays the reference (default: ``model_dir`` on the reference backend)."""
     from workers.offline import LLM
 
     kw = dict(device=device, dtype=dtype, kv_cache_dtype="fp8", num_pages=64, chunk_size=128)
-    ref_llm, cuda_llm = LLM(model_dir, backend="reference", **kw), LLM(model_dir, backend="cuda", **kw)
+    ref_llm = LLM(ref_dir or model_dir, backend=ref_backend, **kw)
+    cuda_llm = LLM(model_dir, backend="cuda", **kw)
     prompts = _prompts()
     steps = []
     for p in prompts:

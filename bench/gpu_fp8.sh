@@ -28,8 +28,8 @@ if [ "$what" = offline ] || [ "$what" = all ]; then
     [ -d /tmp/ckpt/$d ] || python3 bench/memory_check.py /tmp/ckpt/$d --layers 4 --experts 16 --write --write-only \
         $([ $d = bf16 ] && echo --bf16) | tail -1
     timeout 240 python3 -m bench.offline --model /tmp/ckpt/$d --backend cuda --device cuda --dtype bfloat16 \
-        --kv-cache-dtype fp8 --prefill 8x4096 --batch-sizes 1 32 128 --input-len 1024 --output-len 128 \
-        2>&1 | tee "$OUT/offline_$d.txt" | tail -12
+        --kv-cache-dtype fp8 --prefill 8x4096 --batch-sizes 1 32 128 --input-len 1024 --output-len 128 ${PROFILE:-} \
+        2>&1 | tee "$OUT/offline_$d.txt" | tail -${TAIL:-12}
   done
 fi
 if [ "$what" = engine ] || [ "$what" = all ]; then

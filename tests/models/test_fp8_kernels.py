@@ -64,6 +64,7 @@ def check_w8a16(gen) -> None:
         (5, 33, 80, (16, 32), torch.float32),
         (37, 70, 64, (32, 16), torch.float16),
         (130, 48, 128, (16, 16), torch.float32),  # the large-M tiles
+        (100, 40, 512, (16, 16), torch.float32),  # a batch-128-sized product, K split
         (0, 16, 32, (16, 16), torch.float32),
     ]
     splits = []
@@ -188,9 +189,9 @@ def _compile_worker() -> None:
     for M, (N, K) in ((1, (1536, 7168)), (32, (24576, 1536)), (512, (7168, 16384))):
         cfg = cu.w8a16_config(M, N, K, (128, 128), 132)
         options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
-        cfg.pop("SPLIT")
+        split = cfg.pop("SPLIT")
         sig = dict(a_ptr="*bf16", a_stride="i64", w_ptr="*fp8e4nv", w_stride="i64", s_ptr="*fp32", s_stride="i64",
-                   out_ptr="*fp32" if M <= 64 else "*bf16", out_split_stride="i64", out_stride="i64", M="i32")
+                   out_ptr="*fp32" if split > 1 else "*bf16", out_split_stride="i64", out_stride="i64", M="i32")
         k = compile_one(cu._w8a16_kernel, sig, dict(N=N, K=K, B0=128, B1=128, PRECISION="tf32", **cfg), options)
         assert "async_copy_global_to_local" in k.asm["ttgir"], f"K loop not pipelined ({M=}, {N=}, {K=})"
     compile_one(cu._act_quant_kernel, dict(x_ptr="*bf16", x_stride="i64", q_ptr="*fp8e4nv", q_stride="i64",

@@ -128,6 +128,28 @@ class PagePool:
             cache.counters.hits += len(hit) * PAGE_SIZE
         return pages, len(hit)
 
+    # -- what the scheduler asks (`workers.page_tables.GroupPagePools` answers the same for grouped caches) --
+
+    def capacity_error(self, num_tokens: int) -> str | None:
+        """Why a request holding ``num_tokens`` positions can never fit this pool, or None."""
+        need = pages_for_tokens(num_tokens)
+        return None if need <= self.num_pages else f"{need} pages of {PAGE_SIZE} tokens; the pool has {self.num_pages}"
+
+    def grow(self, table: list[int], num_tokens: int) -> bool:
+        """Extend a request's ``table`` to the pages of ``num_tokens`` positions; False (nothing taken) when
+        too few are free."""
+        need = pages_for_tokens(num_tokens) - len(table)
+        if need <= 0:
+            return True
+        if need > self.free_count:
+            return False
+        table.extend(self.allocate(need))
+        return True
+
+    def acquire_tokens(self, token_ids: Sequence[int], hold_tokens: int, reuse: bool = True) -> tuple[list[int], int]:
+        """`acquire` the pages of ``hold_tokens`` positions."""
+        return self.acquire(token_ids, pages_for_tokens(hold_tokens), reuse)
+
     def share(self, pages: Sequence[int]) -> None:
         """One more reference to each of ``pages``, cached pages found by `PrefixCache.match` (held or
         parked ones come back into use)."""

@@ -150,6 +150,21 @@ class PagePool:
         """`acquire` the pages of ``hold_tokens`` positions."""
         return self.acquire(token_ids, pages_for_tokens(hold_tokens), reuse)
 
+    # -- the transfer's view (the same calls as `workers.page_tables.GroupPagePools`) --
+
+    pushes_by_chunk = True
+    """A prompt's pages are final chunk by chunk: prefill pushes each chunk's finished pages."""
+
+    @staticmethod
+    def transfer_plan(table: list[int], num_tokens: int, skip_pages: int) -> tuple[list[int], int]:
+        """What moves of a prompt of ``num_tokens`` tokens held in ``table`` when the receiving side already
+        holds its first ``skip_pages`` pages: ``(page ids, prompt length as the transfer counts it)``."""
+        return list(table[skip_pages:]), num_tokens - skip_pages * PAGE_SIZE
+
+    def free_transfer_ids(self, ids: Sequence[int]) -> None:
+        """Free pages a receive that ended without its KV held (`transfer_plan`'s ids)."""
+        self.free(list(ids))
+
     def share(self, pages: Sequence[int]) -> None:
         """One more reference to each of ``pages``, cached pages found by `PrefixCache.match` (held or
         parked ones come back into use)."""

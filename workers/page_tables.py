@@ -115,6 +115,16 @@ class GroupPagePools:
 
     # -- the transfer's view ----------------------------------------------------------------
 
+    pushes_by_chunk = False
+    """The state pages are final only after a prompt's last chunk: prefill pushes the whole table then."""
+
+    def transfer_plan(self, table: PageTable, num_tokens: int, skip_pages: int) -> tuple[list[int], int]:
+        """`transfer_ids` and `transfer_tokens` of ``table`` (``skip_pages`` must be 0: no prefix cache)."""
+        if skip_pages:
+            raise ValueError("a grouped cache has no prefix cache: nothing is skipped")
+        ids = self.transfer_ids(table)
+        return ids, self.transfer_tokens(ids)
+
     def transfer_ids(self, table: PageTable) -> list[int]:
         """The table as the transfer pushes it: unit ids of every group's pages, groups in cache order."""
         return [u for g in self.groups for u in self.cache.units(g, table.pages.get(g, ()))]

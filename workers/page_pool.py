@@ -161,6 +161,10 @@ class PagePool:
         holds its first ``skip_pages`` pages: ``(page ids, prompt length as the transfer counts it)``."""
         return list(table[skip_pages:]), num_tokens - skip_pages * PAGE_SIZE
 
+    def reserve_warmup(self) -> int:
+        """A transfer id no request ever uses, for prefill replicas' warm-up WRITE of a new pair (held forever)."""
+        return self.allocate(1)[0]
+
     def free_transfer_ids(self, ids: Sequence[int]) -> None:
         """Free pages a receive that ended without its KV held (`transfer_plan`'s ids)."""
         self.free(list(ids))

@@ -136,6 +136,12 @@ class GroupPagePools:
         last chunk (the state pages), so the whole list moves as one chunk."""
         return len(ids) * PAGE_SIZE
 
+    def reserve_warmup(self) -> int:
+        """A transfer id no request ever uses (prefill's warm-up WRITE of a new pair lands there): the first
+        unit of a page taken, for good, from the group whose page is smallest."""
+        name = min(self.groups, key=lambda g: self.cache.layouts[g].units_per_page)
+        return self.cache.units(name, self.pools[name].allocate(1))[0]
+
     def free_transfer_ids(self, ids: Sequence[int]) -> None:
         """Free the pages whose units ``ids`` lists (a receive that ended without its KV)."""
         for g, pages in self.cache.pages_of_units(ids).items():

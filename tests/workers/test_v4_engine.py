@@ -114,3 +114,14 @@ def test_pd_equals_monolithic_and_every_cache_group_counts(tiny_v4, reference, m
 
     monkeypatch.setattr(DecodeWorker, "_maybe_admit", wipe_state)
     assert llm.generate(prompts, max_new_tokens=NEW, ignore_eos=True) != standalone
+
+
+def test_preempted_requests_resume_from_fresh_pages(tiny_v4):
+    """Two 250-token prompts grow past their first 256-token window page with 3 pages per group: the newer
+    one is preempted (its pages of every group freed) and re-prefilled later; outputs as if alone."""
+    prompts = [random_prompt(250, 300, 7), random_prompt(250, 300, 8)]
+    alone = [LLM(tiny_v4, num_pages=8).generate([p], max_new_tokens=12, ignore_eos=True)[0] for p in prompts]
+    llm = LLM(tiny_v4, num_pages=3, chunk_size=512)
+    assert llm.generate(prompts, max_new_tokens=12, ignore_eos=True) == alone
+    st = llm.stats()
+    assert st["preemptions"] >= 1 and st["pool_free_pages"] == st["pool_total_pages"]

@@ -108,6 +108,10 @@ class GroupPagePools:
             raise PoolExhausted(f"{hold_tokens} tokens need {self.need(hold_tokens)} pages; free {self.free_counts()}")
         return table, 0
 
+    def allocate_for_tokens(self, num_tokens: int) -> PageTable:
+        """A fresh table for ``num_tokens`` tokens (`PagePool.allocate_for_tokens`' counterpart)."""
+        return self.acquire_tokens((), num_tokens)[0]
+
     def free(self, table: PageTable, token_ids=None, valid_tokens: int = 0) -> None:
         for g, pages in table.pages.items():
             self.pools[g].free(pages)

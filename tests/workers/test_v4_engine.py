@@ -72,6 +72,9 @@ def test_engine_equals_standalone_and_transformers(tiny_v4, reference):
         "swa", "csa_kv", "csa_index", "csa_state", "csa_index_state", "hca_kv", "hca_state"}
     hf = use_tie_rule(AutoModelForCausalLM.from_pretrained(tiny_v4, dtype=torch.float32).eval())
     with torch.no_grad():
+        # Prompt logits through the pages: transformers' within float32 rounding.
+        p = prompts[2]
+        torch.testing.assert_close(llm.prompt_logits(p), hf(torch.tensor([p])).logits[0].float(), rtol=1e-4, atol=1e-4)
         for p, ours in list(zip(prompts, standalone))[:4]:
             ref = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, len(p):].tolist()

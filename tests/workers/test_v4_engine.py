@@ -104,6 +104,8 @@ def test_pd_equals_monolithic_and_every_cache_group_counts(tiny_v4, reference, m
     st = llm.stats()
     assert st["pool_free_pages"] == st["pool_total_pages"] == st["prefill_pool_free_pages"]
     abort_at_every_phase(llm.pd.prefill, llm.pd.decode)
+    for pools in (llm.pd.prefill.pool, llm.pd.decode.pool):  # every group's pool whole, on both sides
+        assert {g: p.free_count for g, p in pools.pools.items()} == {g: p.num_pages for g, p in pools.pools.items()}
     # The pushed pages are what decode continues from: wipe one state group's pages on arrival and the
     # output changes (the partially filled compressed blocks live there).
     admit = DecodeWorker._maybe_admit

@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("generate", help="generate offline (no server)")
     p.add_argument("model_dir", nargs="?")
-    p.add_argument("--tiny", choices=["deepseek_v32", "glm_moe_dsa"], help="use (and make on first use) a tiny model")
+    p.add_argument("--tiny", choices=["deepseek_v32", "glm_moe_dsa", "deepseek_v4"],
+                   help="use (and make on first use) a tiny model")
     p.add_argument("--prompt", default="Hello, sparse attention!")
     p.add_argument("--token-ids", help="comma-separated prompt token ids (for checkpoints without a tokenizer)")
     p.add_argument("--max-new-tokens", type=int, default=16)

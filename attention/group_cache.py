@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .cache import ALL_LAYERS, CacheRegion
@@ -134,23 +135,23 @@ class GroupedPagedCache:
     def units(self, name: str, pages: Sequence[int]) -> list[int]:
         """The unit ids of group ``name``'s ``pages`` (each page's units in order, pages in order)."""
         first, k = self.first_unit[name], self.layouts[name].units_per_page
-        return [first + p * k + i for p in pages for i in range(k)]
+        p = np.asarray(pages, dtype=np.int64).reshape(-1, 1)
+        return (first + p * k + np.arange(k, dtype=np.int64)).reshape(-1).tolist()
 
     def pages_of_units(self, units: Sequence[int]) -> dict[str, list[int]]:
-        """The group pages whose units ``units`` lists (the inverse of `units`, over any groups)."""
+        """The group pages whose units ``units`` lists, each once, in first-seen order (the inverse of
+        `units`, over any groups). Raises ``ValueError`` for a unit outside the cache."""
+        u = np.asarray(units, dtype=np.int64).reshape(-1)
+        if u.size and (int(u.min()) < 0 or int(u.max()) >= self.num_units):
+            raise ValueError(f"units outside the cache's {self.num_units} units")
         out: dict[str, list[int]] = {}
-        seen: set[tuple[str, int]] = set()
-        for u in units:
-            for name, lay in self.layouts.items():
-                first = self.first_unit[name]
-                if first <= u < first + self.num_pages[name] * lay.units_per_page:
-                    page = (u - first) // lay.units_per_page
-                    if (name, page) not in seen:
-                        seen.add((name, page))
-                        out.setdefault(name, []).append(page)
-                    break
-            else:
-                raise ValueError(f"unit {u} is outside the cache's {self.num_units} units")
+        for name, lay in self.layouts.items():
+            first = self.first_unit[name]
+            mine = u[(u >= first) & (u < first + self.num_pages[name] * lay.units_per_page)]
+            if mine.size:
+                pages = (mine - first) // lay.units_per_page
+                _, at = np.unique(pages, return_index=True)
+                out[name] = pages[np.sort(at)].tolist()
         return out
 
     def regions(self) -> list[CacheRegion]:

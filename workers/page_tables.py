@@ -53,7 +53,10 @@ def frozen_pages(page_table) -> tuple[int, ...] | dict[str, tuple[int, ...]]:
 
 
 def group_pages_for_tokens(group: CacheGroup, num_tokens: int) -> int:
-    """Pages of ``group`` a sequence of ``num_tokens`` tokens holds (module docstring)."""
+    """Pages of ``group`` a sequence of ``num_tokens`` tokens holds in this engine (module docstring): the
+    one rule the pools, the scheduler and the controller use. It differs from
+    ``CacheGroup.pages_for_tokens`` for ``swa`` only: that counts the window's pages (what an engine that
+    frees older pages would hold); this engine keeps them."""
     if num_tokens <= 0:
         return 0
     if group.kind == "state":

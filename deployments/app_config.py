@@ -70,7 +70,8 @@ SERVING_ATTENTION_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_he
 class TinyModelSpec(_Strict):
     """A tiny random checkpoint (``models.tiny.make_tiny``), made on first start into the cache dir."""
 
-    arch: Literal["deepseek_v32", "glm_moe_dsa"] = Field(description="Architecture of the tiny model.")
+    arch: Literal["deepseek_v32", "glm_moe_dsa", "deepseek_v4"] = Field(
+        description="Architecture of the tiny model (deepseek_v4: models/tiny_v4.py; bf16, byte tokenizer).")
     seed: int = Field(0, ge=0, description="Weights are a function of the seed only.")
     fp8: bool = Field(False, description="Store weights block-quantized fp8 (128x128), as the real releases.")
     tokenizer: Literal["byte", "native"] = Field(

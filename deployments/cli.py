@@ -1,6 +1,6 @@
 """The ``dsa-pd`` command line.
 
-    dsa-pd make-tiny --arch {deepseek_v32,glm_moe_dsa} OUT [--seed N] [--fp8] [--tokenizer native]
+    dsa-pd make-tiny --arch {deepseek_v32,glm_moe_dsa,deepseek_v4} OUT [--seed N] [--fp8] [--tokenizer native]
     dsa-pd generate MODEL_DIR [--prompt TEXT | --token-ids 1,2,3] [--max-new-tokens N] ...
     dsa-pd generate --tiny ARCH ...   (makes the tiny model into a cache dir first)
     dsa-pd check CONFIG.yaml [...] [--gpu-memory-gib G]   (validate serve configs offline)
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-tiny", help="write a deterministic tiny random checkpoint")
-    p.add_argument("--arch", required=True, choices=["deepseek_v32", "glm_moe_dsa"])
+    p.add_argument("--arch", required=True, choices=["deepseek_v32", "glm_moe_dsa", "deepseek_v4"])
     p.add_argument("out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fp8", action="store_true", help="write weights fp8 block-quantized (128x128)")
@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("generate", help="generate offline (no server)")
     p.add_argument("model_dir", nargs="?")
-    p.add_argument("--tiny", choices=["deepseek_v32", "glm_moe_dsa"], help="use (and make on first use) a tiny model")
+    p.add_argument("--tiny", choices=["deepseek_v32", "glm_moe_dsa", "deepseek_v4"],
+                   help="use (and make on first use) a tiny model")
     p.add_argument("--prompt", default="Hello, sparse attention!")
     p.add_argument("--token-ids", help="comma-separated prompt token ids (for checkpoints without a tokenizer)")
     p.add_argument("--max-new-tokens", type=int, default=16)

@@ -76,7 +76,7 @@ class DecodeThread(WorkerThread):
         self.worker_id = worker_id
         # One page no request ever uses: prefill replicas write their warm-up
         # WRITE of a new pair into it (none without a link: no prefill peers).
-        self.warmup_page = worker.pool.allocate(1)[0] if worker.link is not None else None
+        self.warmup_page = worker.pool.reserve_warmup() if worker.link is not None else None
         self.pending: deque[Request] = deque()
         self.queue_timeout_s = queue_timeout_s
         # Request id -> wall-clock time by which it must start, while it waits (pages, or the engine's queue).

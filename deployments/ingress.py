@@ -81,7 +81,7 @@ from deployments.openai.responses import (
 from deployments.replica_stats import DecodeStats
 from deployments.router import PromptKeys
 from deployments.text_stream import TextStream
-from models.config import load_config
+from models.registry import load_any_config
 from workers.engine import RequestOutput
 from workers.request import UNAVAILABLE
 
@@ -223,7 +223,7 @@ class OpenAIIngress:
         self.limits = cfg.limits
         self.in_flight = InFlight(max_requests(cfg))  # deployments/admission.py
         self.pool_fit = PoolFit.of(cfg)
-        model_cfg = load_config(model_dir)
+        model_cfg = load_any_config(model_dir)  # any registered architecture (models.registry)
         self.model_name = cfg.model_name
         self.max_model_len = cfg.model.max_model_len or model_cfg.max_position_embeddings
         self.vocab_size = model_cfg.vocab_size

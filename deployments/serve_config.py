@@ -18,6 +18,8 @@ from typing import Any
 import pydantic
 
 from deployments.app_config import APP_IMPORT_PATH
+from deployments.controller.v4_rules import v4_summary
+from models.v4.config import V4Config
 from deployments.controller import (
     CheckResult,
     Violation,
@@ -114,6 +116,8 @@ def _summary(result: CheckResult, gpu_memory_bytes: int | None) -> list[str]:
     app_cfg, m = result.app_cfg, result.model_cfg
     assert app_cfg is not None and m is not None
     plan = plan_placement(app_cfg)
+    if isinstance(m, V4Config):
+        return _v4_summary(app_cfg, m, plan)
     plan_ = m.topk_plan
     lines = [
         f"model {app_cfg.model_name!r}: {m.arch}, {m.num_hidden_layers} layers + {m.num_nextn_predict_layers} MTP, "
@@ -140,6 +144,21 @@ def _summary(result: CheckResult, gpu_memory_bytes: int | None) -> list[str]:
         lines.append("  " + _prefix_cache_line(app_cfg, role_cfg))
     lo, hi = plan.gpus
     lines.append(f"GPUs: {lo:g}" + ("" if lo == hi else f" to {hi:g}"))
+    return lines
+
+
+def _v4_summary(app_cfg, m: V4Config, plan) -> list[str]:
+    kinds = {k: m.layer_types.count(k) for k in dict.fromkeys(m.layer_types)}
+    lines = [f"model {app_cfg.model_name!r}: {m.arch}, {m.num_hidden_layers} layers "
+             f"({', '.join(f'{n} {k}' for k, n in kinds.items())}), window {m.sliding_window}, compress rates "
+             f"{dict(m.compress_rates)}, {m.num_attention_heads} heads, no MTP drafts (not built)"]
+    for role in app_cfg.roles:
+        role_cfg, place = app_cfg.for_role(role), plan.for_role(role)
+        lo, hi = place.replica_range
+        lines.append(f"{role}: {lo if lo == hi else f'{lo}-{hi}'} replica(s), {role_cfg.backend}/{role_cfg.device}/"
+                     f"{role_cfg.dtype}, kv {role_cfg.kv_cache_dtype}")
+        lines.append(f"  {v4_summary(role_cfg, m)}")
+        lines.append("  prefix cache: not built for DeepSeek-V4 (its compressor state is per sequence)")
     return lines
 
 

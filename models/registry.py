@@ -10,9 +10,10 @@ the type themselves::
 
 ``deepseek_v32`` and ``glm_moe_dsa`` share the DSA implementation
 (``models.model.DsaForCausalLM``, ``models.config.ModelConfig``);
-``deepseek_v4`` lives in ``models/v4/``. The engine (``workers/``) still
-builds the DSA family directly; DeepSeek-V4 runs through ``models.v4`` on
-the reference backend only (its paged engine path is not built yet).
+``deepseek_v4`` lives in ``models/v4/``; the engine (``workers/``) builds
+an architecture with ``cache_groups`` through its grouped path
+(``workers.rank_build``: ``GroupedPagedCache``, ``V4ModelRunner``; reference
+backend only) and the DSA family through ``attention.cache.CacheSpec``.
 Implementations are imported on first use, so importing the registry is cheap.
 """
 

@@ -64,7 +64,8 @@ __all__ = [
     "to_checkpoint_dtype_",
 ]
 
-TINY_ARCHS = ("deepseek_v32", "glm_moe_dsa")
+TINY_ARCHS = ("deepseek_v32", "glm_moe_dsa", "deepseek_v4")
+"""``deepseek_v4`` is made by `models.tiny_v4` (transformers' ``DeepseekV4ForCausalLM``)."""
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>")
 BOS_ID, EOS_ID = 256, 257
 # bos_token first, then `<|role|>content` per message; the prompt for a reply ends in `<|assistant|>`.
@@ -143,6 +144,10 @@ def tiny_config_kwargs(arch: str, **overrides) -> dict:
     """Keyword arguments of the transformers config class for a tiny ``arch`` model."""
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
+    if arch == "deepseek_v4":
+        from .tiny_v4 import v4_tiny_config_kwargs
+
+        return v4_tiny_config_kwargs(**overrides)
     kwargs = {**copy.deepcopy(_COMMON), **copy.deepcopy(_PER_ARCH[arch]), **overrides}
     return kwargs
 
@@ -362,7 +367,7 @@ def make_tiny(
     """Write a tiny random ``arch`` checkpoint (config, weights, tokenizer) to ``out_dir``.
 
     Args:
-        arch: "deepseek_v32" or "glm_moe_dsa".
+        arch: "deepseek_v32", "glm_moe_dsa" or "deepseek_v4" (`models.tiny_v4`; bf16, byte tokenizer).
         out_dir: created if missing; existing safetensors there are replaced.
         seed: all weights are a function of it.
         fp8: store attention / MLP / expert projections block-quantized
@@ -378,6 +383,13 @@ def make_tiny(
     """
     if arch not in TINY_ARCHS:
         raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
+    if arch == "deepseek_v4":
+        if fp8 or tokenizer != "byte":
+            raise ValueError("the tiny deepseek_v4 model is bf16 with the byte tokenizer only (fp8 and the native "
+                             "tokenizer are not built for it)")
+        from .tiny_v4 import make_tiny_v4
+
+        return make_tiny_v4(out_dir, seed, dtype=dtype, **overrides)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Seeding inside fork_rng leaves the caller's global RNG stream untouched.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attention.formats import PAGE_SIZE, pages_for_tokens
 from transfer import ReceiveStatus
 from workers.engine import Engine, RequestOutput
 from workers.kv_link import KVLink
@@ -27,10 +26,6 @@ class _Awaiting:
     transfer_done: bool = False
     result: PrefillResult | None = None
 
-    def split_pages(self) -> tuple[list[int], list[int]]:
-        """(cached pages, pages the push writes)."""
-        pt = self.request.page_table
-        return pt[:self.cached], pt[self.cached:]
 
 
 class DecodeWorker:
@@ -39,7 +34,7 @@ class DecodeWorker:
         self.engine, self.link, self.deadline_s = engine, link, deadline_s
         # Pages of a request that ended without its KV go back through the
         # receiver: only once no prefill WRITE can still land in them.
-        self.receiver = None if link is None else link.receiver(release_pages=lambda pages: self.pool.free(list(pages)))
+        self.receiver = None if link is None else link.receiver(release_pages=lambda ids: self.pool.free_transfer_ids(ids))
         self.awaiting: dict[str, _Awaiting] = {}
 
     @property
@@ -68,17 +63,18 @@ class DecodeWorker:
         self._check_new(req)
         self.engine.attach_grammar(req)  # before any page is taken: it raises for a grammar it cannot compile
         n = len(req.prompt)
-        pages, cached = self.pool.acquire(req.prompt, pages_for_tokens(n))
+        pages, cached = self.pool.acquire_tokens(req.prompt, n)
+        # Only the fresh pages receive: a cached page is never written, by NIXL or anyone. (A grouped
+        # cache's ids are its pages' transfer units, `workers.page_tables`.)
+        ids, tokens = self.pool.transfer_plan(pages, n, cached)
         try:
-            # Only the fresh pages receive: a cached page is never written, by NIXL or anyone.
-            self.receiver.expect(req.request_id, prefill_agent, n - cached * PAGE_SIZE, pages[cached:],
-                                 self.deadline_s)
+            self.receiver.expect(req.request_id, prefill_agent, tokens, ids, self.deadline_s)
         except Exception:
             self.pool.free(pages)
             raise
         req.page_table, req.state, req.cached_pages = pages, RequestState.AWAITING_KV, cached
         self.awaiting[req.request_id] = _Awaiting(req, cached)
-        return pages[cached:]
+        return ids
 
     def on_prefill_result(self, result: PrefillResult) -> list[RequestOutput]:
         """Prefill's answer (first token, last hidden); admits once the pages are in."""
@@ -131,8 +127,11 @@ class DecodeWorker:
     def _free(self, a: _Awaiting, received: bool) -> None:
         """Drop an awaiting request's pages: its cached ones now; the pushed ones too if ``received``, else
         the receiver gives them back once no prefill WRITE can land in them."""
-        cached, pushed = a.split_pages()
-        self.pool.free(cached + pushed if received else cached)
+        pages = a.request.page_table
+        if received:
+            self.pool.free(pages)
+        elif a.cached:
+            self.pool.free(pages[:a.cached])
         a.request.page_table = []
 
     def _maybe_admit(self, a: _Awaiting) -> list[RequestOutput]:

@@ -27,6 +27,7 @@ from workers.model_runner import DecodeStep, ModelRunner, WorkItem
 from workers.mtp import check_topk_reuse
 from workers.mtp_draft import FixedWidthDrafter
 from workers.page_pool import PagePool
+from workers.page_tables import frozen_pages
 from workers.request import FinishReason, Request
 from workers.sample.metadata import SamplingMetadata, TokenHistory
 from workers.sample.output import AcceptOutput, SampleOutput, read_back
@@ -275,7 +276,8 @@ class Engine:
         without preempting. Constrained requests overlap too (`_launch` reads the previous round back
         before their masks)."""
         s = self.scheduler
-        if not self.cfg.overlap or self.k or s.waiting or s.prefilling or not s.running:
+        if not self.cfg.overlap or not self.runner.supports_overlap or self.k or s.waiting or s.prefilling \
+                or not s.running:
             return False
         need = 0
         for r in s.running:
@@ -462,7 +464,8 @@ class Engine:
         """One PREFILL forward over ``chunks``; its sampling sites: the prompt logprobs of the
         requests that asked (first: they are stored before token 1 is emitted), then token 1
         of the prompts that finished."""
-        items = [WorkItem(tuple(c.request.token_ids[c.start:c.end]), c.start, tuple(c.request.page_table)) for c in chunks]
+        items = [WorkItem(tuple(c.request.token_ids[c.start:c.end]), c.start, frozen_pages(c.request.page_table))
+                 for c in chunks]
         # Token 1's grammar masks, filled while the forward runs (rows: the fresh prompts, in `fresh`'s order).
         masks = self._grammar_masks([c.request for c in chunks if c.is_last and not c.request.output])
         batch, hidden = self.runner.forward(ForwardMode.PREFILL, items)

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from attention.cache import PagedKVCache
+from attention.group_cache import UNIT_BYTES, GroupedPagedCache
 from attention.formats import PAGE_SIZE
 from models.config import config_identity
 from transfer import CompatInfo, PeerBook, Pusher, Receiver, TransferAgent
@@ -21,6 +22,12 @@ def compat_info(model_dir: str | Path, cache: PagedKVCache, has_mtp: bool) -> Co
     """What prefill and decode must agree on, from the checkpoint config (``model``:
     `models.config.config_identity`) and the cache geometry."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
+    if isinstance(cache, GroupedPagedCache):
+        # Cache groups (DeepSeek-V4): every group's geometry and format is in state_formats; the one
+        # region's page is a transfer unit (attention.group_cache).
+        n = max(layer for g in cache.groups for layer in g.layers) + 1
+        return CompatInfo(model=config_identity(raw), num_layers=n, page_size=UNIT_BYTES, kv_format="groups",
+                          index_format="groups", has_mtp=has_mtp, state_formats=cache.formats())
     spec = cache.spec
     kv, index = spec.transfer_formats()
     return CompatInfo(model=config_identity(raw), num_layers=spec.num_layers,

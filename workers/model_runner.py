@@ -11,6 +11,7 @@ from attention.formats import PAGE_SIZE, pages_for_tokens
 from models.batch import ForwardBatch, ForwardMode, slots_for_positions
 from models.model import DsaForCausalLM
 from workers.decode_graphs import DecodeGraphPlan, DecodeGraphs, graph_batch_sizes, patch_tokens, to_device
+from workers.page_tables import frozen_pages
 
 
 @dataclass(frozen=True)
@@ -18,12 +19,13 @@ class WorkItem:
     """New tokens of one request for one forward.
 
     token_ids: the new tokens, at positions ``start .. start + len - 1``
-    page_table: the request's page ids (covers at least ``start + len`` tokens)
+    page_table: the request's page ids (covers at least ``start + len`` tokens); a grouped cache's
+    (DeepSeek-V4): group name -> page ids (`workers.page_tables.PageTable.frozen`)
     """
 
     token_ids: tuple[int, ...]
     start: int
-    page_table: tuple[int, ...]
+    page_table: tuple[int, ...] | dict[str, tuple[int, ...]]
 
     @property
     def end(self) -> int:
@@ -103,7 +105,7 @@ class DecodeStep:
     def items(self) -> list[WorkItem]:
         """The same step as `WorkItem` s (the eager path)."""
         w = self.width
-        return [WorkItem(tuple(self.tokens[i * w:(i + 1) * w]), self.seq_lens[i] - w, tuple(self.page_tables[i]))
+        return [WorkItem(tuple(self.tokens[i * w:(i + 1) * w]), self.seq_lens[i] - w, frozen_pages(self.page_tables[i]))
                 for i in range(len(self.keys))]
 
 
@@ -116,6 +118,9 @@ def decode_width(items: list[WorkItem]) -> int:
 
 
 class ModelRunner:
+    supports_overlap = True
+    """Decode steps may be launched before the previous one is read back (`workers.engine.Engine.step`)."""
+
     def __init__(self, model: DsaForCausalLM, cache: PagedKVCache, backend, device: str | torch.device):
         self.model, self.cache, self.backend = model, cache, backend
         self.device = torch.device(device)

@@ -16,6 +16,7 @@ from workers.decode_graphs import graphs_wanted
 from workers.decode_worker import DecodeWorker
 from workers.model_runner import WorkItem
 from workers.page_pool import PoolExhausted
+from workers.page_tables import frozen_pages
 from workers.prefill_worker import PrefillTask, PrefillWorker
 from workers.rank_build import RankSpec
 from workers.rank_group import RankGroup
@@ -101,7 +102,7 @@ class LLM:
         """fp32 ``[len(token_ids), vocab]``: the logits after every prompt token."""
         pages = self.pool.allocate_for_tokens(len(token_ids))
         try:
-            batch, hidden = self.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(token_ids), 0, tuple(pages))])
+            batch, hidden = self.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(token_ids), 0, frozen_pages(pages))])
             with torch.inference_mode():
                 return self.model.logits(hidden).cpu()
         finally:

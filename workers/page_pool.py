@@ -128,6 +128,47 @@ class PagePool:
             cache.counters.hits += len(hit) * PAGE_SIZE
         return pages, len(hit)
 
+    # -- what the scheduler asks (`workers.page_tables.GroupPagePools` answers the same for grouped caches) --
+
+    def capacity_error(self, num_tokens: int) -> str | None:
+        """Why a request holding ``num_tokens`` positions can never fit this pool, or None."""
+        need = pages_for_tokens(num_tokens)
+        return None if need <= self.num_pages else f"{need} pages of {PAGE_SIZE} tokens; the pool has {self.num_pages}"
+
+    def grow(self, table: list[int], num_tokens: int) -> bool:
+        """Extend a request's ``table`` to the pages of ``num_tokens`` positions; False (nothing taken) when
+        too few are free."""
+        need = pages_for_tokens(num_tokens) - len(table)
+        if need <= 0:
+            return True
+        if need > self.free_count:
+            return False
+        table.extend(self.allocate(need))
+        return True
+
+    def acquire_tokens(self, token_ids: Sequence[int], hold_tokens: int, reuse: bool = True) -> tuple[list[int], int]:
+        """`acquire` the pages of ``hold_tokens`` positions."""
+        return self.acquire(token_ids, pages_for_tokens(hold_tokens), reuse)
+
+    # -- the transfer's view (the same calls as `workers.page_tables.GroupPagePools`) --
+
+    pushes_by_chunk = True
+    """A prompt's pages are final chunk by chunk: prefill pushes each chunk's finished pages."""
+
+    @staticmethod
+    def transfer_plan(table: list[int], num_tokens: int, skip_pages: int) -> tuple[list[int], int]:
+        """What moves of a prompt of ``num_tokens`` tokens held in ``table`` when the receiving side already
+        holds its first ``skip_pages`` pages: ``(page ids, prompt length as the transfer counts it)``."""
+        return list(table[skip_pages:]), num_tokens - skip_pages * PAGE_SIZE
+
+    def reserve_warmup(self) -> int:
+        """A transfer id no request ever uses, for prefill replicas' warm-up WRITE of a new pair (held forever)."""
+        return self.allocate(1)[0]
+
+    def free_transfer_ids(self, ids: Sequence[int]) -> None:
+        """Free pages a receive that ended without its KV held (`transfer_plan`'s ids)."""
+        self.free(list(ids))
+
     def share(self, pages: Sequence[int]) -> None:
         """One more reference to each of ``pages``, cached pages found by `PrefixCache.match` (held or
         parked ones come back into use)."""

@@ -20,6 +20,7 @@ from transfer import PushStatus
 from workers.kv_link import KVLink
 from workers.model_runner import ModelRunner, WorkItem
 from workers.page_pool import PagePool
+from workers.page_tables import frozen_pages
 from workers.sample.metadata import SamplingMetadata, TokenHistory
 from workers.sample.output import SampleOutput, read_back
 from workers.sample.params import SamplingParams
@@ -101,6 +102,8 @@ class _Active:
     first_mask: MaskJob | None = None
     """Token 1's grammar mask (structured outputs): the grammar's start state, filled at submit."""
     prompt_logprobs: PromptLogprobs | None = None
+    push_tokens: int = 0
+    """The prompt length as the push counts it (`PagePool.transfer_plan`)."""
 
 
 FINAL_PUSH_WAIT_S = 0.05
@@ -130,23 +133,29 @@ class PrefillWorker:
     def submit(self, task: PrefillTask) -> None:
         """Take local pages (the prompt's cached prefix first: not computed again) and start tracking the
         push of the pages decode does not hold (raises ``PoolExhausted``, ``ValueError``)."""
-        task.check()
+        if self.pool.pushes_by_chunk:
+            task.check()
+        elif task.decode_cached_pages or not task.token_ids:  # a grouped cache (V4): no prefix cache
+            raise ValueError(f"request {task.request_id}: a non-empty prompt and no cached pages expected")
         n, skip = len(task.token_ids), task.decode_cached_pages
         first_mask = self._start_mask(task.params)  # before any page is taken: it raises for a bad grammar
         prompt_logprobs = PromptLogprobs.wanted(task.params, n)
         # Prompt logprobs need every position's logits: such a prompt reuses nothing.
-        pages, cached = self.pool.acquire(task.token_ids, pages_for_tokens(n), reuse=prompt_logprobs is None)
+        pages, cached = self.pool.acquire_tokens(task.token_ids, n, reuse=prompt_logprobs is None)
+        # The push covers the positions after decode's cached pages (a grouped cache: every page's units).
+        ids, push_tokens = self.pool.transfer_plan(pages, n, skip)
         try:
             # A prompt computed over more than a round's budget is surely pushed in several chunks: no
-            # whole-request WRITE to prepare. The push covers the positions after decode's cached pages.
-            self.pusher.begin(task.request_id, task.decode_agent, n - task.skip_tokens, pages[skip:],
-                              task.decode_pages, self.deadline_s, prepare=n - cached * PAGE_SIZE <= self.chunk_size)
+            # whole-request WRITE to prepare.
+            self.pusher.begin(task.request_id, task.decode_agent, push_tokens, ids, task.decode_pages,
+                              self.deadline_s, prepare=n - cached * PAGE_SIZE <= self.chunk_size
+                              or not self.pool.pushes_by_chunk)
         except Exception:
             self.pool.free(pages)
             raise
         seed = task.params.seed if task.params.seed is not None else self._seeds.getrandbits(64)
         self.active[task.request_id] = _Active(task, pages, seed, done=cached * PAGE_SIZE,
-                                               prompt_logprobs=prompt_logprobs)
+                                               prompt_logprobs=prompt_logprobs, push_tokens=push_tokens)
         self.active[task.request_id].first_mask = first_mask
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
@@ -179,7 +188,7 @@ class PrefillWorker:
             if a.done >= n or budget == 0:
                 continue
             end = min(n, a.done + budget)
-            items.append(WorkItem(tuple(a.task.token_ids[a.done:end]), a.done, tuple(a.page_table)))
+            items.append(WorkItem(tuple(a.task.token_ids[a.done:end]), a.done, frozen_pages(a.page_table)))
             chosen.append((a, a.done, end))
             budget -= end - a.done
         if items:
@@ -229,7 +238,10 @@ class PrefillWorker:
         # are written: a fence (a CUDA event the pusher polls) would only delay the WRITE of a prompt's
         # last chunk, the one its first token waits for (docs/perf.md, session 8).
         for a, _, end in chosen:
-            if end > a.task.skip_tokens:  # positions decode holds are never pushed
+            if not self.pool.pushes_by_chunk:  # grouped caches: every page once the state is final
+                if end == len(a.task.token_ids):
+                    self.pusher.push(a.task.request_id, a.push_tokens, written=True)
+            elif end > a.task.skip_tokens:  # positions decode holds are never pushed
                 self.pusher.push(a.task.request_id, end - a.task.skip_tokens, written=bool(finishing))
 
     def _sample_first(self, finishing: list[_Active], last_hidden: torch.Tensor) -> None:

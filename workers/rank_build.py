@@ -104,6 +104,8 @@ class RankParts:
 def build_rank(spec: RankSpec, tp: TPContext = SINGLE, device: str | None = None) -> RankParts:
     """Load ``spec``'s model shard for rank ``tp.rank`` and allocate its caches on ``device`` (default ``spec.device``)."""
     device = device or spec.device
+    if uses_cache_groups(spec.model_dir):
+        return _build_grouped_rank(spec, tp, device)
     model = load_model(spec.model_dir, torch_dtype(spec.dtype), device, tp=tp, hadamard=spec.use_hadamard,
                        with_mtp=spec.with_mtp, fp8_weights=spec.fp8_weights)
     if spec.two_batch_overlap:
@@ -121,3 +123,29 @@ def micro_batch_groups(tp: TPContext) -> tuple:
         raise ValueError("two_batch_overlap overlaps tensor-parallel all-reduces: it needs tensor parallel size > 1")
     ranks = list(range(tp.size))
     return dist.new_group(ranks), dist.new_group(ranks)
+
+
+def uses_cache_groups(model_dir: str) -> bool:
+    """Whether the checkpoint's architecture declares cache groups (DeepSeek-V4, `models.registry`)."""
+    from models.registry import arch_spec, read_config_json
+
+    return arch_spec(read_config_json(model_dir).get("model_type")).cache_groups is not None
+
+
+def _build_grouped_rank(spec: RankSpec, tp: TPContext, device: str) -> RankParts:
+    """A DeepSeek-V4 rank: the ``models.v4`` model, its cache groups (``spec.num_pages`` pages each) in one
+    ``GroupedPagedCache``, the `workers.v4_runner.V4ModelRunner`. Reference backend, one rank."""
+    from attention.group_cache import GroupedPagedCache
+    from models.registry import load_any_model
+    from models.v4.cache_spec import v4_group_layouts
+    from workers.v4_runner import V4ModelRunner
+
+    limits = {"backend": (spec.backend, "reference"), "tensor parallel size": (tp.size, 1),
+              "two_batch_overlap": (spec.two_batch_overlap, False)}
+    for what, (got, want) in limits.items():
+        if got != want:
+            raise ValueError(f"DeepSeek-V4 runs with {what} {want!r} only for now, got {got!r}")
+    model = load_any_model(spec.model_dir, dtype=torch_dtype(spec.dtype), device=device)
+    layouts = v4_group_layouts(model.cfg, torch_dtype(spec.dtype), spec.kv_cache_dtype)
+    cache = GroupedPagedCache(layouts, {lay.name: spec.num_pages for lay in layouts}, device)
+    return RankParts(spec, model, cache, V4ModelRunner(model, cache, device))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from attention.cache import PagedKVCache
+from attention.group_cache import GroupedPagedCache
 from models.model import DsaForCausalLM
 from models.tokenizer import load_detokenizer
 from workers.decode_graphs import default_graph_context
@@ -24,6 +25,7 @@ from workers.group_link import GroupLink
 from workers.kv_link import KVLink
 from workers.model_runner import ModelRunner
 from workers.page_pool import PagePool
+from workers.page_tables import GroupPagePools
 from workers.prefix_cache import PrefixCache, replica_salt
 from workers.rank_build import RankSpec, build_rank
 from workers.rank_group import GroupModel, RankGroup
@@ -60,13 +62,17 @@ def build_replica(spec: RankSpec, tp_size: int = 1, worker_id: str | None = None
     prefix_caching: give the pool a prefix cache (`workers.prefix_cache`) keyed with `replica_salt`;
     mtp: the replica writes the MTP layer's pages (MTP drafts on; part of the salt).
     """
-    cache = PrefixCache(replica_salt(spec, mtp)) if prefix_caching else None
-    pool = PagePool(spec.num_pages, cache)
     if tp_size > 1:
+        cache = PrefixCache(replica_salt(spec, mtp)) if prefix_caching else None
         group = RankGroup(spec, tp_size, actor_options)
         link = group.link(worker_id) if worker_id is not None else None
-        return ReplicaParts(group.model, None, pool, group.runner, link, group)
+        return ReplicaParts(group.model, None, PagePool(spec.num_pages, cache), group.runner, link, group)
     rank = build_rank(spec)
+    if isinstance(rank.cache, GroupedPagedCache):
+        # One pool per cache group; no prefix cache (a cached prefix would need its compressor state).
+        pool = GroupPagePools(rank.cache)
+    else:
+        pool = PagePool(spec.num_pages, PrefixCache(replica_salt(spec, mtp)) if prefix_caching else None)
     link = rank.open_link(worker_id) if worker_id is not None else None
     return ReplicaParts(rank.model, rank.cache, pool, rank.runner, link)
 

@@ -90,11 +90,11 @@ class Scheduler:
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
         """Queue a request; one that can never fit the pool is finished with an error."""
-        need = pages_for_tokens(tokens_to_hold(len(req.prompt) + req.params.max_new_tokens, self.cfg.mtp_draft_tokens))
-        if need > self.pool.num_pages:
-            req.finish(FinishReason.ERROR, f"request needs {need} pages of 64 tokens "
-                                           f"(prompt {len(req.prompt)} + max_new_tokens {req.params.max_new_tokens}); "
-                                           f"the pool has {self.pool.num_pages}")
+        error = self.pool.capacity_error(tokens_to_hold(len(req.prompt) + req.params.max_new_tokens,
+                                                        self.cfg.mtp_draft_tokens))
+        if error is not None:
+            req.finish(FinishReason.ERROR, f"request needs {error} "
+                                           f"(prompt {len(req.prompt)} + max_new_tokens {req.params.max_new_tokens})")
             return
         req.arrival = self._arrivals
         self._arrivals += 1
@@ -124,7 +124,7 @@ class Scheduler:
                 self.pool.free(req.page_table)
             else:
                 self.pool.free(req.page_table, req.token_ids, cacheable_tokens(req, self.cfg.mtp_draft_tokens > 0))
-            req.page_table = []
+            req.page_table = []  # (a grouped table is emptied by the free; a fresh one comes at re-admission)
 
     @property
     def has_work(self) -> bool:
@@ -132,13 +132,7 @@ class Scheduler:
 
     # --------------------------------------------------------------- schedule
     def _grow(self, req: Request, tokens: int) -> bool:
-        need = pages_for_tokens(tokens) - len(req.page_table)
-        if need <= 0:
-            return True
-        if need > self.pool.free_count:
-            return False
-        req.page_table.extend(self.pool.allocate(need))
-        return True
+        return self.pool.grow(req.page_table, tokens)
 
     def _preempt(self, victim: Request, out: Schedule) -> None:
         # Recompute preemption: drop the KV, keep the tokens; re-admission
@@ -180,8 +174,8 @@ class Scheduler:
             try:
                 # The prompt's cached prefix is not computed again (prompt logprobs need every position's
                 # logits: such a request reuses nothing).
-                req.page_table, cached = self.pool.acquire(req.token_ids[:n], pages_for_tokens(hold),
-                                                           reuse=req.prompt_logprobs is None)
+                req.page_table, cached = self.pool.acquire_tokens(req.token_ids[:n], hold,
+                                                                  reuse=req.prompt_logprobs is None)
             except PoolExhausted:
                 break  # stays queued until pages free up
             self.waiting.popleft()

@@ -21,6 +21,9 @@ from workers.scheduler import tokens_to_hold
 
 from deployments.controller.violations import AppConfigError, Violation, violations_from_pydantic
 from deployments.controller.memory import _cache_spec, cache_formats, estimate_memory, role_compat_info
+from deployments.controller.v4_rules import v4_feature_rules, v4_role_rules
+from models.registry import read_config_json
+from models.v4.config import V4Config, v4_config_from_dict
 
 
 FLASH_MLA_HEADS = (64, 128)
@@ -315,6 +318,15 @@ def validate(app_cfg: AppConfig, model_cfg: ModelConfig | None, gpu_memory_bytes
     _mode_rules(app_cfg, out)
     for role in app_cfg.roles:
         _device_rules(role, app_cfg.for_role(role), out)
+    if isinstance(model_cfg, V4Config):
+        # V4's own rules (deployments.controller.v4_rules); the DSA ones below read a ModelConfig.
+        if not app_cfg.monolithic:
+            _agreement_rules(app_cfg, None, out)
+        _feature_rules(app_cfg, None, out)
+        v4_feature_rules(app_cfg, out)
+        for role in app_cfg.roles:
+            v4_role_rules(role, app_cfg.for_role(role), app_cfg, model_cfg, out)
+        return _dedupe(out)
     if not app_cfg.monolithic:
         _agreement_rules(app_cfg, model_cfg, out)
     _feature_rules(app_cfg, model_cfg, out)
@@ -328,6 +340,16 @@ def validate(app_cfg: AppConfig, model_cfg: ModelConfig | None, gpu_memory_bytes
         for role in app_cfg.roles:
             _model_rules(role, app_cfg.for_role(role), app_cfg, model_cfg, gpu_memory_bytes, out)
     return out
+
+
+def _dedupe(out: list[Violation]) -> list[Violation]:
+    """``out`` without repeats (a rule checked per role may say the same of the whole app twice)."""
+    seen, kept = set(), []
+    for v in out:
+        if (v.path, v.message) not in seen:
+            seen.add((v.path, v.message))
+            kept.append(v)
+    return kept
 
 
 def check_or_raise(app_cfg: AppConfig, model_cfg: ModelConfig | None, gpu_memory_bytes: int | None = None) -> None:
@@ -352,13 +374,13 @@ def resolve_model_config(app_cfg: AppConfig) -> tuple[ModelConfig | None, list[V
         if src.tiny is not None:
             made = src.checkpoint_dir(make=False)
             if (made / "config.json").exists():
-                return load_config(made), []
-            return config_from_dict(src.tiny.config_dict()), []
+                return _load_config(made), []
+            return _config_from_dict(src.tiny.config_dict()), []
         path = src.checkpoint_dir()
         if (path / "config.json").exists():
-            cfg = load_config(path)
+            cfg = _load_config(path)
             if src.config is not None:
-                inline = config_from_dict(src.config)
+                inline = _config_from_dict(src.config)
                 differ = [f.name for f in dataclasses.fields(cfg) if f.compare and getattr(cfg, f.name) != getattr(inline, f.name)]
                 if differ:
                     return cfg, [Violation(
@@ -373,10 +395,22 @@ def resolve_model_config(app_cfg: AppConfig) -> tuple[ModelConfig | None, list[V
                 f"no config.json at {str(path)!r}; to validate without the checkpoint, give model.config "
                 "(a copy of its config.json)",
             )]
-        return config_from_dict(src.config), []
+        return _config_from_dict(src.config), []
     except ConfigError as e:
         where = "model.config" if src.config is not None and src.tiny is None else "model"
         return None, [Violation(where, str(e))]
+
+
+def _config_from_dict(raw: dict) -> ModelConfig | V4Config:
+    """A DSA ``ModelConfig``, or a ``V4Config`` for ``model_type: deepseek_v4`` (`models.registry`)."""
+    if raw.get("model_type") == "deepseek_v4":
+        return v4_config_from_dict(raw)
+    return config_from_dict(raw)
+
+
+def _load_config(path) -> ModelConfig | V4Config:
+    raw = read_config_json(path)
+    return v4_config_from_dict(raw) if raw.get("model_type") == "deepseek_v4" else load_config(path)
 
 
 @dataclass(frozen=True)

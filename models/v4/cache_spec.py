@@ -45,3 +45,30 @@ def v4_cache_groups(cfg: V4Config) -> tuple[CacheGroup, ...]:
             per_ix = 2 * (2 * cfg.index_head_dim) * _FP32
             groups.append(CacheGroup(f"{short}_index_state", "state", slots, per_ix, slots * per_ix, layers, ratio=m))
     return tuple(groups)
+
+
+def v4_group_layouts(cfg: V4Config, dtype, kv_cache_dtype: str = "auto") -> tuple:
+    """How the engine stores each of `v4_cache_groups` (``attention.group_cache.GroupLayout``), same order.
+
+    ``kv_cache_dtype`` ``"auto"``: sliding-window keys, compressed entries and indexer keys unquantized in
+    the model ``dtype``, one ``head_dim`` (``index_head_dim``) row per position (exact math: the engine's
+    output equals the standalone model's); state slots fp32: the compressor's ``wkv`` then ``wgate`` row,
+    ``2 * width`` values (CSA slots ``[0, m)`` the overlap half of the last complete window, ``[m, 2m)``
+    the pending projections; HCA slots ``[0, m)`` the pending ones: ``models.v4.paged_state``).
+    The fp8 584-byte pages (``attention.v4_format``) are not stored by the engine yet."""
+    import torch
+
+    from attention.group_cache import GroupLayout
+
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: the DeepSeek-V4 engine stores its caches unquantized "
+                         f"only ('auto'); its fp8 584-byte pages are not wired into the engine yet")
+    out = []
+    for g in v4_cache_groups(cfg):
+        if g.kind in ("swa", "compressed"):
+            out.append(GroupLayout(g, dtype, cfg.head_dim))
+        elif g.kind == "indexer":
+            out.append(GroupLayout(g, dtype, cfg.index_head_dim))
+        else:  # state: bytes_per_token = (kv + gate) x width x fp32
+            out.append(GroupLayout(g, torch.float32, g.bytes_per_token // _FP32))
+    return tuple(out)

@@ -62,6 +62,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
         self.rotary = nn.ModuleDict({label: V4Rotary(cfg.hf_config, label, cfg.qk_rope_head_dim)
                                      for label in ("main", "compress")})
+        # The MTP layers the engine would draft with: none built yet (the engine asks ``len(model.mtp)``).
+        self.mtp = nn.ModuleList()
 
     def new_state(self, device=None) -> SequenceState:
         """An empty sequence (no tokens forwarded yet)."""

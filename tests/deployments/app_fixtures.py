@@ -14,7 +14,7 @@ from models.tiny import tiny_config_kwargs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 YAMLS = ("tiny_pd.yaml", "tiny_pd_gpu.yaml", "tiny_mono.yaml", "tiny_mono_gpu.yaml", "dsv32_pd.yaml", "glm5_pd.yaml",
-         "small_pd.yaml")
+         "small_pd.yaml", "tiny_v4_pd.yaml", "tiny_v4_mono.yaml")
 
 
 def yaml_args(name: str) -> dict:
@@ -40,6 +40,10 @@ def tiny_raw(arch: str = "deepseek_v32", **overrides) -> dict:
 
 
 def tiny_model(arch: str = "deepseek_v32", **overrides):
+    if arch == "deepseek_v4":
+        from models.v4.config import v4_config_from_dict
+
+        return v4_config_from_dict(tiny_raw(arch, **overrides))
     return config_from_dict(tiny_raw(arch, **overrides))
 
 

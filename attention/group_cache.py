@@ -1,0 +1,166 @@
+"""Paged storage of a model whose caches come in groups (``attention.cache_groups``): DeepSeek-V4.
+
+Each group has its own page geometry and its own page ids (the workers give every
+group a page pool of its own): group ``g``'s page ``p`` holds, for every layer of
+the group, ``tokens_per_page`` positions of ``width`` elements in ``dtype``,
+laid out ``[layers, positions, width]`` (cross-layer: one page run of one group is
+one block for all its layers, as ``attention.cache``'s ``cross_layer`` layout).
+
+All groups live in ONE uint8 buffer cut into *units* of ``UNIT_BYTES``: group
+``g``'s page ``p`` is the units ``first[g] + p * k[g] .. + k[g]`` (``k[g]`` =
+its page bytes rounded up to whole units). The buffer is registered as one
+transfer region whose "page" is a unit, so a request's pages of every group
+move prefill -> decode through the existing region table, plan, push and
+receive code as one list of unit ids (`units`): the transfer layer pairs
+position ``i`` of the two lists, as it pairs V3.2's pages, and merges each
+group page's ``k[g]`` consecutive units (and runs of consecutive pages) into
+one descriptor. `pages_of_units` maps such a list back to group pages.
+
+This module only stores values; what a position of a group means (a token's
+sliding-window key, a compressed entry, a compressor state slot) is the
+model's business (``models.v4.paged_state``). Values are stored unquantized
+(``kv_cache_dtype`` ``"auto"``: exact math); the fp8 584-byte V4 page format
+(``attention.v4_format``) is not wired into this cache yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .cache import ALL_LAYERS, CacheRegion
+from .cache_groups import CacheGroup
+
+UNIT_BYTES = 4096
+"""Bytes of one transfer unit. Small against a group page at real scale (the padding is under
+one unit per page), large enough that the unit count stays far below NIXL's int32 index bound."""
+
+GROUP_REGION_KIND = "groups"
+"""`CacheRegion.kind` of the one region of a grouped cache (layer ``ALL_LAYERS``)."""
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """How one cache group is stored: ``width`` elements of ``dtype`` per position per layer.
+
+    The group's page holds ``[len(group.layers), group.tokens_per_page, width]`` values.
+    """
+
+    group: CacheGroup
+    dtype: torch.dtype
+    width: int
+
+    @property
+    def name(self) -> str:
+        return self.group.name
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every layer of the group."""
+        return len(self.group.layers) * self.group.tokens_per_page * self.width * self.dtype.itemsize
+
+    @property
+    def units_per_page(self) -> int:
+        return -(-self.page_bytes // UNIT_BYTES)
+
+
+class GroupedPagedCache:
+    """The pages of every group (see the module docstring).
+
+    layouts:   one per group, in a fixed order (the order of `units` lists);
+    num_pages: pages of each group (group name -> count);
+    device:    where the buffer lives.
+    """
+
+    def __init__(self, layouts: Sequence[GroupLayout], num_pages: Mapping[str, int], device: str | torch.device):
+        names = [lay.name for lay in layouts]
+        if len(set(names)) != len(names) or set(names) != set(num_pages):
+            raise ValueError(f"num_pages must name each group once: groups {names}, num_pages {sorted(num_pages)}")
+        for n, p in num_pages.items():
+            if isinstance(p, bool) or not isinstance(p, int) or p <= 0:
+                raise ValueError(f"num_pages[{n!r}] must be a positive int, got {p!r}")
+        self.layouts = {lay.name: lay for lay in layouts}
+        self.num_pages = dict(num_pages)
+        self.first_unit: dict[str, int] = {}
+        total = 0
+        for lay in layouts:
+            self.first_unit[lay.name] = total
+            total += num_pages[lay.name] * lay.units_per_page
+        self.num_units = total
+        self.device = torch.device(device)
+        self.buffer = torch.zeros(total, UNIT_BYTES, dtype=torch.uint8, device=self.device)
+        self._views = {lay.name: self._make_view(lay) for lay in layouts}
+        # Layer id -> its index inside each group's page (a group holds a subset of the layers).
+        self.layer_slot = {lay.name: {layer: i for i, layer in enumerate(lay.group.layers)} for lay in layouts}
+
+    def _make_view(self, lay: GroupLayout) -> torch.Tensor:
+        first, k, P = self.first_unit[lay.name], lay.units_per_page, self.num_pages[lay.name]
+        pages = self.buffer[first:first + P * k].view(P, k * UNIT_BYTES)[:, :lay.page_bytes]
+        g = lay.group
+        return pages.view(lay.dtype).view(P, len(g.layers), g.tokens_per_page, lay.width)
+
+    @property
+    def groups(self) -> list[CacheGroup]:
+        return [lay.group for lay in self.layouts.values()]
+
+    def view(self, name: str) -> torch.Tensor:
+        """Group ``name``'s pages: ``[num_pages, layers, tokens_per_page, width]`` of its dtype (a view)."""
+        return self._views[name]
+
+    def read(self, name: str, layer: int, pages: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
+        """Values of ``layer`` at a sequence's ``positions`` (int64 ``[n]``), the sequence's pages of
+        group ``name`` being ``pages`` (position ``t`` is page ``pages[t // T]``, offset ``t % T``)
+        -> ``[n, width]``."""
+        page, off = self._where(name, pages, positions)
+        return self._views[name][page, self.layer_slot[name][layer], off]
+
+    def write(self, name: str, layer: int, pages: Sequence[int], positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``values`` ``[n, width]`` (cast to the group's dtype) at ``positions`` as `read` addresses them."""
+        page, off = self._where(name, pages, positions)
+        self._views[name][page, self.layer_slot[name][layer], off] = values.to(self.layouts[name].dtype)
+
+    def _where(self, name: str, pages: Sequence[int], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T = self.layouts[name].group.tokens_per_page
+        positions = positions.to(self.device)
+        table = torch.as_tensor(list(pages), dtype=torch.int64, device=self.device)
+        if positions.numel() and int(positions.max()) >= table.numel() * T:
+            raise ValueError(f"group {name!r}: position {int(positions.max())} beyond the {table.numel()} pages held")
+        return table[positions // T], positions % T
+
+    # -- transfer units --------------------------------------------------------------
+
+    def units(self, name: str, pages: Sequence[int]) -> list[int]:
+        """The unit ids of group ``name``'s ``pages`` (each page's units in order, pages in order)."""
+        first, k = self.first_unit[name], self.layouts[name].units_per_page
+        p = np.asarray(pages, dtype=np.int64).reshape(-1, 1)
+        return (first + p * k + np.arange(k, dtype=np.int64)).reshape(-1).tolist()
+
+    def pages_of_units(self, units: Sequence[int]) -> dict[str, list[int]]:
+        """The group pages whose units ``units`` lists, each once, in first-seen order (the inverse of
+        `units`, over any groups). Raises ``ValueError`` for a unit outside the cache."""
+        u = np.asarray(units, dtype=np.int64).reshape(-1)
+        if u.size and (int(u.min()) < 0 or int(u.max()) >= self.num_units):
+            raise ValueError(f"units outside the cache's {self.num_units} units")
+        out: dict[str, list[int]] = {}
+        for name, lay in self.layouts.items():
+            first = self.first_unit[name]
+            mine = u[(u >= first) & (u < first + self.num_pages[name] * lay.units_per_page)]
+            if mine.size:
+                pages = (mine - first) // lay.units_per_page
+                _, at = np.unique(pages, return_index=True)
+                out[name] = pages[np.sort(at)].tolist()
+        return out
+
+    def regions(self) -> list[CacheRegion]:
+        """The whole cache as one transfer region whose pages are the units."""
+        return [CacheRegion(layer=ALL_LAYERS, kind=GROUP_REGION_KIND, tensor=self.buffer, bytes_per_page=UNIT_BYTES,
+                            num_pages=self.num_units)]
+
+    def formats(self) -> tuple[tuple[str, str], ...]:
+        """``(group, format)`` per group, for the transfer compatibility check (both sides must agree)."""
+        return tuple((lay.name, f"{lay.group.kind}:{str(lay.dtype).removeprefix('torch.')}x{lay.width}"
+                      f"@{lay.group.tokens_per_page}/{','.join(map(str, lay.group.layers))}")
+                     for lay in self.layouts.values())

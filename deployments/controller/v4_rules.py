@@ -1,0 +1,107 @@
+"""The controller's rules for a DeepSeek-V4 model (``models.v4.config.V4Config``).
+
+What the DSA settings mean for V4, and what its engine runs today
+(``workers.v4_runner``, ``workers.page_tables``):
+
+* top-k sharing: none. Each CSA layer's indexer selects over its own
+  compressed cache, HCA layers read every entry, sliding layers only the
+  window; there is no ``index_topk_freq`` / pattern to share, so two-batch
+  overlap has no sharing conflict. It is refused for another reason: the V4
+  runner is one rank, eager (two-batch overlap needs tensor parallel >= 2).
+* MTP: the checkpoint's MTP layer is not built (``models.v4``; transformers
+  does not build it either, so there is no reference to test it against):
+  ``mtp_draft_tokens`` must be 0, and ``features.mtp_topk_reuse`` (reusing the
+  target's top-k across draft steps) has nothing to apply to.
+* caches: per cache group (``models.v4.cache_spec``), each holding
+  ``num_pages`` pages, unquantized (``kv_cache_dtype`` ``auto``); the fp8
+  584-byte pages and the cuda backend are not wired into the engine.
+* memory: ``deployments.controller.memory`` plans DSA caches only; a V4 role on
+  a GPU is refused until it plans V4's groups.
+"""
+
+from __future__ import annotations
+
+from deployments.app_config import AppConfig, RoleConfig
+from deployments.controller.violations import Violation
+from models.v4.cache_spec import v4_cache_groups
+from models.v4.config import V4Config
+from workers.page_tables import group_pages_for_tokens
+from workers.scheduler import tokens_to_hold
+
+
+def v4_feature_rules(app_cfg: AppConfig, out: list[Violation]) -> None:
+    f = app_cfg.features
+    if f.mtp_topk_reuse:
+        out.append(Violation(
+            "features.mtp_topk_reuse",
+            "DeepSeek-V4 has no MTP drafts to reuse a top-k across (its MTP layer is not built), and each CSA "
+            "layer's indexer selects over its own compressed cache: set mtp_topk_reuse to false",
+        ))
+
+
+def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Config, out: list[Violation]) -> None:
+    if role_cfg.mtp_draft_tokens:
+        out.append(Violation(
+            f"{role}.mtp_draft_tokens",
+            f"mtp_draft_tokens {role_cfg.mtp_draft_tokens}: DeepSeek-V4's MTP layer is not built (models/v4 loads "
+            f"the main layers only; the checkpoint's num_nextn_predict_layers {m.num_nextn_predict_layers} "
+            "layer(s) are skipped): set mtp_draft_tokens to 0",
+        ))
+    if role_cfg.backend != "reference":
+        out.append(Violation(
+            f"{role}.backend",
+            f"DeepSeek-V4 runs on the reference backend only (its FlashMLA sparse prefill / decode path is not "
+            f"wired into the engine), got {role_cfg.backend!r}",
+        ))
+    if role_cfg.kv_cache_dtype != "auto":
+        out.append(Violation(
+            f"{role}.kv_cache_dtype",
+            f"DeepSeek-V4's engine stores its cache groups unquantized ('auto'); the fp8 584-byte pages are not "
+            f"wired into it yet, got {role_cfg.kv_cache_dtype!r}",
+        ))
+    if role_cfg.tensor_parallel_size != 1:
+        out.append(Violation(
+            f"{role}.tensor_parallel_size",
+            f"DeepSeek-V4 runs one rank per replica so far (its runner is not sharded), got "
+            f"{role_cfg.tensor_parallel_size}",
+        ))
+    if app_cfg.features.two_batch_overlap:
+        out.append(Violation(
+            "features.two_batch_overlap",
+            "DeepSeek-V4 has no top-k sharing to conflict with, but its runner is one eager rank: two-batch "
+            "overlap (tensor-parallel all-reduces behind compute) does not apply; set it to false",
+        ))
+    if role_cfg.device == "cuda":
+        out.append(Violation(
+            f"{role}.device",
+            "the memory plan (deployments/controller/memory.py) does not size DeepSeek-V4's cache groups yet: "
+            "V4 roles run on device 'cpu' for now",
+        ))
+    max_len = app_cfg.model.max_model_len or m.max_position_embeddings
+    tokens = tokens_to_hold(max_len, 0) if (role == "decode" and app_cfg.monolithic) else max_len
+    short = [f"{g.name} {group_pages_for_tokens(g, tokens)}" for g in v4_cache_groups(m)
+             if group_pages_for_tokens(g, tokens) > role_cfg.num_pages]
+    if short:
+        out.append(Violation(
+            f"{role}.num_pages",
+            f"each DeepSeek-V4 cache group gets num_pages ({role_cfg.num_pages}) pages; one request of "
+            f"max_model_len {max_len} needs more in {', '.join(short)} (workers.page_tables): raise num_pages "
+            "or lower model.max_model_len",
+        ))
+
+
+def v4_summary(role_cfg: RoleConfig, m: V4Config) -> str:
+    """What one replica of ``role_cfg`` holds in host memory: weights and every cache group's pages."""
+    from attention.group_cache import UNIT_BYTES
+    from models.dtypes import torch_dtype
+    from models.registry import count_parameters
+    from models.v4.cache_spec import v4_group_layouts
+    from deployments.controller.memory import format_bytes
+
+    dtype = torch_dtype(role_cfg.dtype)
+    weights = count_parameters(m) * dtype.itemsize
+    layouts = v4_group_layouts(m, dtype, "auto")
+    pages = sum(role_cfg.num_pages * lay.units_per_page * UNIT_BYTES for lay in layouts)
+    groups = ", ".join(f"{lay.name} {lay.group.tokens_per_page}/page" for lay in layouts)
+    return (f"per replica (host memory): weights {format_bytes(weights)} + pages {format_bytes(pages)} "
+            f"({role_cfg.num_pages} pages in each of {len(layouts)} cache groups: {groups})")

@@ -83,12 +83,10 @@ def _stays_fp32(name: str) -> bool:
         or name.startswith("model.hc_head") or "hc_" in name
 
 
-def _perturb_v4_(model: torch.nn.Module, g: torch.Generator) -> None:
-    """Move what transformers initialises to constants off them (a loader that forgets a sink,
-    a position bias, a norm or the hash table must fail the tests), scale lm_head so greedy
-    has clear margins, damp the rows the byte tokenizer never prints."""
-    from models.tiny import _FAVOURED_IDS
-
+def perturb_v4_constants_(model: torch.nn.Module, g: torch.Generator) -> None:
+    """Random values for what transformers' ``DeepseekV4ForCausalLM`` initialises to constants: the
+    hash-routing table, attention sinks, position biases, routing biases, hyper-connection bases,
+    norm weights."""
     cfg = model.config
     with torch.no_grad():
         for n, p in [*model.named_parameters(), *model.named_buffers()]:
@@ -100,6 +98,16 @@ def _perturb_v4_(model: torch.nn.Module, g: torch.Generator) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
             elif n.endswith("norm.weight"):
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+
+
+def _perturb_v4_(model: torch.nn.Module, g: torch.Generator) -> None:
+    """Move what transformers initialises to constants off them (a loader that forgets a sink,
+    a position bias, a norm or the hash table must fail the tests), scale lm_head so greedy
+    has clear margins, damp the rows the byte tokenizer never prints."""
+    from models.tiny import _FAVOURED_IDS
+
+    perturb_v4_constants_(model, g)
+    with torch.no_grad():
         head = model.get_output_embeddings().weight
         head.mul_(_LM_HEAD_SCALE)
         damp = torch.full((head.shape[0], 1), _UNUSED_ROW_SCALE)

@@ -37,6 +37,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny-tensor tests: their ops take microseconds, and OpenMP's
+    hand-offs between two threads cost more than the work (10-100x on a busy 2-core machine)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(autouse=True)
 def _free_lingering_nixl_agents():
     """Free NIXL agents a test left in reference cycles (an ``LLM`` and its engine).

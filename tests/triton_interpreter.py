@@ -31,6 +31,16 @@ def report(checks: dict[str, Callable[[], None]]) -> None:
     print("RESULTS " + json.dumps(results))
 
 
+def report_seeded(checks: dict[str, Callable], argv: list[str]) -> None:
+    """`report` for checks that take a generator: ``python test_x.py SEED`` gives check ``name`` a CPU
+    generator seeded ``SEED + sum(map(ord, name))`` (each check its own stream, replayable by SEED)."""
+    import torch
+
+    seed = int(argv[0])
+    report({name: (lambda c=check, n=name: c(torch.Generator().manual_seed(seed + sum(map(ord, n)))))
+            for name, check in checks.items()})
+
+
 def interpreter_results(test_file: str, seed: int) -> dict[str, str]:
     """``{check: "ok" | traceback}`` from ``python test_file SEED`` under the interpreter."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))

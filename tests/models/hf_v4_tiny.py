@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from models.tiny_v4 import perturb_v4_constants_
+
 CSA, HCA, SWA = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 
 BASE = dict(
@@ -64,18 +66,7 @@ def build_hf_v4(name: str, seed: int = 0):
         kw["mlp_layer_types"] = ["hash_moe"] * n_hash + ["moe"] * (kw["num_hidden_layers"] - n_hash)
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(DeepseekV4Config(**kw)).eval()
-    cfg = model.config
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for n, p in [*model.named_parameters(), *model.named_buffers()]:
-            if n.endswith("tid2eid"):
-                rows = [torch.randperm(cfg.n_routed_experts, generator=g)[:cfg.num_experts_per_tok]
-                        for _ in range(p.shape[0])]
-                p.copy_(torch.stack(rows))
-            elif n.endswith(("sinks", "position_bias", "e_score_correction_bias", "hc.base", "hc_head.hc_base")):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-            elif n.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+    perturb_v4_constants_(model, torch.Generator().manual_seed(seed + 1))
     return model
 
 

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from models.weights import dequantize_fp8_block, quantize_fp8_block  # noqa: E402
-from tests.triton_interpreter import compile_in_subprocess, report  # noqa: E402
+from tests.triton_interpreter import compile_in_subprocess, report_seeded  # noqa: E402
 from tests.triton_interpreter import interpreter_results as run_in_interpreter  # noqa: E402
 
 SEED = int(os.environ.get("FP8_TEST_SEED", secrets.randbits(31)))
@@ -154,12 +154,6 @@ def check_grouped_fp8(gen) -> None:
 CHECKS = {"w8a16": check_w8a16, "act_quant": check_act_quant, "grouped_fp8": check_grouped_fp8}
 
 
-def _worker_main(argv: list[str]) -> None:
-    seed = int(argv[0])
-    report({name: (lambda c=check, n=name: c(torch.Generator().manual_seed(seed + sum(map(ord, n)))))
-            for name, check in CHECKS.items()})
-
-
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
     return run_in_interpreter(__file__, SEED)
@@ -243,4 +237,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--compile"]:
         _compile_worker()
     else:
-        _worker_main(sys.argv[1:])
+        report_seeded(CHECKS, sys.argv[1:])

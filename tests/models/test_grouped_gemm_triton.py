@@ -31,7 +31,7 @@ pytest.importorskip("triton")
 
 from models.moe import dispatch  # noqa: E402
 from models.ops import grouped_gemm_ref as ref  # noqa: E402
-from tests.triton_interpreter import compile_in_subprocess, report  # noqa: E402
+from tests.triton_interpreter import compile_in_subprocess, report_seeded  # noqa: E402
 from tests.triton_interpreter import interpreter_results as run_in_interpreter  # noqa: E402
 
 SEED = int(os.environ.get("MOE_TEST_SEED", secrets.randbits(31)))
@@ -142,13 +142,6 @@ CHECKS = {
 }
 
 
-def _worker_main(argv: list[str]) -> None:
-    """``python test_grouped_gemm_triton.py SEED``: every check in the interpreter, JSON results."""
-    seed = int(argv[0])
-    report({name: (lambda c=check, n=name: c(torch.Generator().manual_seed(seed + sum(map(ord, n)))))
-            for name, check in CHECKS.items()})
-
-
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
     return run_in_interpreter(__file__, SEED)
@@ -210,4 +203,4 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["--compile"]:
         _compile_worker()
     else:
-        _worker_main(sys.argv[1:])
+        report_seeded(CHECKS, sys.argv[1:])

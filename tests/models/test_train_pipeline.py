@@ -49,14 +49,7 @@ def _args(root, steps: int) -> TrainArgs:
                      log_every=1, eval_windows=4, phases="dense=0.5,warmup=0.2,sparse=0.3", device="cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The toy's ops are microseconds long: with two threads OpenMP's hand-offs cost more than the
-    work (100x on a busy 2-core machine)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

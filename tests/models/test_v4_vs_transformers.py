@@ -12,13 +12,7 @@ from tests.workers.hf_tiny import use_tie_rule
 from tests.workers.prompts import random_prompt
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: thread hand-offs cost more than the math on a shared 2-core machine."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -22,13 +22,7 @@ LENGTHS = (1, 9, 40, 23, 261)  # 261: past one 256-token page, ends mid compress
 NEW = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: thread hand-offs cost more than the math on a shared 2-core machine (10-50x here)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -111,6 +111,9 @@ def w8a16_config(M: int, N: int, K: int, block: tuple[int, int], sms: int) -> di
     # step in 36 unsplit products of 12-192 tiles, against ~1 ms of bf16 cuBLAS): split K.
     tiles = triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"])
     split = max(1, min(triton.cdiv(2 * sms, tiles), k_tiles // 4))
+    # A power of two: K_PER is a constexpr, so each distinct split compiles a kernel; rounding down
+    # bounds them to a handful per shape whatever the prefill lengths are.
+    split = 1 << (split.bit_length() - 1)
     k_per = triton.cdiv(k_tiles, split) * cfg["BK"]
     cfg["SPLIT"] = triton.cdiv(K, k_per)
     cfg["K_PER"] = k_per

@@ -55,7 +55,7 @@ def _build(app_cfg: AppConfig, role: str, model_dir: str | Path, worker_id: str,
     parts = build_replica(role_cfg.rank_spec(model_dir, push, app_cfg.features.two_batch_overlap),
                           role_cfg.tensor_parallel_size,
                           worker_id if link else None, options, prefix_caching=app_cfg.features.prefix_caching,
-                          mtp=role_cfg.has_mtp)
+                          mtp=role_cfg.has_mtp, chunk_size=role_cfg.chunk_size)
     if app_cfg.features.two_batch_overlap:
         log.info("%s: two-batch overlap on (each multi-request forward as two micro-batches, models/two_batch.py)",
                  worker_id)

@@ -68,7 +68,8 @@ class LLM:
                              "over GPU memory; on a GPU serve the app (prefill and decode replicas are "
                              "separate processes) or use pd=False")
         mtp = mtp_draft_tokens > 0
-        decode = build_replica(spec, tp_size, "decode-0" if pd else None, prefix_caching=prefix_caching, mtp=mtp)
+        decode = build_replica(spec, tp_size, "decode-0" if pd else None, prefix_caching=prefix_caching, mtp=mtp,
+                               chunk_size=chunk_size)
         self.groups: list[RankGroup] = [decode.group] if decode.group else []
         self.model, self.runner, self.cache, self.pool = decode.model, decode.runner, decode.cache, decode.pool
         self.cfg = self.model.cfg

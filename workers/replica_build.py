@@ -20,6 +20,7 @@ from attention.group_cache import GroupedPagedCache
 from models.model import DsaForCausalLM
 from models.tokenizer import load_detokenizer
 from workers.decode_graphs import default_graph_context
+from workers.kernel_warmup import warm_up_prefill
 from workers.engine import Engine
 from workers.group_link import GroupLink
 from workers.kv_link import KVLink
@@ -54,14 +55,24 @@ class ReplicaParts:
 
 def build_replica(spec: RankSpec, tp_size: int = 1, worker_id: str | None = None,
                   actor_options: Sequence[dict[str, Any]] | None = None, prefix_caching: bool = False,
-                  mtp: bool = False) -> ReplicaParts:
+                  mtp: bool = False, chunk_size: int | None = None) -> ReplicaParts:
     """Load ``spec`` on ``tp_size`` ranks and make the replica's page pool.
 
     worker_id: open a NIXL link under that name (prefill and decode replicas; None: no link).
     actor_options: the rank workers' Ray actor options, one dict per rank (tp_size > 1).
     prefix_caching: give the pool a prefix cache (`workers.prefix_cache`) keyed with `replica_salt`;
     mtp: the replica writes the MTP layer's pages (MTP drafts on; part of the salt).
+    chunk_size: the replica's prefill chunk; on the ``cuda`` backend its prefill kernels are compiled
+    now, up to that many tokens (`workers.kernel_warmup`).
     """
+    parts = _build_parts(spec, tp_size, worker_id, actor_options, prefix_caching, mtp)
+    if chunk_size and spec.backend == "cuda":
+        warm_up_prefill(parts.runner, parts.pool, chunk_size, parts.model.cfg.max_position_embeddings)
+    return parts
+
+
+def _build_parts(spec: RankSpec, tp_size: int, worker_id: str | None, actor_options, prefix_caching: bool,
+                 mtp: bool) -> ReplicaParts:
     if tp_size > 1:
         cache = PrefixCache(replica_salt(spec, mtp)) if prefix_caching else None
         group = RankGroup(spec, tp_size, actor_options)

@@ -1,0 +1,54 @@
+"""Compile the prefill path's kernels at start-up, not in the first requests.
+
+Triton and DeepGEMM compile a kernel the first time they meet a shape class: the fp8 GEMMs' tile
+configurations follow the number of rows, DeepGEMM's JIT builds one kernel per (N, K, its M-tile
+choice), the grouped expert GEMMs follow the rows per expert. On the H100 the first 16k-token
+prompt after start prefilled at 6.9k tokens/s against 33.8k warm. A replica on the ``cuda``
+backend therefore runs one prefill forward of each size in `warmup_sizes` before it serves (the
+decode path is compiled already: CUDA-graph capture runs every decode bucket once).
+
+The forwards write their KV into pages taken from the pool and given back at once; nothing else
+is touched (no request, no sampling), so the engine starts exactly as without warm-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from attention.formats import PAGE_SIZE
+from models.batch import ForwardMode
+from workers.model_runner import WorkItem
+
+log = logging.getLogger(__name__)
+
+
+def warmup_sizes(chunk_size: int, max_tokens: int) -> list[int]:
+    """Prompt lengths to prefill once: powers of two from 16 up to the prefill chunk, and the chunk
+    itself, none above ``max_tokens`` (what the pool and the model's positions allow)."""
+    top = min(chunk_size, max_tokens)
+    sizes = [n for n in (16 << k for k in range(16)) if n < top]
+    return sizes + [top] if top >= 1 else sizes
+
+
+def warm_up_prefill(runner, pool, chunk_size: int, max_positions: int) -> dict[int, float]:
+    """One prefill forward per `warmup_sizes` length through ``runner``; ``{tokens: seconds}``.
+
+    Every page it takes from ``pool`` goes back before it returns (also on an error)."""
+    took: dict[int, float] = {}
+    for n in warmup_sizes(chunk_size, min(max_positions, pool.free_count * PAGE_SIZE)):
+        pages = pool.allocate_for_tokens(n)
+        try:
+            t = time.perf_counter()
+            # Token ids cycle through a small range: any id the vocabulary has, no special meaning.
+            runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(3 + i % 200 for i in range(n)), 0, tuple(pages))])
+            if torch.cuda.is_available() and str(getattr(runner, "device", "")).startswith("cuda"):
+                torch.cuda.synchronize()
+            took[n] = time.perf_counter() - t
+        finally:
+            pool.free(pages)
+    if took:
+        log.info("prefill kernels warmed up for %s tokens in %.1f s", sorted(took), sum(took.values()))
+    return took

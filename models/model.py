@@ -38,13 +38,20 @@ class MTPLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TPContext, dtype: torch.dtype, hadamard: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = _embedding(cfg, dtype)
         self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.eh_proj = ReplicatedLinear(2 * cfg.hidden_size, cfg.hidden_size, dtype=dtype)
         self.decoder = DecoderLayer(cfg, tp, dtype, dense=False, owns_indexer=True, hadamard=hadamard)
         self.shared_head = SharedHead(cfg, dtype)
+
+
+def _embedding(cfg: ModelConfig, dtype: torch.dtype) -> nn.Embedding:
+    """The token embedding, uninitialised like every other weight (the loader fills it): nn.Embedding's
+    own random init on the meta device imports torch's reference decompositions, 4-8 s of the first
+    meta build in a process (`dsa-pd check`, `models.footprint`)."""
+    return nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                        _freeze=True)
 
 
 class DsaForCausalLM(nn.Module):
@@ -56,8 +63,7 @@ class DsaForCausalLM(nn.Module):
         super().__init__()
         self.cfg, self.dtype, self.tp = cfg, dtype, tp
         plan = cfg.topk_plan
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = _embedding(cfg, dtype)
         self.layers = nn.ModuleList([
             DecoderLayer(cfg, tp, dtype, dense=cfg.mlp_layer_types[i] == "dense",
                          owns_indexer=plan.computes[i], hadamard=hadamard)

@@ -39,7 +39,12 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.hf_config, self.rope_dim = hf_config, rope_dim
         self.register_buffer("inv_freq", torch.empty(rope_dim // 2), persistent=False)
-        self.reset_buffers()
+        self.attention_scaling = 1.0
+        # On the meta device (models are built there, then loaded) the tables are computed by the
+        # loader's reset_buffers(); computing meta tensors here would import torch's reference
+        # decompositions (seconds of the first meta build in a process: `dsa-pd check`).
+        if self.inv_freq.device.type != "meta":
+            self.reset_buffers()
 
     def reset_buffers(self) -> None:
         hf_config, rope_dim = self.hf_config, self.rope_dim

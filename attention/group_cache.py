@@ -18,9 +18,22 @@ one descriptor. `pages_of_units` maps such a list back to group pages.
 
 This module only stores values; what a position of a group means (a token's
 sliding-window key, a compressed entry, a compressor state slot) is the
-model's business (``models.v4.paged_state``). Values are stored unquantized
-(``kv_cache_dtype`` ``"auto"``: exact math); the fp8 584-byte V4 page format
-(``attention.v4_format``) is not wired into this cache yet.
+model's business (``models.v4.paged_state``). A group is stored either
+
+* unquantized (`GroupLayout.fmt` None): ``width`` values of ``dtype`` per position,
+  the page ``[layers, positions, width]``; or
+* in the V4 fp8 format (`GroupLayout.fmt` a ``V4CacheFormat``: ``kv_cache_dtype``
+  ``"fp8"``): the page is one 584-byte-token V4 page (``attention.v4_format``: 256
+  tokens' 576-byte parts, then their scale rows, padded) per layer,
+  ``[layers, fmt.page_bytes]`` uint8; `write` quantizes and `read` dequantizes
+  through ``v4_format``'s own token-offset rule (`v4_format.token_bytes_at`).
+  Layer ``l``'s V4 pages of the group start ``l * fmt.page_bytes`` into each group
+  page, one group page (``units_per_page * UNIT_BYTES``) apart: a kernel view is
+  ``v4_format.kernel_view``'s shape with that page stride.
+
+A group page's bytes are the group's declared ``page_bytes`` (``CacheGroup``) per
+layer, nothing else: `GroupLayout` refuses a group whose declared geometry is not
+what it stores.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import torch
 
 from .cache import ALL_LAYERS, CacheRegion
 from .cache_groups import CacheGroup
+from .v4_format import V4CacheFormat, read_tokens, write_tokens
 
 UNIT_BYTES = 4096
 """Bytes of one transfer unit. Small against a group page at real scale (the padding is under
@@ -44,14 +58,32 @@ GROUP_REGION_KIND = "groups"
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """How one cache group is stored: ``width`` elements of ``dtype`` per position per layer.
+    """How one cache group is stored (module docstring).
 
-    The group's page holds ``[len(group.layers), group.tokens_per_page, width]`` values.
+    group: the group, whose ``bytes_per_token`` / ``page_bytes`` must be what this layout stores;
+    dtype: the stored element type (``torch.uint8`` with ``fmt``);
+    width: values a position holds (read returns ``[n, width]``);
+    fmt:   None (unquantized: ``width`` x ``dtype`` a position) or the V4 fp8 token format
+           (``fmt.head_dim == width``, ``fmt.page_tokens == group.tokens_per_page``).
     """
 
     group: CacheGroup
     dtype: torch.dtype
     width: int
+    fmt: V4CacheFormat | None = None
+
+    def __post_init__(self) -> None:
+        g = self.group
+        if self.fmt is None:
+            want = (self.width * self.dtype.itemsize, g.tokens_per_page * self.width * self.dtype.itemsize)
+        else:
+            if self.dtype != torch.uint8 or self.fmt.head_dim != self.width or self.fmt.page_tokens != g.tokens_per_page:
+                raise ValueError(f"group {g.name!r}: a V4-format layout stores uint8 pages of {g.tokens_per_page} "
+                                 f"tokens of width {self.width}, got dtype {self.dtype}, format {self.fmt}")
+            want = (self.fmt.bytes_per_token, self.fmt.page_bytes)
+        if (g.bytes_per_token, g.page_bytes) != want:
+            raise ValueError(f"group {g.name!r} declares {g.bytes_per_token} bytes a position and {g.page_bytes} a "
+                             f"page (per layer); this layout stores {want[0]} and {want[1]}")
 
     @property
     def name(self) -> str:
@@ -59,12 +91,18 @@ class GroupLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page over every layer of the group."""
-        return len(self.group.layers) * self.group.tokens_per_page * self.width * self.dtype.itemsize
+        """Bytes of one page over every layer of the group: the declared page bytes per layer."""
+        return len(self.group.layers) * self.group.page_bytes
 
     @property
     def units_per_page(self) -> int:
         return -(-self.page_bytes // UNIT_BYTES)
+
+    def describe(self) -> str:
+        """The stored format, e.g. ``bfloat16x32`` or ``v4fp8[448+64]x584`` (compatibility checks)."""
+        if self.fmt is not None:
+            return f"v4fp8[{self.fmt.nope_dim}+{self.fmt.rope_dim}]x{self.fmt.bytes_per_token}"
+        return f"{str(self.dtype).removeprefix('torch.')}x{self.width}"
 
 
 class GroupedPagedCache:
@@ -100,6 +138,8 @@ class GroupedPagedCache:
         first, k, P = self.first_unit[lay.name], lay.units_per_page, self.num_pages[lay.name]
         pages = self.buffer[first:first + P * k].view(P, k * UNIT_BYTES)[:, :lay.page_bytes]
         g = lay.group
+        if lay.fmt is not None:
+            return pages.view(P, len(g.layers), lay.fmt.page_bytes)
         return pages.view(lay.dtype).view(P, len(g.layers), g.tokens_per_page, lay.width)
 
     @property
@@ -107,20 +147,35 @@ class GroupedPagedCache:
         return [lay.group for lay in self.layouts.values()]
 
     def view(self, name: str) -> torch.Tensor:
-        """Group ``name``'s pages: ``[num_pages, layers, tokens_per_page, width]`` of its dtype (a view)."""
+        """Group ``name``'s pages (a view): ``[num_pages, layers, tokens_per_page, width]`` of its dtype, or
+        with a V4 format ``[num_pages, layers, fmt.page_bytes]`` uint8 (one V4 page per layer)."""
         return self._views[name]
 
     def read(self, name: str, layer: int, pages: Sequence[int], positions: torch.Tensor) -> torch.Tensor:
         """Values of ``layer`` at a sequence's ``positions`` (int64 ``[n]``), the sequence's pages of
         group ``name`` being ``pages`` (position ``t`` is page ``pages[t // T]``, offset ``t % T``)
-        -> ``[n, width]``."""
+        -> ``[n, width]`` (V4 format: dequantized, float32)."""
         page, off = self._where(name, pages, positions)
+        lay = self.layouts[name]
+        if lay.fmt is not None:
+            return read_tokens(self.buffer.view(-1), self._page_base(name, layer, page), off, lay.fmt)
         return self._views[name][page, self.layer_slot[name][layer], off]
 
     def write(self, name: str, layer: int, pages: Sequence[int], positions: torch.Tensor, values: torch.Tensor) -> None:
-        """Store ``values`` ``[n, width]`` (cast to the group's dtype) at ``positions`` as `read` addresses them."""
+        """Store ``values`` ``[n, width]`` (cast to the group's dtype, or quantized to its V4 format) at
+        ``positions`` as `read` addresses them."""
         page, off = self._where(name, pages, positions)
-        self._views[name][page, self.layer_slot[name][layer], off] = values.to(self.layouts[name].dtype)
+        lay = self.layouts[name]
+        if lay.fmt is not None:
+            write_tokens(self.buffer.view(-1), self._page_base(name, layer, page), off, values, lay.fmt)
+            return
+        self._views[name][page, self.layer_slot[name][layer], off] = values.to(lay.dtype)
+
+    def _page_base(self, name: str, layer: int, page: torch.Tensor) -> torch.Tensor:
+        """Byte offset in the buffer of ``layer``'s V4 page inside each of group ``name``'s ``page`` s."""
+        lay = self.layouts[name]
+        group_page = (self.first_unit[name] + page * lay.units_per_page) * UNIT_BYTES
+        return group_page + self.layer_slot[name][layer] * lay.fmt.page_bytes
 
     def _where(self, name: str, pages: Sequence[int], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         T = self.layouts[name].group.tokens_per_page
@@ -161,6 +216,6 @@ class GroupedPagedCache:
 
     def formats(self) -> tuple[tuple[str, str], ...]:
         """``(group, format)`` per group, for the transfer compatibility check (both sides must agree)."""
-        return tuple((lay.name, f"{lay.group.kind}:{str(lay.dtype).removeprefix('torch.')}x{lay.width}"
+        return tuple((lay.name, f"{lay.group.kind}:{lay.describe()}"
                       f"@{lay.group.tokens_per_page}/{','.join(map(str, lay.group.layers))}")
                      for lay in self.layouts.values())

@@ -144,32 +144,61 @@ def _page_offsets(slots: torch.Tensor, pages: torch.Tensor, fmt: V4CacheFormat):
     return slots // fmt.page_tokens, slots % fmt.page_tokens
 
 
+def token_bytes_at(base: torch.Tensor, off: torch.Tensor, fmt: V4CacheFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where tokens live in a flat byte buffer: the one token-offset rule of the format.
+
+    base int64 ``[n]``: byte offset of each token's page in the buffer; off int64 ``[n]``: the token's
+    offset in its page (``< page_tokens``) -> byte indices int64 ``[n, part_bytes]`` of its part
+    (page start + ``off * part_bytes``) and ``[n, scale_bytes]`` of its scale row (page start +
+    ``scale_offset + off * scale_bytes``)."""
+    dev = base.device
+    part_at = (base + off * fmt.part_bytes)[:, None] + torch.arange(fmt.part_bytes, device=dev)
+    scale_at = (base + fmt.scale_offset + off * fmt.scale_bytes)[:, None] + torch.arange(fmt.scale_bytes, device=dev)
+    return part_at, scale_at
+
+
+def write_tokens(flat: torch.Tensor, base: torch.Tensor, off: torch.Tensor, x: torch.Tensor,
+                 fmt: V4CacheFormat) -> None:
+    """Quantize tokens x ``[n, nope + rope]`` into the flat uint8 buffer ``flat`` (1-D, written in place)
+    at pages starting at byte ``base`` int64 ``[n]``, offsets ``off`` int64 ``[n]`` (`token_bytes_at`)."""
+    parts, scales = quantize_v4(x, fmt)
+    part_at, scale_at = token_bytes_at(base, off, fmt)
+    flat[part_at.reshape(-1)] = parts.reshape(-1)
+    flat[scale_at.reshape(-1)] = scales.reshape(-1)
+
+
+def read_tokens(flat: torch.Tensor, base: torch.Tensor, off: torch.Tensor, fmt: V4CacheFormat) -> torch.Tensor:
+    """Dequantized tokens f32 ``[n, nope + rope]`` stored in ``flat`` as `write_tokens` put them."""
+    part_at, scale_at = token_bytes_at(base, off, fmt)
+    return dequantize_v4(flat[part_at], flat[scale_at], fmt)
+
+
+def round_trip_v4(x: torch.Tensor, fmt: V4CacheFormat) -> torch.Tensor:
+    """x ``[n, nope + rope]`` as the cache gives it back (quantize, then dequantize), in x's dtype.
+
+    A model computing with fp8 caches uses these values from the moment a key exists, so a key
+    read back from pages equals the one used in the forward that made it: re-quantizing a
+    round-tripped token gives the same values (power-of-two scales; tests/attention/test_v4_format.py),
+    and fp8 x 2^k and bf16 rope values are exact in bf16 / fp32 ``x``."""
+    _check_tokens(x, fmt)
+    return dequantize_v4(*quantize_v4(x, fmt), fmt).to(x.dtype)
+
+
 def write_v4(pages: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, fmt: V4CacheFormat) -> None:
     """Quantize tokens x ``[n, nope + rope]`` into ``pages`` uint8 ``[P, page_bytes]`` at
     ``slots`` int ``[n]`` (``-1`` skipped; another slot outside the pool: IndexError)."""
     keep = slots >= 0
     page, off = _page_offsets(slots[keep], pages, fmt)
-    parts, scales = quantize_v4(x[keep], fmt)
-    flat = pages.view(-1)
-    base = page * fmt.page_bytes
-    part_at = (base + off * fmt.part_bytes)[:, None] + torch.arange(fmt.part_bytes, device=pages.device)
-    scale_at = (base + fmt.scale_offset + off * fmt.scale_bytes)[:, None] + torch.arange(fmt.scale_bytes,
-                                                                                          device=pages.device)
-    flat[part_at.reshape(-1)] = parts.reshape(-1)
-    flat[scale_at.reshape(-1)] = scales.reshape(-1)
+    write_tokens(pages.view(-1), page * fmt.page_bytes, off, x[keep], fmt)
 
 
 def read_v4(pages: torch.Tensor, slots: torch.Tensor, fmt: V4CacheFormat) -> torch.Tensor:
     """Dequantized tokens f32 ``[n, nope + rope]`` at ``slots`` int ``[n]`` (``-1`` -> zeros)."""
     keep = slots >= 0
     page, off = _page_offsets(torch.where(keep, slots, 0), pages, fmt)
-    flat = pages.view(-1)
-    base = page * fmt.page_bytes
-    parts = flat[(base + off * fmt.part_bytes)[:, None] + torch.arange(fmt.part_bytes, device=pages.device)]
-    scales = flat[(base + fmt.scale_offset + off * fmt.scale_bytes)[:, None]
-                  + torch.arange(fmt.scale_bytes, device=pages.device)]
+    got = read_tokens(pages.view(-1), page * fmt.page_bytes, off, fmt)
     # where, not a multiply: a never-written slot's bytes may decode to NaN.
-    return torch.where(keep[:, None], dequantize_v4(parts, scales, fmt), 0.0)
+    return torch.where(keep[:, None], got, 0.0)
 
 
 def kernel_view(pages: torch.Tensor, fmt: V4CacheFormat) -> torch.Tensor:

@@ -137,7 +137,7 @@ def _build_grouped_rank(spec: RankSpec, tp: TPContext, device: str) -> RankParts
     ``GroupedPagedCache``, the `workers.v4_runner.V4ModelRunner`. Reference backend, one rank."""
     from attention.group_cache import GroupedPagedCache
     from models.registry import load_any_model
-    from models.v4.cache_spec import v4_group_layouts
+    from models.v4.cache_spec import v4_group_layouts, v4_kv_format
     from workers.v4_runner import V4ModelRunner
 
     limits = {"backend": (spec.backend, "reference"), "tensor parallel size": (tp.size, 1),
@@ -146,6 +146,8 @@ def _build_grouped_rank(spec: RankSpec, tp: TPContext, device: str) -> RankParts
         if got != want:
             raise ValueError(f"DeepSeek-V4 runs with {what} {want!r} only for now, got {got!r}")
     model = load_any_model(spec.model_dir, dtype=torch_dtype(spec.dtype), device=device)
+    # fp8 caches: the model rounds keys and entries through the pages' format as it makes them.
+    model.set_kv_cache_format(v4_kv_format(model.cfg, spec.kv_cache_dtype))
     layouts = v4_group_layouts(model.cfg, torch_dtype(spec.dtype), spec.kv_cache_dtype)
     cache = GroupedPagedCache(layouts, {lay.name: spec.num_pages for lay in layouts}, device)
     return RankParts(spec, model, cache, V4ModelRunner(model, cache, device))

@@ -21,7 +21,7 @@ from workers.scheduler import tokens_to_hold
 
 from deployments.controller.violations import AppConfigError, Violation, violations_from_pydantic
 from deployments.controller.memory import _cache_spec, cache_formats, estimate_memory, role_compat_info
-from deployments.controller.v4_rules import v4_feature_rules, v4_role_rules
+from deployments.controller.v4_rules import v4_agreement_rules, v4_feature_rules, v4_role_rules
 from models.registry import read_config_json
 from models.v4.config import V4Config, v4_config_from_dict
 
@@ -322,6 +322,7 @@ def validate(app_cfg: AppConfig, model_cfg: ModelConfig | None, gpu_memory_bytes
         # V4's own rules (deployments.controller.v4_rules); the DSA ones below read a ModelConfig.
         if not app_cfg.monolithic:
             _agreement_rules(app_cfg, None, out)
+            v4_agreement_rules(app_cfg, model_cfg, out)
         _feature_rules(app_cfg, None, out)
         v4_feature_rules(app_cfg, out)
         for role in app_cfg.roles:

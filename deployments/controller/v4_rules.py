@@ -13,8 +13,11 @@ What the DSA settings mean for V4, and what its engine runs today
   ``mtp_draft_tokens`` must be 0, and ``features.mtp_topk_reuse`` (reusing the
   target's top-k across draft steps) has nothing to apply to.
 * caches: per cache group (``models.v4.cache_spec``), each holding
-  ``num_pages`` pages, unquantized (``kv_cache_dtype`` ``auto``); the fp8
-  584-byte pages and the cuda backend are not wired into the engine.
+  ``num_pages`` pages; ``kv_cache_dtype`` ``auto`` (unquantized, model dtype) or
+  ``fp8`` (sliding-window keys and compressed entries in the 584-byte V4 token
+  format; indexer keys in the model dtype and compressor state fp32 either way).
+  Prefill and decode must agree on it (``rules``, and the transfer handshake's
+  per-group formats). The cuda backend is not wired into the engine.
 * memory: ``deployments.controller.memory`` plans DSA caches only; a V4 role on
   a GPU is refused until it plans V4's groups.
 """
@@ -39,6 +42,29 @@ def v4_feature_rules(app_cfg: AppConfig, out: list[Violation]) -> None:
         ))
 
 
+def v4_agreement_rules(app_cfg: AppConfig, m: V4Config, out: list[Violation]) -> None:
+    """PD: both roles' cache groups must be stored alike (pages are copied byte for byte). The generic rule
+    (``rules._agreement_rules``) compares ``kv_cache_dtype`` and, under ``auto``, the model dtype; under
+    ``fp8`` V4's indexer keys still follow the model dtype (``models.v4.cache_spec``), so compare the
+    groups' formats themselves."""
+    from models.dtypes import torch_dtype
+    from models.v4.cache_spec import v4_group_layouts
+
+    p, d = app_cfg.prefill, app_cfg.decode
+    if p.kv_cache_dtype != d.kv_cache_dtype or p.kv_cache_dtype == "auto":
+        return  # reported by the generic rule
+    fp = {lay.name: lay.describe() for lay in v4_group_layouts(m, torch_dtype(p.dtype), p.kv_cache_dtype)}
+    fd = {lay.name: lay.describe() for lay in v4_group_layouts(m, torch_dtype(d.dtype), d.kv_cache_dtype)}
+    differ = [f"{g} {fp[g]} vs {fd[g]}" for g in fp if fp[g] != fd[g]]
+    if differ:
+        out.append(Violation(
+            "decode.dtype",
+            f"with kv_cache_dtype 'fp8' DeepSeek-V4 keeps its indexer keys in the model dtype: prefill "
+            f"{p.dtype!r} vs decode {d.dtype!r} stores {', '.join(differ)} differently; pages are copied byte for "
+            "byte, so use one dtype on both roles",
+        ))
+
+
 def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Config, out: list[Violation]) -> None:
     if role_cfg.mtp_draft_tokens:
         out.append(Violation(
@@ -52,12 +78,6 @@ def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Conf
             f"{role}.backend",
             f"DeepSeek-V4 runs on the reference backend only (its FlashMLA sparse prefill / decode path is not "
             f"wired into the engine), got {role_cfg.backend!r}",
-        ))
-    if role_cfg.kv_cache_dtype != "auto":
-        out.append(Violation(
-            f"{role}.kv_cache_dtype",
-            f"DeepSeek-V4's engine stores its cache groups unquantized ('auto'); the fp8 584-byte pages are not "
-            f"wired into it yet, got {role_cfg.kv_cache_dtype!r}",
         ))
     if role_cfg.tensor_parallel_size != 1:
         out.append(Violation(
@@ -79,7 +99,7 @@ def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Conf
         ))
     max_len = app_cfg.model.max_model_len or m.max_position_embeddings
     tokens = tokens_to_hold(max_len, 0) if (role == "decode" and app_cfg.monolithic) else max_len
-    short = [f"{g.name} {group_pages_for_tokens(g, tokens)}" for g in v4_cache_groups(m)
+    short = [f"{g.name} {group_pages_for_tokens(g, tokens)}" for g in v4_cache_groups(m, role_cfg.kv_cache_dtype)
              if group_pages_for_tokens(g, tokens) > role_cfg.num_pages]
     if short:
         out.append(Violation(
@@ -100,8 +120,8 @@ def v4_summary(role_cfg: RoleConfig, m: V4Config) -> str:
 
     dtype = torch_dtype(role_cfg.dtype)
     weights = count_parameters(m) * dtype.itemsize
-    layouts = v4_group_layouts(m, dtype, "auto")
+    layouts = v4_group_layouts(m, dtype, role_cfg.kv_cache_dtype)
     pages = sum(role_cfg.num_pages * lay.units_per_page * UNIT_BYTES for lay in layouts)
-    groups = ", ".join(f"{lay.name} {lay.group.tokens_per_page}/page" for lay in layouts)
+    groups = ", ".join(f"{lay.name} {lay.group.tokens_per_page}/page {lay.describe()}" for lay in layouts)
     return (f"per replica (host memory): weights {format_bytes(weights)} + pages {format_bytes(pages)} "
             f"({role_cfg.num_pages} pages in each of {len(layouts)} cache groups: {groups})")

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from attention.v4_attention import combined_index_row, sparse_attention_with_sink
+from attention.v4_format import V4CacheFormat, round_trip_v4
 from models.parallel import ReplicatedLinear
 from models.v4.config import CSA, SLIDING, V4Config
 from models.v4.layers import V4RMSNorm, V4Rotary, grouped_linear, rope_tail, unweighted_rms_norm
@@ -44,6 +45,9 @@ class Compressor(nn.Module):
         self.wgate = ReplicatedLinear(hidden, width, dtype=dtype)
         self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32), requires_grad=False)
         self.norm = V4RMSNorm(dim, eps)
+        # The cache format the entries are stored in (fp8 caches: the attention compressor's only; the
+        # indexer's keys stay unquantized, models.v4.cache_spec). None: unquantized.
+        self.kv_format: V4CacheFormat | None = None
 
     def new_state(self, device) -> CompressorState:
         dtype = self.wkv.weight.dtype
@@ -77,6 +81,8 @@ class Compressor(nn.Module):
         pos = (torch.arange(nw, device=x.device) + first) * r
         cos, sin = rotary(pos, entries.dtype)
         entries = rope_tail(entries, cos, sin)
+        if self.kv_format is not None:  # used from now on as the cache will give them back
+            entries = round_trip_v4(entries, self.kv_format)
         state.entries = torch.cat([state.entries, entries])
         return entries
 
@@ -132,6 +138,8 @@ class V4Attention(nn.Module):
         self.compressor = (Compressor(cfg.hidden_size, D, self.ratio, self.kind == CSA, cfg.rms_norm_eps, dtype)
                            if self.kind != SLIDING else None)
         self.indexer = Indexer(cfg, self.ratio, dtype) if self.kind == CSA else None
+        # The sliding-window keys' cache format (None: unquantized); set by the model's set_kv_cache_format.
+        self.kv_format: V4CacheFormat | None = None
 
     @property
     def rope_label(self) -> str:
@@ -153,6 +161,10 @@ class V4Attention(nn.Module):
         q_res = self.q_norm(self.wq_a(x))
         q = rope_tail(unweighted_rms_norm(self.wq_b(q_res).view(T, H, D), self.eps), cos, sin)
         kv = rope_tail(self.norm(self.wkv(x)), cos, sin)
+        if self.kv_format is not None:
+            # fp8 caches: every key is used as the cache will give it back, in this forward's own
+            # attention too, so the output does not depend on where chunks and forwards split a sequence.
+            kv = round_trip_v4(kv, self.kv_format)
         out = torch.empty(T, H, D, dtype=torch.float32, device=x.device)
         for (s0, s1), st in zip(ranges, states):
             if s1 == s0:  # a sequence with no new tokens this forward

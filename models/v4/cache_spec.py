@@ -1,41 +1,80 @@
-"""The cache groups a DeepSeek-V4 config needs (``attention.cache_groups.CacheGroup``).
+"""The cache groups a DeepSeek-V4 config needs (``attention.cache_groups.CacheGroup``), and how the
+engine stores them (``attention.group_cache.GroupLayout``).
 
-* ``swa``: every layer's sliding-window keys, 584-byte tokens (``attention.v4_format``), 256 a page;
-* ``csa_kv`` / ``hca_kv``: the compressed entries of the CSA (c4) / HCA (c128) layers, same format;
-* ``csa_index``: the CSA layers' indexer keys, fp8 + one fp32 scale (``index_head_dim + 4`` bytes);
+* ``swa``: every layer's sliding-window keys, 256 a page;
+* ``csa_kv`` / ``hca_kv``: the compressed entries of the CSA (c4) / HCA (c128) layers, 256 a page;
+* ``csa_index``: the CSA layers' indexer keys over their compressed caches, 256 a page;
 * ``csa_state`` / ``csa_index_state`` / ``hca_state``: per-sequence compressor state, the raw
   fp32 ``wkv`` and ``wgate`` projections of the last ``2m`` (CSA: overlapping windows) or ``m``
   (HCA) source tokens: the partially filled block at a prompt's end and the block before it.
+
+What a position holds, by ``kv_cache_dtype`` (`v4_cache_groups` declares these bytes; the storage
+allocates exactly them and the transfer pushes them, rounded up to 4 KiB units per group page):
+
+=================  =====================================  ==========================================
+group              ``"auto"``                              ``"fp8"`` (the serving format)
+=================  =====================================  ==========================================
+swa, csa/hca_kv    ``head_dim`` x model dtype              584-byte V4 token (``attention.v4_format``:
+                                                           448 fp8 nope + 64 bf16 rope, 7 UE8M0 scales
+                                                           padded to 8), V4 pages of 149,760 bytes
+csa_index          ``index_head_dim`` x model dtype        the same: unquantized
+state groups       fp32 rows                               the same: fp32
+=================  =====================================  ==========================================
+
+Kept unquantized under fp8, by decision: the indexer's compressed keys (DeepSeek's release keeps
+them in fp8 with a scale format of its own, which this project does not implement yet; they only
+rank entries for the top-k, never enter the attention values, and are ``index_head_dim`` wide, 1/4
+of a token's key at V4's shapes) and the compressor state (high precision, as in DeepSeek's
+release: it is the un-normed, un-gated sum's input, one page per sequence). With fp8 the model
+rounds every key and compressed entry through the format the moment it is made
+(``DeepseekV4ForCausalLM.set_kv_cache_format``), so what a forward uses equals what pages give back.
 
 The MTP layer's caches are not declared yet (the MTP layer is not built).
 """
 
 from __future__ import annotations
 
+import torch
+
 from attention.cache_groups import CacheGroup
-from attention.formats import IndexerFp8Format
 from attention.v4_format import PAGE_TOKENS, V4CacheFormat
 from models.v4.config import CSA, HCA, V4Config
 
 _FP32 = 4
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
-def v4_cache_groups(cfg: V4Config) -> tuple[CacheGroup, ...]:
-    """The groups of ``cfg``'s main layers, in a fixed order (swa, then per kind kv, index, state)."""
-    fmt = V4CacheFormat.for_head(cfg.head_dim, cfg.qk_rope_head_dim)
+def v4_kv_format(cfg: V4Config, kv_cache_dtype: str) -> V4CacheFormat | None:
+    """The byte format of the sliding-window keys and compressed entries: the V4 fp8 token for
+    ``"fp8"``, None (unquantized, model dtype) for ``"auto"``. The one place this is decided."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return V4CacheFormat.for_head(cfg.head_dim, cfg.qk_rope_head_dim) if kv_cache_dtype == "fp8" else None
+
+
+def v4_cache_groups(cfg: V4Config, kv_cache_dtype: str = "fp8",
+                    dtype: torch.dtype = torch.bfloat16) -> tuple[CacheGroup, ...]:
+    """The groups of ``cfg``'s main layers, in a fixed order (swa, then per kind kv, index, state), with
+    the bytes the engine stores for ``kv_cache_dtype`` and model ``dtype`` (module docstring; the
+    defaults are the serving format)."""
+    fmt = v4_kv_format(cfg, kv_cache_dtype)
+    item = dtype.itemsize
+    if fmt is not None:
+        kv_token, kv_page = fmt.bytes_per_token, fmt.page_bytes
+    else:
+        kv_token = cfg.head_dim * item
+        kv_page = PAGE_TOKENS * kv_token
     n = cfg.num_hidden_layers
-    groups = [CacheGroup("swa", "swa", PAGE_TOKENS, fmt.bytes_per_token, fmt.page_bytes, tuple(range(n)),
-                         window=cfg.sliding_window)]
+    groups = [CacheGroup("swa", "swa", PAGE_TOKENS, kv_token, kv_page, tuple(range(n)), window=cfg.sliding_window)]
     for kind, short in ((CSA, "csa"), (HCA, "hca")):
         layers = tuple(i for i in range(n) if cfg.layer_types[i] == kind)
         if not layers:
             continue
         m = dict(cfg.compress_rates)[kind]
         overlap = kind == CSA
-        groups.append(CacheGroup(f"{short}_kv", "compressed", PAGE_TOKENS, fmt.bytes_per_token, fmt.page_bytes,
-                                 layers, ratio=m))
+        groups.append(CacheGroup(f"{short}_kv", "compressed", PAGE_TOKENS, kv_token, kv_page, layers, ratio=m))
         if overlap:
-            ix = IndexerFp8Format(cfg.index_head_dim).bytes_per_token
+            ix = cfg.index_head_dim * item
             groups.append(CacheGroup(f"{short}_index", "indexer", PAGE_TOKENS, ix, PAGE_TOKENS * ix, layers, ratio=m))
         slots = 2 * m if overlap else m
         width = (2 if overlap else 1) * cfg.head_dim
@@ -47,26 +86,24 @@ def v4_cache_groups(cfg: V4Config) -> tuple[CacheGroup, ...]:
     return tuple(groups)
 
 
-def v4_group_layouts(cfg: V4Config, dtype, kv_cache_dtype: str = "auto") -> tuple:
+def v4_group_layouts(cfg: V4Config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> tuple:
     """How the engine stores each of `v4_cache_groups` (``attention.group_cache.GroupLayout``), same order.
 
-    ``kv_cache_dtype`` ``"auto"``: sliding-window keys, compressed entries and indexer keys unquantized in
-    the model ``dtype``, one ``head_dim`` (``index_head_dim``) row per position (exact math: the engine's
-    output equals the standalone model's); state slots fp32: the compressor's ``wkv`` then ``wgate`` row,
-    ``2 * width`` values (CSA slots ``[0, m)`` the overlap half of the last complete window, ``[m, 2m)``
-    the pending projections; HCA slots ``[0, m)`` the pending ones: ``models.v4.paged_state``).
-    The fp8 584-byte pages (``attention.v4_format``) are not stored by the engine yet."""
-    import torch
-
+    Sliding-window keys and compressed entries: one ``head_dim`` row per position in the model
+    ``dtype`` (``"auto"``: exact math, the engine's output equals the standalone model's), or one
+    V4 fp8 token (``"fp8"``: ``GroupLayout.fmt``, quantized on write, dequantized on read). Indexer keys:
+    ``index_head_dim`` in ``dtype`` either way. State slots fp32: the compressor's ``wkv`` then
+    ``wgate`` row, ``2 * width`` values (CSA slots ``[0, m)`` the overlap half of the last complete
+    window, ``[m, 2m)`` the pending projections; HCA slots ``[0, m)`` the pending ones:
+    ``models.v4.paged_state``). ``GroupLayout`` checks each group's declared bytes against what it stores."""
     from attention.group_cache import GroupLayout
 
-    if kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: the DeepSeek-V4 engine stores its caches unquantized "
-                         f"only ('auto'); its fp8 584-byte pages are not wired into the engine yet")
+    fmt = v4_kv_format(cfg, kv_cache_dtype)
     out = []
-    for g in v4_cache_groups(cfg):
+    for g in v4_cache_groups(cfg, kv_cache_dtype, dtype):
         if g.kind in ("swa", "compressed"):
-            out.append(GroupLayout(g, dtype, cfg.head_dim))
+            out.append(GroupLayout(g, torch.uint8, cfg.head_dim, fmt) if fmt is not None
+                       else GroupLayout(g, dtype, cfg.head_dim))
         elif g.kind == "indexer":
             out.append(GroupLayout(g, dtype, cfg.index_head_dim))
         else:  # state: bytes_per_token = (kv + gate) x width x fp32

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from attention.v4_format import V4CacheFormat
 from models.parallel import ReplicatedLinear
 from models.v4.attention import V4Attention
 from models.v4.config import V4Config
@@ -64,6 +65,15 @@ class DeepseekV4ForCausalLM(nn.Module):
                                      for label in ("main", "compress")})
         # The MTP layers the engine would draft with: none built yet (the engine asks ``len(model.mtp)``).
         self.mtp = nn.ModuleList()
+
+    def set_kv_cache_format(self, fmt: V4CacheFormat | None) -> None:
+        """Compute with the cache format ``fmt`` (``models.v4.cache_spec.v4_kv_format``): every
+        sliding-window key and compressed entry is rounded through it (``v4_format.round_trip_v4``)
+        when made, as a paged cache of that format stores it. None: unquantized (the default)."""
+        for block in self.layers:
+            block.attn.kv_format = fmt
+            if block.attn.compressor is not None:
+                block.attn.compressor.kv_format = fmt
 
     def new_state(self, device=None) -> SequenceState:
         """An empty sequence (no tokens forwarded yet)."""

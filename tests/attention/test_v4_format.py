@@ -68,6 +68,26 @@ def test_quantize_dequantize_round_trip(fmt):
     assert torch.equal(dequantize_v4(*quantize_v4(y, fmt), fmt), y)
 
 
+def test_round_trip_is_what_the_cache_gives_back():
+    from attention.v4_format import read_tokens, round_trip_v4, token_bytes_at, write_tokens
+
+    fmt = V4CacheFormat(100, 12)
+    x = _tokens(30, fmt, seed=3)
+    for dtype in (torch.float32, torch.bfloat16):
+        y = round_trip_v4(x.to(dtype), fmt)
+        assert y.dtype == dtype and torch.equal(y.float(), dequantize_v4(*quantize_v4(x.to(dtype), fmt), fmt))
+        # Stored again, a rounded token reads back as itself (what the engine relies on).
+        assert torch.equal(round_trip_v4(y, fmt), y)
+    # Tokens at pages starting anywhere in a flat buffer (a group page holds one V4 page per layer).
+    flat = torch.zeros(3 * fmt.page_bytes + 100, dtype=torch.uint8)
+    base = torch.tensor([100, 100 + 2 * fmt.page_bytes])
+    off = torch.tensor([255, 7])
+    write_tokens(flat, base, off, x[:2], fmt)
+    assert torch.equal(read_tokens(flat, base, off, fmt), dequantize_v4(*quantize_v4(x[:2], fmt), fmt))
+    part_at, scale_at = token_bytes_at(base, off, fmt)
+    assert part_at[0, 0] == 100 + 255 * fmt.part_bytes and scale_at[1, 0] == base[1] + fmt.scale_offset + 7 * 8
+
+
 def test_pages_parts_then_scales_then_padding():
     fmt = V4CacheFormat(100, 12)  # part 124 bytes, 2 scales padded to 8
     pages = new_pages(3, fmt)
@@ -132,14 +152,18 @@ def test_cache_groups_of_deepseek_v4():
     from models.v4.config import v4_config_from_dict
 
     cfg = v4_config_from_dict({"model_type": "deepseek_v4"})  # transformers' defaults: V4-Flash shapes
-    groups = {g.name: g for g in v4_cache_groups(cfg)}
+    groups = {g.name: g for g in v4_cache_groups(cfg)}  # the serving format: kv_cache_dtype fp8, bf16 model
     assert sorted(groups) == ["csa_index", "csa_index_state", "csa_kv", "csa_state", "hca_kv", "hca_state", "swa"]
     swa, c4, c128 = groups["swa"], groups["csa_kv"], groups["hca_kv"]
     assert (swa.bytes_per_token, swa.page_bytes, swa.tokens_per_page, swa.window) == (584, 149_760, 256, 128)
     assert swa.layers == tuple(range(cfg.num_hidden_layers))
     assert (c4.ratio, c128.ratio) == (4, 128) and c4.bytes_per_token == c128.bytes_per_token == 584
     assert set(c4.layers) | set(c128.layers) == set(range(cfg.num_hidden_layers))
-    assert groups["csa_index"].bytes_per_token == 132 and groups["csa_index"].layers == c4.layers
+    # Indexer keys stay in the model dtype (bf16 x index_head_dim 128), state fp32 (models/v4/cache_spec.py).
+    assert groups["csa_index"].bytes_per_token == 256 and groups["csa_index"].layers == c4.layers
+    auto = {g.name: g for g in v4_cache_groups(cfg, "auto", torch.bfloat16)}
+    assert (auto["swa"].bytes_per_token, auto["swa"].page_bytes) == (1024, 256 * 1024)
+    assert auto["csa_index"] == groups["csa_index"] and auto["csa_state"] == groups["csa_state"]
     assert groups["csa_state"].tokens_per_page == 8 and groups["hca_state"].tokens_per_page == 128
     # Pages one sequence touches per layer.
     assert swa.pages_for_tokens(100) == 1 and swa.pages_for_tokens(300) == 2 and swa.pages_for_tokens(512) == 1

@@ -33,9 +33,21 @@ def test_what_v4_does_not_run_yet_is_refused_per_field():
                                        "dtype": "bfloat16", "num_pages": 1},
                          model={"tiny": {"arch": "deepseek_v4"}, "max_model_len": 600},
                          features={"mtp_topk_reuse": True, "two_batch_overlap": True}))
-    assert "584-byte" in errs["decode.kv_cache_dtype"]
+    assert "decode.kv_cache_dtype" not in errs  # fp8 caches run (the 584-byte V4 format)
     assert "reference backend only" in errs["decode.backend"]
     assert "memory plan" in errs["decode.device"]
     assert "swa 3" in errs["decode.num_pages"]  # 600 + 1 tokens: 3 pages of 256 window keys
     assert "no MTP drafts" in errs["features.mtp_topk_reuse"]
     assert "no top-k sharing" in " ".join(v for k, v in errs.items() if k == "features.two_batch_overlap")
+
+
+def test_fp8_caches_are_accepted_and_both_roles_must_store_them_alike():
+    base = yaml_args("tiny_v4_pd.yaml")
+    fp8 = merged(base, prefill={"kv_cache_dtype": "fp8"}, decode={"kv_cache_dtype": "fp8"})
+    result = check_args(fp8)
+    assert result.ok, result.violations
+    errs = _paths(merged(base, prefill={"kv_cache_dtype": "fp8"}, decode={"kv_cache_dtype": "auto"}))
+    assert "prefill kv_cache_dtype 'fp8' vs decode 'auto'" in errs["decode.kv_cache_dtype"]
+    # fp8 keeps V4's indexer keys in the model dtype: the dtypes must agree too.
+    errs = _paths(merged(fp8, decode={"dtype": "bfloat16"}))
+    assert "csa_index float32x" in errs["decode.dtype"] and "indexer keys in the model dtype" in errs["decode.dtype"]

@@ -9,7 +9,12 @@
 #   vllm-up NAME        `vllm serve /tmp/ckpt/NAME` on :8100 (setsid: it outlives the call), wait for /health
 #   vllm-wait           wait longer for a vLLM server still starting (UP_S seconds)
 #   dsa-up NAME MODE    `serve run` of bench/peers/serve_config.py's config (monolithic | pd) on :8000
+#                       (NO_PREFIX_CACHE=1: the prefix cache off)
 #   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results
+#   prefix ENGINE NAME PORT [CONCURRENCIES]   shared 8k-token prefixes, 256-token suffixes (issue 24's load)
+#   structured ENGINE NAME PORT   1024-in / 256-out at concurrency 32, every request under a JSON schema
+#                       (vLLM's `structured_outputs` field, which both servers take; compare with `bench`'s c32 row)
+#   vllmbench ENGINE NAME PORT    `vllm bench serve` from the packed vLLM against PORT (random 1024 / 256, c 32)
 #   offline [NAME]      dsa-pd bench offline and vLLM's offline LLM on the same prompts, then the greedy agreement
 #   down                stop both servers
 # Every step ends by copying /tmp/results (tar), the server logs' tails and the table to $OUT.
@@ -93,7 +98,7 @@ case "$step" in
   dsa-up)
     name=${1:?checkpoint name}; mode=${2:?monolithic or pd}
     env $DSA_ENV python3 -m bench.peers.serve_config "/tmp/ckpt/$name" --mode "$mode" --out "/tmp/dsa_$mode.yaml" \
-        --gpu-memory-gib "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print int($1/1024)}')"
+        ${NO_PREFIX_CACHE:+--no-prefix-caching} --gpu-memory-gib "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print int($1/1024)}')"
     env $DSA_ENV python3 -m deployments.cli check "/tmp/dsa_$mode.yaml" 2>&1 | tail -8
     env $DSA_ENV setsid nohup serve run "/tmp/dsa_$mode.yaml" > "/tmp/logs/dsa-$mode-$name.log" 2>&1 < /dev/null &
     echo $! > /tmp/dsa.pid
@@ -109,6 +114,36 @@ case "$step" in
           --result-filename "${engine}__${name}__in${inp}__c${c}.json" 2>&1 | grep -E "Successful|Failed|throughput|Median TTFT|Median TPOT|#" | head -12
       echo "== $engine $name in=$inp c=$c done"
     done; done ;;
+  prefix)
+    engine=${1:?}; name=${2:?}; port=${3:?}; concs=${4:-1 32}
+    for c in $concs; do
+      n=$(( c == 1 ? 8 : 2 * c ))
+      env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.serve --base-url "http://127.0.0.1:$port" --model peer-model \
+          --dataset-name prefix_repetition --prefix-repetition-prefix-len 8192 --prefix-repetition-suffix-len 256 \
+          --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 64 --num-prompts "$n" --max-concurrency "$c" \
+          --ignore-eos --num-warmups 2 --seed 1 --disable-tqdm --percentile-metrics ttft,tpot,e2el \
+          --metric-percentiles 50,90,99 --save-result --result-dir "$RES" \
+          --result-filename "${engine}__${name}__prefix8192__c${c}.json" 2>&1 | grep -E "Successful|Failed|Median TTFT|#" | head -6
+      echo "== $engine $name prefix c=$c done"
+    done ;;
+  structured)
+    engine=${1:?}; name=${2:?}; port=${3:?}
+    schema='{"type": "object", "properties": {"items": {"type": "array", "items": {"type": "integer"}, "minItems": 1000}}, "required": ["items"]}'
+    env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.serve --base-url "http://127.0.0.1:$port" --model peer-model \
+        --dataset-name random --random-input-len 1024 --random-output-len "$OUT_LEN" --random-range-ratio 0 \
+        --num-prompts 64 --max-concurrency 32 --ignore-eos --num-warmups 2 --seed 1 --disable-tqdm \
+        --extra-body "{\"structured_outputs\": {\"json\": $schema}}" \
+        --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$RES" \
+        --result-filename "${engine}__${name}__json_schema__in1024__c32.json" 2>&1 | grep -E "Successful|Failed|throughput|Median TPOT|#" | head -8 ;;
+  vllmbench)
+    engine=${1:?}; name=${2:?}; port=${3:?}
+    # The `vllm` console script's entry point (the packed vLLM has no script on PATH).
+    PYTHONPATH=/tmp/vsite timeout "${BENCH_S:-400}" python3 -c \
+        "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; main()" bench serve \
+        --base-url "http://127.0.0.1:$port" --model "/tmp/ckpt/$name" --served-model-name peer-model \
+        --dataset-name random --random-input-len 1024 --random-output-len "$OUT_LEN" --num-prompts 64 \
+        --max-concurrency 32 --ignore-eos --save-result --result-dir "$RES" \
+        --result-filename "vllm_bench__${engine}__${name}.json" 2>&1 | grep -E "Successful|Failed|throughput|Median|Error" | head -10 ;;
   offline)
     # Both engines' offline mode on the same prompts, then the greedy agreement (dsa-pd's margins).
     name=${1:-bf16}

@@ -21,8 +21,9 @@ from attention.formats import pages_for_tokens
 
 def serve_config(checkpoint: str | Path, mode: str, *, max_model_len: int = 9216, max_batch_size: int = 128,
                  gpu_memory_gib: float = 80.0, chunk_size: int = 8192, port: int = 8000,
-                 name: str = "peer-model") -> dict:
-    """The `serve run` document (one application) for ``checkpoint`` in ``mode`` ("monolithic" | "pd")."""
+                 name: str = "peer-model", prefix_caching: bool = True) -> dict:
+    """The `serve run` document (one application) for ``checkpoint`` in ``mode`` ("monolithic" | "pd");
+    ``prefix_caching=False``: the prefix cache off (the shared-prefix comparison's baseline)."""
     if mode not in ("monolithic", "pd"):
         raise ValueError(f"mode must be 'monolithic' or 'pd', got {mode!r}")
     # Every request of a full batch at its longest, plus one bucket's slack; page ids are shared by all layers.
@@ -34,6 +35,8 @@ def serve_config(checkpoint: str | Path, mode: str, *, max_model_len: int = 9216
                   max_ongoing_requests=2 * max_batch_size, cuda_graph_max_context=max_model_len)
     args: dict = {"model": {"path": str(checkpoint), "max_model_len": max_model_len}, "served_model_name": name,
                   "decode": decode}
+    if not prefix_caching:
+        args["features"] = {"prefix_caching": False}
     if mode == "monolithic":
         args["mode"] = "monolithic"
     else:
@@ -55,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch-size", type=int, default=128)
     ap.add_argument("--gpu-memory-gib", type=float, default=80.0)
     ap.add_argument("--name", default="peer-model")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="the prefix cache off")
     args = ap.parse_args(argv)
     doc = serve_config(args.checkpoint, args.mode, max_model_len=args.max_model_len,
-                       max_batch_size=args.max_batch_size, gpu_memory_gib=args.gpu_memory_gib, name=args.name)
+                       max_batch_size=args.max_batch_size, gpu_memory_gib=args.gpu_memory_gib, name=args.name,
+                       prefix_caching=not args.no_prefix_caching)
     Path(args.out).write_text(yaml.safe_dump(doc, sort_keys=False))
     print(args.out)
     return 0

@@ -68,6 +68,9 @@ def test_generated_serve_configs_pass_the_controller(tmp_path, mode):
     doc = serve_config(ckpt, mode, gpu_memory_gib=80)
     res = check_args(doc["applications"][0]["args"])
     assert res.ok, [str(v) for v in res.violations]
+    assert res.app_cfg.features.prefix_caching
+    off = check_args(serve_config(ckpt, mode, gpu_memory_gib=80, prefix_caching=False)["applications"][0]["args"])
+    assert off.ok and not off.app_cfg.features.prefix_caching
 
 
 def test_table_divides_by_the_peer(tmp_path):

@@ -12,6 +12,8 @@ process group if that takes too long.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import shutil
 import signal
@@ -33,10 +35,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@functools.cache
+def shared_cache_dir() -> Path:
+    """One tiny-model cache for every server (and offline reference) of this test run: a tiny
+    checkpoint is a function of its spec, and making it takes ~4 s of each server's start."""
+    path = Path(tempfile.mkdtemp(prefix="dsapd-cache-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 class ServeProcess:
-    def __init__(self, config: Path, workdir: Path, cache_dir: Path, port: int | None = None,
+    def __init__(self, config: Path, workdir: Path, cache_dir: Path | None = None, port: int | None = None,
                  env: dict[str, str] | None = None):
-        """``env``: extra environment variables of the server (over the ones set here)."""
+        """``cache_dir``: where tiny models are made (default: `shared_cache_dir`); ``env``: extra
+        environment variables of the server (over the ones set here)."""
+        cache_dir = cache_dir or shared_cache_dir()
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.workdir = workdir
@@ -190,7 +203,7 @@ def serve_args(work: Path, name: str, raw_args: dict) -> "ServeProcess":
     config = work / name
     config.write_text(yaml.safe_dump({"applications": [{
         "name": "dsa-pd", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": raw_args}]}))
-    return ServeProcess(config, work, cache_dir=work / "cache").start()
+    return ServeProcess(config, work).start()
 
 
 def offline_greedy_texts(args, cache_dir: Path, prompts: list[list[int]], tokens: int) -> list[str]:
@@ -228,7 +241,7 @@ def served_and_offline_fixtures(tag: str, config_name: str, raw_args: dict, args
 
     @pytest.fixture(scope="module")
     def reference(server, tmp_path_factory) -> list[str]:
-        return offline_greedy_texts(args, tmp_path_factory.mktemp("ref"), prompts, tokens)
+        return offline_greedy_texts(args, shared_cache_dir(), prompts, tokens)
 
     return server, reference
 

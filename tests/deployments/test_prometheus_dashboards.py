@@ -109,7 +109,7 @@ def _error_and_cancelled_stream(url: str, model: str) -> None:
 def run(tmp_path_factory) -> Run:
     work = tmp_path_factory.mktemp("prometheus-dashboards")
     r = Run()
-    r.server = ServeProcess(CONFIG, work, cache_dir=work / "cache",
+    r.server = ServeProcess(CONFIG, work,
                             env={"RAY_metrics_report_interval_ms": "1000"}).start()
     r.prom = None
     try:

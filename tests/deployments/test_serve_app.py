@@ -46,7 +46,7 @@ MODEL = ARGS.model_name
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("serve")
-    proc = ServeProcess(CONFIG, work, cache_dir=work / "cache").start()
+    proc = ServeProcess(CONFIG, work).start()
     yield proc
     proc.stop()
 

@@ -44,7 +44,7 @@ ID_PROMPTS = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("serve-mono")
-    proc = ServeProcess(CONFIG, work, cache_dir=work / "cache").start()
+    proc = ServeProcess(CONFIG, work).start()
     yield proc
     proc.stop()
 

@@ -33,7 +33,7 @@ PROMPTS = {f"p{i}": prompt_ids(n, seed=400 + i) for i, n in enumerate((1, 9, 37,
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("serve-v4")
-    proc = ServeProcess(CONFIG, work, cache_dir=work / "cache").start()
+    proc = ServeProcess(CONFIG, work).start()
     yield proc
     proc.stop()
 

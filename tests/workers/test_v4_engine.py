@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deployments.cli import main as dsa_pd
 from models.registry import load_any_model
 from tests.workers.hf_tiny import use_tie_rule
 from tests.workers.pd_aborts import abort_at_every_phase
 from tests.workers.prompts import random_prompt
+from tests.workers.v4_reference import standalone_greedy
 from workers.decode_worker import DecodeWorker
 from workers.offline import LLM
 from workers.page_tables import PageTable
@@ -26,29 +26,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny_v4(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-v4")
-    assert dsa_pd(["make-tiny", "--arch", "deepseek_v4", str(path)]) == 0
-    return path
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_v4):
-    """Prompts and their greedy continuations by the standalone ``models.v4`` model (one sequence
-    state per prompt, whole prompt in one forward)."""
+    """Prompts and their greedy continuations by the standalone ``models.v4`` model."""
     model = load_any_model(tiny_v4, dtype=torch.float32)
     prompts = [random_prompt(n, 300, n) for n in LENGTHS]
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            st = model.new_state()
-            h = model(torch.tensor(p), [len(p)], [st])[-1:]
-            out = []
-            for _ in range(NEW):
-                out.append(int(model.logits(h).argmax(-1)))
-                h = model(torch.tensor(out[-1:]), [1], [st])
-            outs.append(out)
-    return prompts, outs
+    return prompts, standalone_greedy(model, prompts, NEW)
 
 
 def test_engine_equals_standalone_and_transformers(tiny_v4, reference):

@@ -18,12 +18,12 @@ import torch
 
 from attention.group_cache import UNIT_BYTES, GroupLayout
 from attention.v4_format import V4CacheFormat, quantize_v4
-from deployments.cli import main as dsa_pd
 from models.batch import ForwardMode
 from models.registry import load_any_model
 from models.v4.cache_spec import v4_kv_format
 from tests.workers.pd_aborts import abort_at_every_phase
 from tests.workers.prompts import random_prompt
+from tests.workers.v4_reference import standalone_greedy
 from workers.model_runner import WorkItem
 from workers.offline import LLM
 from workers.page_tables import PageTable
@@ -32,28 +32,6 @@ LENGTHS = (1, 9, 40, 261)  # 261: past one 256-token page, mid compressed block 
 NEW = 8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def tiny_v4(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-v4-fp8")
-    assert dsa_pd(["make-tiny", "--arch", "deepseek_v4", str(path)]) == 0
-    return path
-
-
-def _standalone(model, prompts):
-    """Greedy continuations, one sequence state per prompt, whole prompt in one forward."""
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            st = model.new_state()
-            h = model(torch.tensor(p), [len(p)], [st])[-1:]
-            out = []
-            for _ in range(NEW):
-                out.append(int(model.logits(h).argmax(-1)))
-                h = model(torch.tensor(out[-1:]), [1], [st])
-            outs.append(out)
-    return outs
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +44,7 @@ def model_fp8(tiny_v4):
 @pytest.fixture(scope="module")
 def reference(model_fp8):
     prompts = [random_prompt(n, 300, n) for n in LENGTHS]
-    return prompts, _standalone(model_fp8, prompts)
+    return prompts, standalone_greedy(model_fp8, prompts, NEW)
 
 
 def test_fp8_engine_equals_the_model_rounding_keys_the_same_way(tiny_v4, model_fp8, reference):

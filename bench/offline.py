@@ -143,9 +143,13 @@ def run(args) -> int:
            "kv_cache_dtype": args.kv_cache_dtype, "startup_s": startup, "num_pages": num_pages, "cases": []}
     if torch.cuda.is_available() and args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name()
-    # One untimed pass of every case first: kernels compile (Triton JIT) on a shape's first use.
+    # One untimed pass of every case first: kernels compile (Triton JIT) on a shape's first use. Its
+    # speed is printed as the first prompts after start-up see it (start-up warms the prefill kernels
+    # on the cuda backend: workers/kernel_warmup.py).
     for b, n in cases:
-        prefill_case(llm, b, n, args.seed + 99)
+        cold = prefill_case(llm, b, n, args.seed + 99)
+        out.setdefault("first_pass", []).append({k: cold[k] for k in ("case", "prefill_tokens_per_s", "prefill_s")})
+        print(f"{cold['case']} (first pass after start-up): {cold['prefill_tokens_per_s']:,.0f} tokens/s", flush=True)
     for b in args.batch_sizes:
         decode_case(llm, b, args.input_len, 4, args.seed + 98, grammar)
     for b, n in cases:

@@ -66,6 +66,18 @@ def _w8a16_kernel(
 
 
 @triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = sum over s of part[s, i] in fp32, in split order, cast to out's dtype (one launch
+    where ``part.sum(0).to(dtype)`` takes two: ~0.18 ms of a batch-1 H200 step's 2.65)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, x_stride, q_ptr, q_stride, sf_ptr, sf_stride, K, G: tl.constexpr):
     """Row ``pid(0)``, group ``pid(1)``: q = x / s in fp8 with s = max(|x|, 1e-4) / 448 over the group;
     s to ``sf[group, row]`` (MN-major)."""
@@ -137,7 +149,11 @@ def w8a16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[in
         x, x.stride(0), w, w.stride(0), scale, scale.stride(0), out, out.stride(0), out.stride(1), M,
         N=N, K=K, B0=block[0], B1=block[1], PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **cfg,
     )
-    return out[0] if split == 1 else out.sum(0).to(x.dtype)
+    if split == 1:
+        return out[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _split_sum_kernel[(triton.cdiv(M * N, 1024),)](out, y, M * N, SPLIT=split, BLOCK=1024, num_warps=4)
+    return y
 
 
 def act_quant(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,6 +65,7 @@ def check_w8a16(gen) -> None:
         (37, 70, 64, (32, 16), torch.float16),
         (130, 48, 128, (16, 16), torch.float32),  # the large-M tiles
         (100, 40, 512, (16, 16), torch.float32),  # a batch-128-sized product, K split
+        (2, 40, 512, (16, 16), torch.float16),  # K split, the partial sums cast to fp16
         (0, 16, 32, (16, 16), torch.float32),
     ]
     splits = []
@@ -188,6 +189,8 @@ def _compile_worker() -> None:
                    out_ptr="*fp32" if split > 1 else "*bf16", out_split_stride="i64", out_stride="i64", M="i32")
         k = compile_one(cu._w8a16_kernel, sig, dict(N=N, K=K, B0=128, B1=128, PRECISION="tf32", **cfg), options)
         assert "async_copy_global_to_local" in k.asm["ttgir"], f"K loop not pipelined ({M=}, {N=}, {K=})"
+    compile_one(cu._split_sum_kernel, dict(part_ptr="*fp32", out_ptr="*bf16", MN="i32"), dict(SPLIT=8, BLOCK=1024),
+                dict(num_warps=4))
     compile_one(cu._act_quant_kernel, dict(x_ptr="*bf16", x_stride="i64", q_ptr="*fp8e4nv", q_stride="i64",
                                            sf_ptr="*fp32", sf_stride="i64", K="i32"), dict(G=128), dict(num_warps=1))
     print("COMPILED")

@@ -110,6 +110,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--mtp-draft-tokens", type=int, default=0)
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-overlap", action="store_true", help="read every step back before the next (no overlap scheduling)")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks (one Ray actor per GPU; the routed experts are split across them too)")
+    p.add_argument("--two-batch-overlap", action="store_true",
+                   help="with --tp-size > 1: each eager forward as two micro-batches whose all-reduces overlap "
+                        "the other's compute (models/two_batch.py)")
     p.add_argument("--grammar-regex", default=None,
                    help="constrain every decode request's output to this regex (structured outputs; the "
                         "checkpoint needs a tokenizer)")
@@ -136,10 +141,18 @@ def run(args) -> int:
     llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype,
               kv_cache_dtype=args.kv_cache_dtype, num_pages=num_pages, chunk_size=args.chunk_size,
               max_batch_size=max_batch, mtp_draft_tokens=args.mtp_draft_tokens,
-              cuda_graphs=False if args.no_cuda_graphs else None, overlap_scheduling=not args.no_overlap)
-    startup = time.perf_counter() - t0
+              cuda_graphs=False if args.no_cuda_graphs else None, overlap_scheduling=not args.no_overlap,
+              tp_size=args.tp_size, two_batch_overlap=args.two_batch_overlap)
+    try:
+        return _run_cases(args, llm, cases, grammar, time.perf_counter() - t0, num_pages)
+    finally:
+        llm.shutdown()
+
+
+def _run_cases(args, llm, cases, grammar, startup: float, num_pages: int) -> int:
     out = {"model": args.model, "backend": args.backend, "device": args.device, "dtype": args.dtype,
            "overlap_scheduling": not args.no_overlap, "grammar_regex": args.grammar_regex,
+           "tp_size": args.tp_size, "two_batch_overlap": args.two_batch_overlap,
            "kv_cache_dtype": args.kv_cache_dtype, "startup_s": startup, "num_pages": num_pages, "cases": []}
     if torch.cuda.is_available() and args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name()
@@ -169,7 +182,9 @@ def run(args) -> int:
             prof = profile_decode(llm, b, args.input_len, args.output_len, args.profile_steps)
             print_profile(prof)
             out["profiles"].append(prof)
-    print(f"start-up {startup:.1f} s; pool free {llm.pool.free_count}/{llm.pool.num_pages}")
+    out["two_batch_forwards"] = llm.stats()["two_batch_forwards"]
+    print(f"start-up {startup:.1f} s; pool free {llm.pool.free_count}/{llm.pool.num_pages}; forwards as two "
+          f"micro-batches: {out['two_batch_forwards']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)

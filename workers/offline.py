@@ -185,12 +185,21 @@ class LLM:
             "prefill_tokens": s.prefill_tokens,
             "decode_tokens": s.decode_tokens,
             "preemptions": s.preemptions,
+            "two_batch_forwards": self._two_batch_forwards(),
             **_cache_stats("", self.pool),
             **(_cache_stats("prefill_", self.pd.prefill.pool) if self.pd else {}),
             "pool_free_pages": self.pool.free_count,
             "pool_total_pages": self.pool.num_pages,
             **({"prefill_pool_free_pages": self.pd.prefill.pool.free_count} if self.pd else {}),
         }
+
+
+    def _two_batch_forwards(self) -> int:
+        """Forwards of the decode side run as two micro-batches (rank 0's count: every rank splits alike)."""
+        if self.groups:
+            return self.groups[0].call_rank(0, "two_batch_forwards")
+        two_batch = getattr(self.model, "two_batch", None)
+        return two_batch.overlapped if two_batch is not None else 0
 
 
 def _cache_stats(prefix: str, pool) -> dict:

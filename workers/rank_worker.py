@@ -122,6 +122,10 @@ class RankWorker:
         """fp32 ``[n, vocab]`` from hidden ``[n, hidden]`` (the head is replicated: no collective)."""
         return self.model.logits(hidden.to(self.device)).cpu()
 
+    def two_batch_forwards(self) -> int:
+        """Forwards this rank ran as two overlapped micro-batches (`models.two_batch`; 0 with it off)."""
+        return self.model.two_batch.overlapped if self.model.two_batch is not None else 0
+
     # ------------------------------------------------------------ KV link
     # What `workers.group_link` fans out: this rank's agent, pusher and
     # receiver, called by the driver in the order the single-rank workers call

@@ -185,14 +185,6 @@ def _feature_rules(app_cfg: AppConfig, model_cfg: ModelConfig | None, out: list[
                 f"and tensor_parallel_size is 1 ({', '.join(single)}): there is nothing to overlap; set "
                 "two_batch_overlap to false or tensor_parallel_size to 2 or more",
             ))
-        other = [f"{r} {rc.backend!r}" for r, rc in roles.items() if rc.backend != "reference"]
-        if other:
-            out.append(Violation(
-                "features.two_batch_overlap",
-                f"two-batch overlap runs on the reference backend only so far ({', '.join(other)}: the cuda "
-                "backend's micro-batches need CUDA streams of their own; not measured yet); set two_batch_overlap "
-                "to false",
-            ))
     try:
         check_topk_reuse(f.mtp_topk_reuse, f.draft_topk)  # the engine's own rule
     except ValueError as e:

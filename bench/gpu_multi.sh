@@ -17,7 +17,7 @@ stage)
 install)
   mkdir -p /tmp/w && cat /tmp/parts/part* | tar xf - -C /tmp/w || exit 1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-      /tmp/w/.devicewheels/*/*.whl /tmp/w/.whl/*.whl 2>&1 | grep -v WARNING | tail -3
+      /tmp/w/.devicewheels/*/*.whl /tmp/w/.whl/*.whl $(ls .whl2/*.whl 2>/dev/null) 2>&1 | grep -v WARNING | tail -3
   tar xzf /tmp/w/.whl/tfslim.tgz -C /tmp/site
   mkdir -p .devicewheels && cp -r /tmp/w/.devicewheels/nixl .devicewheels/ 2>/dev/null  # gpu_transfer.sh's own install
   python3 -c "import ray, nixl, deep_gemm, flash_mla, openai, transformers, pydantic; print('ray', ray.__version__, 'transformers', transformers.__version__)"

@@ -9,6 +9,7 @@ test on a CPU-only machine. A missing package is reported once, naming it.
 from __future__ import annotations
 
 import importlib
+import threading
 from functools import lru_cache
 
 PACKAGES = {
@@ -31,8 +32,34 @@ def _import(name: str):
         ) from exc
 
 
+_DEEP_GEMM_LOCK = threading.RLock()
+
+
+class _OneCallerAtATime:
+    """``deep_gemm`` with every call made under one process-wide lock.
+
+    DeepGEMM compiles a kernel on its first call with a new configuration, and its JIT is not
+    thread-safe: two threads meeting the same new shape at once failed on an H200 with
+    "Circular include may occur" (two-batch overlap, `models.two_batch`, runs two micro-batches in
+    two threads). Its calls only launch (asynchronous), so the lock is held for microseconds once
+    the kernels exist."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._module, name)
+        if not callable(attr):
+            return attr
+
+        def locked(*args, **kwargs):
+            with _DEEP_GEMM_LOCK:
+                return attr(*args, **kwargs)
+        return locked
+
+
 def deep_gemm():
-    return _import("deep_gemm")
+    return _OneCallerAtATime(_import("deep_gemm"))
 
 
 def flash_mla():

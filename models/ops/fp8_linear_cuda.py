@@ -174,11 +174,13 @@ def act_quant(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, to
 
 @functools.cache
 def _deep_gemm():
+    from attention.cuda import _ext
+
     try:
-        import deep_gemm
-    except ImportError:
+        dg = _ext.deep_gemm()  # every call under its lock: DeepGEMM's JIT is not thread-safe
+    except _ext.KernelPackageMissing:
         return None
-    return deep_gemm if hasattr(deep_gemm, "fp8_gemm_nt") else None
+    return dg if hasattr(dg, "fp8_gemm_nt") else None
 
 
 def deepgemm_fits(M: int, N: int, K: int, block: tuple[int, int], dtype: torch.dtype) -> bool:

@@ -113,8 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks (one Ray actor per GPU; the routed experts are split across them too)")
     p.add_argument("--two-batch-overlap", action="store_true",
-                   help="with --tp-size > 1: each eager forward as two micro-batches whose all-reduces overlap "
-                        "the other's compute (models/two_batch.py)")
+                   help="with --tp-size > 1, reference backend: each eager forward as two micro-batches whose "
+                        "all-reduces overlap the other's compute (models/two_batch.py)")
     p.add_argument("--grammar-regex", default=None,
                    help="constrain every decode request's output to this regex (structured outputs; the "
                         "checkpoint needs a tokenizer)")

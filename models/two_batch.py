@@ -21,7 +21,6 @@ the first micro-batch takes the leading requests whose tokens come closest to ha
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import replace
 from typing import Callable
 
@@ -66,7 +65,6 @@ class TwoBatchOverlap:
         self._other = ThreadPoolExecutor(1, thread_name_prefix="tbo-micro-batch")
         self.overlapped = 0
         """Forwards run as two micro-batches (the rest ran whole)."""
-        self._cuda_streams: dict[torch.device, tuple] = {}
 
     def __call__(self, forward: Callable[[ForwardBatch], torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         """``forward(batch)`` (hidden ``[T, hidden]``), as two micro-batches where it can be."""
@@ -75,45 +73,15 @@ class TwoBatchOverlap:
             return forward(batch)
         first, second = split_batch(batch, at)
         inference = torch.is_inference_mode_enabled()  # thread-local: the other thread takes it over
-        streams = self._streams(batch.input_ids.device)
 
-        def run(micro: ForwardBatch, group, stream) -> torch.Tensor:
-            with torch.inference_mode(inference), collectives_on(group), _on_stream(stream):
+        def run(micro: ForwardBatch, group) -> torch.Tensor:
+            with torch.inference_mode(inference), collectives_on(group):
                 return forward(micro)
 
-        other = self._other.submit(run, first, self.groups[0], streams[0])
+        other = self._other.submit(run, first, self.groups[0])
         try:
-            tail = run(second, self.groups[1], streams[1])
+            tail = run(second, self.groups[1])
         finally:
             head = other.result()  # waited for even when this thread failed: never left running
-            if streams[0] is not None:
-                # The caller's stream reads both halves (and may free their inputs) only after both
-                # micro-batches' kernels: every later use of their memory is ordered behind them.
-                main = torch.cuda.current_stream(batch.input_ids.device)
-                for s in streams:
-                    main.wait_stream(s)
         self.overlapped += 1
         return torch.cat([head, tail])
-
-    def _streams(self, device: torch.device) -> tuple:
-        """Two CUDA streams of ``device`` (made once), each made to wait for the caller's stream's work
-        so far (the batch's inputs, the cache writes of earlier forwards); ``(None, None)`` off CUDA.
-
-        On one stream the GPU would run the micro-batches' kernels in launch order, and a kernel queued
-        behind the other micro-batch's all-reduce would wait for it: no overlap. CUDA's current stream
-        is per thread, so each micro-batch's thread launches on its own stream; its all-reduces run on
-        its process group's NCCL stream, which waits for (and is waited for by) that stream."""
-        if device.type != "cuda":
-            return (None, None)
-        pair = self._cuda_streams.get(device)
-        if pair is None:
-            pair = self._cuda_streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        main = torch.cuda.current_stream(device)
-        for s in pair:
-            s.wait_stream(main)
-        return pair
-
-
-def _on_stream(stream):
-    """``torch.cuda.stream(stream)`` for a stream, nothing for None (CPU)."""
-    return torch.cuda.stream(stream) if stream is not None else nullcontext()

@@ -26,6 +26,13 @@ from workers.model_runner import ModelRunner
 from workers.push_tuning import PushTuning
 
 
+CUDA_TBO_REFUSAL = (
+    "two_batch_overlap runs on the reference backend only: on the cuda backend (each micro-batch "
+    "thread on a CUDA stream of its own, all-reduces on two NCCL communicators) tp 2 at DeepSeek-V3.2 "
+    "dims hung on 2 x H200 in its first decode step (docs/perf.md, issue 26); set two_batch_overlap "
+    "to false")
+
+
 @dataclass(frozen=True)
 class RankSpec:
     """What every rank of one replica loads (the rank index is separate).
@@ -55,6 +62,8 @@ class RankSpec:
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # a clear error now, not at load
+        if self.two_batch_overlap and self.backend != "reference":
+            raise ValueError(CUDA_TBO_REFUSAL)
 
     @property
     def fp8_weights(self) -> bool:

@@ -164,6 +164,15 @@ def test_tp2_with_two_batch_overlap_equals_tp1(arch, kv_cache_dtype, mtp, tmp_pa
     print(f"{arch} kv {kv_cache_dtype} mtp {mtp}: {ranks[0]['overlapped']} forwards as two micro-batches")
 
 
+def test_two_batch_overlap_is_refused_off_the_reference_backend():
+    """On the cuda backend it hung at DeepSeek-V3.2 dims on 2 x H200 (docs/perf.md): a clear error, not a hang."""
+    from workers.rank_build import RankSpec
+
+    with pytest.raises(ValueError, match="reference backend only.*hung on 2 x H200"):
+        RankSpec("m", backend="cuda", device="cuda", dtype="bfloat16", two_batch_overlap=True)
+    assert RankSpec("m", two_batch_overlap=True).two_batch_overlap
+
+
 def test_split_batch_keeps_every_request_whole():
     """`models.two_batch.split_batch`: two halves of requests, each with its own tokens, rows and lengths."""
     from models.batch import ForwardBatch

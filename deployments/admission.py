@@ -31,9 +31,11 @@ import time
 import weakref
 from dataclasses import dataclass
 
+from attention.cache_groups import CacheGroup
 from attention.formats import PAGE_SIZE, pages_for_tokens
 from deployments.app_config import AppConfig
 from deployments.openai.errors import ContextLengthExceeded, Overloaded
+from workers.page_tables import group_tokens_for_pages
 from workers.scheduler import tokens_to_hold
 
 __all__ = [
@@ -151,19 +153,43 @@ class PoolFit:
     decode_pages: pages a request may use in a decode replica (the warm-up
     page left out in pd mode); prefill_pages: a prefill replica's (None in
     monolithic mode); draft_tokens: MTP drafts per step (cache positions
-    written ahead of a request's length).
+    written ahead of a request's length); groups: the model's cache groups
+    (DeepSeek-V4: each group gets the role's ``num_pages``, counted by
+    `workers.page_tables`' rule), empty for the one cache of 64-token pages.
     """
 
     decode_pages: int
     prefill_pages: int | None
     draft_tokens: int
     monolithic: bool
+    groups: tuple[CacheGroup, ...] = ()
 
     @classmethod
-    def of(cls, cfg: AppConfig) -> "PoolFit":
+    def of(cls, cfg: AppConfig, model_cfg=None) -> "PoolFit":
+        """``model_cfg``: the checkpoint's parsed config (`models.registry.load_any_config`); a DeepSeek-V4
+        one brings its cache groups."""
+        from models.v4.config import V4Config
+
         mono = cfg.monolithic
+        groups = ()
+        if isinstance(model_cfg, V4Config):
+            from models.v4.cache_spec import v4_cache_groups
+
+            groups = tuple(v4_cache_groups(model_cfg, cfg.decode.kv_cache_dtype))
         return cls(cfg.decode.num_pages - (0 if mono else 1), None if mono else cfg.prefill.num_pages,
-                   cfg.decode.mtp_draft_tokens, mono)
+                   cfg.decode.mtp_draft_tokens, mono, groups)
+
+    def capacity(self, pages: int) -> int:
+        """The most tokens one request's sequence may have in a pool of ``pages`` pages."""
+        if not self.groups:
+            return pages * PAGE_SIZE
+        bounds = [n for n in (group_tokens_for_pages(g, pages) for g in self.groups) if n is not None]
+        return min(bounds) if bounds else 1 << 62
+
+    def _pool_text(self, pages: int) -> str:
+        if not self.groups:
+            return f"{pages} pages of {PAGE_SIZE}"
+        return f"{pages} pages in each of {len(self.groups)} cache groups, {self.capacity(pages)} tokens"
 
     def _hold(self, prompt: int, new: int) -> int:
         """Cache positions the decode replica holds for the request at most. Monolithic: what the engine's
@@ -175,23 +201,28 @@ class PoolFit:
         """The tokens to generate: ``max_new`` if the request fits, else 400 (`ContextLengthExceeded`)
         naming the pool. ``asked``: ``max_new`` is the client's ``max_tokens`` (else what the context
         length leaves, which is cut to what the decode pool holds). ``param``: prompt or messages."""
-        if self.prefill_pages is not None and pages_for_tokens(prompt) > self.prefill_pages:
+        if self.prefill_pages is not None and prompt > self.capacity(self.prefill_pages):
             raise ContextLengthExceeded(
-                f"the {param} has {prompt} tokens, {pages_for_tokens(prompt)} pages of {PAGE_SIZE}; a prefill "
-                f"replica's page pool has {self.prefill_pages}: it can never be served here", param=param)
-        room = self.decode_pages * PAGE_SIZE - self._hold(prompt, 0)
+                f"the {param} has {prompt} tokens{self._need_text(prompt)}; a prefill replica's page pool has "
+                f"{self._pool_text(self.prefill_pages)}: it can never be served here", param=param)
+        room = self.capacity(self.decode_pages) - self._hold(prompt, 0)
         if room < 1:
             raise ContextLengthExceeded(
-                f"the {param} has {prompt} tokens; a decode replica's page pool ({self.decode_pages} pages of "
-                f"{PAGE_SIZE} for one request) cannot hold it and one generated token: it can never be served "
-                "here", param=param)
+                f"the {param} has {prompt} tokens; a decode replica's page pool "
+                f"({self._pool_text(self.decode_pages)} for one request) cannot hold it and one generated "
+                "token: it can never be served here", param=param)
         if max_new <= room:
             return max_new
         if not asked:
             return room
-        need = pages_for_tokens(self._hold(prompt, max_new))
+        hold = self._hold(prompt, max_new)
+        need = f"{pages_for_tokens(hold)} pages of {PAGE_SIZE}" if not self.groups else f"{hold} tokens"
         raise ContextLengthExceeded(
-            f"the request needs {need} pages of {PAGE_SIZE} ({prompt} {param} tokens + max_tokens {max_new}"
+            f"the request needs {need} ({prompt} {param} tokens + max_tokens {max_new}"
             f"{' + MTP positions' if self.draft_tokens else ''}); a decode replica's page pool has "
-            f"{self.decode_pages} for one request: it can never be served here. Ask at most {room} tokens.",
+            f"{self._pool_text(self.decode_pages)} for one request: it can never be served here. Ask at most "
+            f"{room} tokens.",
             param="max_tokens")
+
+    def _need_text(self, prompt: int) -> str:
+        return f", {pages_for_tokens(prompt)} pages of {PAGE_SIZE}" if not self.groups else ""

@@ -222,8 +222,8 @@ class OpenAIIngress:
         self.app_cfg = cfg
         self.limits = cfg.limits
         self.in_flight = InFlight(max_requests(cfg))  # deployments/admission.py
-        self.pool_fit = PoolFit.of(cfg)
         model_cfg = load_any_config(model_dir)  # any registered architecture (models.registry)
+        self.pool_fit = PoolFit.of(cfg, model_cfg)
         self.model_name = cfg.model_name
         self.max_model_len = cfg.model.max_model_len or model_cfg.max_position_embeddings
         self.vocab_size = model_cfg.vocab_size

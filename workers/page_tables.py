@@ -65,6 +65,18 @@ def group_pages_for_tokens(group: CacheGroup, num_tokens: int) -> int:
     return -(-positions // group.tokens_per_page)
 
 
+def group_tokens_for_pages(group: CacheGroup, pages: int) -> int | None:
+    """The most tokens a sequence may have while ``group_pages_for_tokens(group, n) <= pages`` (its inverse:
+    what a pool of ``pages`` pages holds for one request); None: any length (a ``state`` group's one page)."""
+    pages = max(pages, 0)
+    if group.kind == "state":
+        return None if pages else 0
+    if group.kind == "swa":
+        return pages * group.tokens_per_page
+    # n // ratio entries fit while n // ratio <= pages * tokens_per_page
+    return (pages * group.tokens_per_page + 1) * group.ratio - 1
+
+
 class GroupPagePools:
     """One `PagePool` per group of ``cache`` (its page counts). No prefix cache: V4's state pages
     are per sequence (a cached prefix would need its state at the prefix's end)."""

@@ -43,7 +43,7 @@ from deployments.openai.limits import (
     read_body,
 )
 from deployments.openai.protocol import parse_request
-from tests.deployments.app_fixtures import merged, yaml_args
+from tests.deployments.app_fixtures import merged, shipped_model, yaml_args
 from tests.deployments.hostile_bodies import raw_bodies
 from workers.page_pool import PagePool
 from workers.request import Request as EngineRequest
@@ -254,3 +254,21 @@ def test_overloaded_is_a_429_with_retry_after():
     e = Overloaded("busy", retry_after_s=2)
     assert (e.status_code, e.code, e.headers()) == (429, "overloaded", {"Retry-After": "2"})
     assert json.loads(e.to_json())["error"]["code"] == "overloaded"
+
+
+def test_pool_fit_counts_deepseek_v4_cache_groups():
+    """DeepSeek-V4: each cache group gets the role's num_pages pages of 256 tokens (the sliding-window
+    keys bound a sequence), not the 64-token pages of the DSA rule."""
+    from workers.page_tables import group_pages_for_tokens
+
+    args = AppConfig.model_validate(yaml_args("tiny_v4_pd.yaml"))
+    fit = PoolFit.of(args, shipped_model("tiny_v4_pd.yaml"))
+    assert {g.kind for g in fit.groups} >= {"swa", "compressed"}
+    cap = fit.capacity(args.prefill.num_pages)
+    assert cap > args.prefill.num_pages * 64  # what the DSA rule would have allowed
+    assert all(group_pages_for_tokens(g, cap) <= args.prefill.num_pages for g in fit.groups)
+    assert any(group_pages_for_tokens(g, cap + 1) > args.prefill.num_pages for g in fit.groups)
+    assert fit.fit(args.prefill.num_pages * 64 + 300, 8, True, "prompt") == 8
+    with pytest.raises(ContextLengthExceeded, match="prefill replica's page pool has 16 pages in each of") as e:
+        fit.fit(cap + 1, 1, True, "prompt")
+    assert e.value.param == "prompt"

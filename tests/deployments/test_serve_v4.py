@@ -3,7 +3,7 @@ one prefill and one decode replica, every cache group's pages pushed over NIXL (
 
 One server start. The reference is the offline engine (`LLM(pd=False)`) on a tiny model made here
 from the same spec. Checked: `/health`; concurrent greedy completions (streamed and not, prompts
-crossing the window, several compressed blocks and a 256-token page) equal the reference token for
+crossing the window, several compressed blocks, a 256-token page and 1,024 tokens) equal the reference token for
 token; a chat completion answers through the tiny model's template; both pools end where they
 started.
 """
@@ -27,7 +27,9 @@ pytestmark = pytest.mark.slow
 CONFIG = CONFIGS / "tiny_v4_pd.yaml"
 ARGS = AppConfig.model_validate(yaml.safe_load(CONFIG.read_text())["applications"][0]["args"])
 MODEL = ARGS.model_name
-PROMPTS = {f"p{i}": prompt_ids(n, seed=400 + i) for i, n in enumerate((1, 9, 37, 260))}
+# 1,300 tokens: over the 1,024 that the DSA rule's 64-token pages would allow the prefill role's 16
+# pages (the ingress counts V4's cache groups: deployments.admission.PoolFit).
+PROMPTS = {f"p{i}": prompt_ids(n, seed=400 + i) for i, n in enumerate((1, 9, 37, 260, 1300))}
 
 
 @pytest.fixture(scope="module")

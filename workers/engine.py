@@ -33,7 +33,7 @@ from workers.sample.metadata import SamplingMetadata, TokenHistory
 from workers.sample.output import AcceptOutput, SampleOutput, read_back
 from workers.sample.prompt_logprobs import PromptRows
 from workers.sample.rejection import accept
-from workers.sample.sampler import sample
+from workers.sample.sampler import sample_hidden
 from workers.scheduler import PrefillChunk, Scheduler, SchedulerConfig, prefill_length, tokens_to_hold
 from workers.structured import GrammarCompiler, MaskJob
 
@@ -312,7 +312,7 @@ class Engine:
             src = torch.tensor([prev.index[reqs[i].request_id] for i in at], dtype=torch.int64)
             tokens = prev.sampled.tokens
             patch = (at, tokens.index_select(0, src.to(tokens.device)))
-        logits = self.model.logits(self.runner.decode(step, token_patch=patch))
+        hidden = self.runner.decode(step, token_patch=patch)
         self.stats.decode_tokens += len(reqs)
         for r, n in zip(reqs, step.seq_lens):
             r.num_computed = n
@@ -328,7 +328,7 @@ class Engine:
                 self._inflight = None
                 self._read_back(prev, outs, keep_hold=True)  # while the forward runs
             masks = self._grammar_masks(reqs)
-        sampled = self._sample(reqs, logits, skip_finished=True, grammar=masks)
+        sampled = self._sample(reqs, hidden, skip_finished=True, grammar=masks)
         if sampled.packed.device.type == "cuda":
             host = torch.empty(sampled.packed.shape, dtype=sampled.packed.dtype, pin_memory=True)
             host.copy_(sampled.packed, non_blocking=True)
@@ -377,16 +377,17 @@ class Engine:
                                      [r.output if r.params.uses_penalties else None for r in reqs], dev)
         return meta, history
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor, skip_finished: bool = False,
+    def _sample(self, reqs: list[Request], hidden: torch.Tensor, skip_finished: bool = False,
                 grammar: MaskJob | None = None) -> _Sampled:
-        """One token for each of ``reqs`` from fp32 ``logits`` ``[len(reqs), vocab]`` (one draw each).
+        """One token for each of ``reqs`` from the head over their hidden states ``[len(reqs), hidden]``
+        (one draw each; `sample_hidden`: on rank 0 for a model sharded over rank workers).
         ``skip_finished``: emit nothing for a request that ended (or was aborted) before
         the read-back (a step launched ahead of it: overlap scheduling). ``grammar``: the
         constrained rows' masks (`_grammar_masks`, started before the forward)."""
         meta, history = self._sampling_inputs(reqs)
         if grammar is not None:
-            meta.grammar = grammar.wait(logits.device)
-        out = sample(logits, meta, history)
+            meta.grammar = grammar.wait(hidden.device)
+        out = sample_hidden(self.model, hidden, meta, history)
         for r in reqs:
             r.rng_offset += 1
 
@@ -505,18 +506,17 @@ class Engine:
         if not fresh:
             return sites
         rows = torch.tensor([row for _, row in fresh], device=hidden.device)
-        return sites + [self._sample([req for req, _ in fresh], self.model.logits(hidden.index_select(0, rows)),
-                                     grammar=masks)]
+        return sites + [self._sample([req for req, _ in fresh], hidden.index_select(0, rows), grammar=masks)]
 
     def _decode(self, reqs: list[Request]) -> _Sampled:
         step = DecodeStep([r.request_id for r in reqs], [r.last_token for r in reqs], [r.num_tokens for r in reqs],
                           [r.page_table for r in reqs], 1)
         masks = self._grammar_masks(reqs)  # filled on the compiler's thread while the forward runs
-        logits = self.model.logits(self.runner.decode(step))
+        hidden = self.runner.decode(step)
         self.stats.decode_tokens += len(reqs)
         for r in reqs:
             r.num_computed = r.num_tokens
-        return self._sample(reqs, logits, grammar=masks)
+        return self._sample(reqs, hidden, grammar=masks)
 
     # ------------------------------------------------------------------ MTP
     def _verify(self, reqs: list[Request]) -> _Sampled:

@@ -26,7 +26,7 @@ from workers.sample.output import SampleOutput, read_back
 from workers.sample.params import SamplingParams
 from workers.sample.prompt_logprobs import PromptLogprobs, PromptRows
 from workers.sample.ops.grammar_mask import GrammarMask
-from workers.sample.sampler import sample
+from workers.sample.sampler import sample_hidden
 from workers.structured import GrammarCompiler, MaskJob
 
 
@@ -259,7 +259,7 @@ class PrefillWorker:
                                           for a, p in zip(finishing, params)], [None] * len(finishing),
                                          last_hidden.device)
         meta.grammar = self._first_masks(finishing, last_hidden.device)
-        out = sample(self.runner.model.logits(last_hidden), meta, history)
+        out = sample_hidden(self.runner.model, last_hidden, meta, history)
         # The prompts' logprob rows (kept on the device since their chunks ran) come back in the same copy.
         lps = [a.prompt_logprobs for a in finishing if a.prompt_logprobs is not None and a.prompt_logprobs.parts]
         packed, hidden, *lp_rows = read_back(out.packed(), last_hidden, *(torch.cat(p.parts) for p in lps))

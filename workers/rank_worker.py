@@ -30,24 +30,32 @@ from workers.rank_build import RankParts, RankSpec, build_rank
 
 
 def move_to(obj, device: torch.device):
-    """A dataclass (``ForwardBatch``), ``SelectedTokens``, tensor or None with every tensor on ``device``.
+    """A dataclass (``ForwardBatch``, the sampler's ``SamplingMetadata`` / ``TokenHistory`` /
+    ``SampleOutput``), ``SelectedTokens``, tensor, tuple of those or None with every tensor on
+    ``device`` (nested dataclasses and tuples included).
 
-    Non-tensor fields are kept as they are: batch fields added later move
-    (or stay host-side) without this helper knowing them.
+    Other fields are kept as they are: batch fields added later move (or stay host-side)
+    without this helper knowing them.
     """
     if obj is None:
         return None
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if dataclasses.is_dataclass(obj):
-        return dataclasses.replace(obj, **{
-            f.name: move_to(getattr(obj, f.name), device) if isinstance(getattr(obj, f.name), torch.Tensor)
-            else getattr(obj, f.name)
-            for f in dataclasses.fields(obj) if f.init
-        })
+        return dataclasses.replace(obj, **{f.name: _moved(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
     if hasattr(obj, "slots") and hasattr(obj, "positions"):  # models.indexer.SelectedTokens
         return type(obj)(obj.slots.to(device), obj.positions.to(device))
     raise TypeError(f"cannot move a {type(obj).__name__} to {device}")
+
+
+def _moved(value, device: torch.device):
+    """A field's value on ``device``: tensors, dataclasses and tuples of them move; anything else stays."""
+    if isinstance(value, torch.Tensor) or dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return move_to(value, device)
+    if isinstance(value, tuple) and any(isinstance(v, torch.Tensor) for v in value):
+        return tuple(_moved(v, device) for v in value)
+    return value
 
 
 class RankWorker:
@@ -116,6 +124,17 @@ class RankWorker:
         if self.rank or not draft:
             return None
         return logits.cpu(), hidden.cpu(), move_to(selected, torch.device("cpu"))
+
+    @torch.inference_mode()
+    def sample_hidden(self, hidden: torch.Tensor, meta, history):
+        """`workers.sample.sampler.sample_hidden` on this rank's GPU: the head over hidden ``[n, hidden]``
+        and one token per row; returns the ``SampleOutput`` on the host (tokens, the chosen tokens'
+        logprobs, the top-n asked for: ``[n, 2 + 2 top]`` numbers, not ``[n, vocab]`` logits)."""
+        from workers.sample.sampler import sample
+
+        out = sample(self.model.logits(hidden.to(self.device)), move_to(meta, self.device),
+                     move_to(history, self.device))
+        return move_to(out, torch.device("cpu"))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -158,8 +158,8 @@ def test_a_prompts_last_chunk_is_pushed_unfenced_after_its_first_token_was_read_
     calls = []
     import workers.prefill_worker as prefill_worker
 
-    real_sample, real_mtp = prefill_worker.sample, pre.runner.model.mtp_forward
-    monkeypatch.setattr(prefill_worker, "sample", lambda *a, **k: calls.append("sample") or real_sample(*a, **k))
+    real_sample, real_mtp = prefill_worker.sample_hidden, pre.runner.model.mtp_forward
+    monkeypatch.setattr(prefill_worker, "sample_hidden", lambda *a, **k: calls.append("sample") or real_sample(*a, **k))
     monkeypatch.setattr(pre.runner.model, "mtp_forward",
                         lambda *a, **k: calls.append("mtp") or real_mtp(*a, **k))
     p_start, d_start = pre.pool.free_count, dec.pool.free_count

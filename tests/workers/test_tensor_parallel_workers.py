@@ -45,11 +45,20 @@ def test_agent_names_map_rank_to_rank():
 @pytest.mark.parametrize("arch,mtp", [("deepseek_v32", 0), ("glm_moe_dsa", 1)])
 def test_tp2_monolithic_and_pd_equal_tp1(arch, mtp, ray_session, tmp_path):
     tiny = make_mtp_friendly(arch, tmp_path / arch)
-    want = LLM(tiny, chunk_size=32, mtp_draft_tokens=mtp).generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+    one = LLM(tiny, chunk_size=32, mtp_draft_tokens=mtp)
+    want = one.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+    sampled = dict(max_new_tokens=NEW, ignore_eos=True, temperature=0.9, top_k=20, seed=11)
 
     mono = LLM(tiny, chunk_size=32, mtp_draft_tokens=mtp, tp_size=2, num_pages=64)
     try:
         assert mono.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True) == want
+        if not mtp:  # rank 0 samples (`GroupModel.sample_hidden`): seeded draws and logprobs as one process's
+            assert mono.generate(PROMPTS, **sampled) == one.generate(PROMPTS, **sampled)
+            got, ref = (llm.logprob_requests(PROMPTS[:2], max_new_tokens=3, logprobs=2, prompt_logprobs=None)
+                        for llm in (mono, one))
+            for g, r in zip(got, ref):
+                assert g.output == r.output
+                assert len(g.logprobs) == 3 and max(abs(a - b) for a, b in zip(g.logprobs, r.logprobs)) < 1e-4
         st = mono.stats()
         assert st["pool_free_pages"] == st["pool_total_pages"] == 64
         assert (st["mtp_drafted"] > 0) == (mtp > 0)

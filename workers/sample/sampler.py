@@ -146,3 +146,15 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata, history: TokenHistory |
         top_vals, top_ids = raw.topk(meta.max_top_logprobs, dim=-1)
         top_lp = top_vals - lse[:, None]
     return SampleOutput(tokens, chosen, top_ids, top_lp, probs)
+
+
+def sample_hidden(model, hidden: torch.Tensor, meta: SamplingMetadata, history: TokenHistory | None = None
+                  ) -> SampleOutput:
+    """``sample(model.logits(hidden), meta, history)``: the head over hidden ``[n, hidden]``, one token
+    per row. A model sharded over rank workers (`workers.rank_group.GroupModel`) runs both on its rank 0,
+    where the head's weights and a GPU are, and sends back only the sampled rows."""
+    on_rank = getattr(model, "sample_hidden", None)
+    if on_rank is not None:
+        return on_rank(hidden, meta, history)
+    return sample(model.logits(hidden), meta, history)
+

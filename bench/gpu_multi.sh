@@ -6,7 +6,7 @@
 #   bash bench/gpu_multi.sh install    # unpack + one pip install into /tmp/site
 #   bash bench/gpu_multi.sh tests      # tests/workers/test_tensor_parallel_gpu.py (tp 2, TBO, PD on 4 GPUs)
 #   bash bench/gpu_multi.sh serve      # serve run of tp 2 PD on 4 GPUs, openai client
-#   bash bench/gpu_multi.sh bench      # decode/prefill: tp 1 (graphs, eager), tp 2, tp 2 + TBO
+#   bash bench/gpu_multi.sh bench      # decode/prefill: tp 1 (graphs, eager), tp 2 (RUNS=... picks)
 #   bash bench/gpu_multi.sh transfer   # KV push GPU 0 -> GPU 1 against a peer copy (bench/gpu_transfer.sh)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -32,10 +32,11 @@ bench)
   [ -d /tmp/ckpt/bf16 ] || python3 bench/memory_check.py /tmp/ckpt/bf16 --layers 4 --experts 16 --write --write-only --bf16 | tail -1
   common="--model /tmp/ckpt/bf16 --backend cuda --device cuda --dtype bfloat16 --kv-cache-dtype fp8 \
       --prefill ${PREFILL:-8x4096} --batch-sizes ${BATCHES:-32 128} --input-len 1024 --output-len ${OUTLEN:-128}"
-  for run in ${RUNS:-tp1 tp1-eager tp2 tp2-tbo}; do
+  for run in ${RUNS:-tp1 tp1-eager tp2}; do
     case $run in
       tp1) extra="" ;; tp1-eager) extra="--no-cuda-graphs" ;;
-      tp2) extra="--tp-size 2" ;; tp2-tbo) extra="--tp-size 2 --two-batch-overlap" ;;
+      tp2) extra="--tp-size 2" ;;
+      *) echo "unknown run $run: tp1, tp1-eager or tp2 (two-batch overlap is refused on cuda)"; continue ;;
     esac
     echo "== $run"
     timeout ${T:-240} python3 -m bench.offline $common $extra --json "$OUT/multi_$run.json" 2>&1 | \

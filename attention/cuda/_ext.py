@@ -40,9 +40,9 @@ class _OneCallerAtATime:
 
     DeepGEMM compiles a kernel on its first call with a new configuration, and its JIT is not
     thread-safe: two threads meeting the same new shape at once failed on an H200 with
-    "Circular include may occur" (two-batch overlap, `models.two_batch`, runs two micro-batches in
-    two threads). Its calls only launch (asynchronous), so the lock is held for microseconds once
-    the kernels exist."""
+    "Circular include may occur" (session 15: two-batch overlap's micro-batch threads, since refused
+    on the cuda backend; any other caller on a second thread would meet the same). Its calls only
+    launch (asynchronous), so the lock is held for microseconds once the kernels exist."""
 
     def __init__(self, module):
         self._module = module

@@ -139,7 +139,7 @@ def sparse_mla_prefill(
 
 
 class _SchedMetaCache:
-    """FlashMLA scheduling metadata, one object per (device, b, s_q, h, topk, stream: `_stream_tag`).
+    """FlashMLA scheduling metadata, one object per (device, b, s_q, h, topk).
 
     The object may be reused while the shapes (and the absent topk_length)
     stay the same -- what it depends on -- so every layer of every step with
@@ -166,19 +166,6 @@ class _SchedMetaCache:
 
 
 SCHED_META = _SchedMetaCache()
-
-
-def _stream_tag(dev: torch.device) -> int:
-    """0 on the default stream and while capturing a CUDA graph, else the current stream's id.
-
-    A metadata object is filled on its first use, on that call's stream: two micro-batches of a
-    two-batch-overlap forward (`models.two_batch`, one stream each) sharing one could read it before
-    the other stream has written it. Captures keep sharing the default stream's objects (filled by
-    the eager warm-up), so no metadata kernel lands in a graph."""
-    if dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return 0
-    stream = torch.cuda.current_stream(dev)
-    return 0 if stream == torch.cuda.default_stream(dev) else stream.stream_id
 
 
 def sparse_mla_decode(
@@ -219,7 +206,7 @@ def sparse_mla_decode(
     idx = _pad_indices(idx, topk_pad, (idx < 0) | (idx >= spec.num_slots))
     kcache = cache.mla_view_for_kernel(layer)
     fm = _ext.flash_mla()
-    meta = SCHED_META.get((dev.type, dev.index, b, s_q, h_pad, topk_pad, _stream_tag(dev)))
+    meta = SCHED_META.get((dev.type, dev.index, b, s_q, h_pad, topk_pad))
     out, lse = fm.flash_mla_with_kvcache(
         qb, kcache, None, None, D_V, meta,
         softmax_scale=float(sm_scale), is_fp8_kvcache=True, indices=idx, use_legacy=True,

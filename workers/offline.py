@@ -193,7 +193,6 @@ class LLM:
             **({"prefill_pool_free_pages": self.pd.prefill.pool.free_count} if self.pd else {}),
         }
 
-
     def _two_batch_forwards(self) -> int:
         """Forwards of the decode side run as two micro-batches (rank 0's count: every rank splits alike)."""
         if self.groups:

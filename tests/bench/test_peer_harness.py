@@ -39,6 +39,21 @@ def test_offline_timeline_counts_every_token_and_ids_match_generate(llm):
     assert llm.pool.free_count == llm.pool.num_pages
 
 
+def test_offline_bench_command_writes_its_cases(tmp_path, capsys):
+    """`dsa-pd bench offline` end to end (tp 1): every case in the JSON with the run's settings."""
+    from bench.offline import main
+
+    model = make_tiny("deepseek_v32", tmp_path / "m", seed=5)
+    out = tmp_path / "o.json"
+    assert main(["--model", str(model), "--prefill", "2x40", "--batch-sizes", "2", "--input-len", "20",
+                 "--output-len", "6", "--chunk-size", "64", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["tp_size"] == 1 and got["two_batch_overlap"] is False and got["two_batch_forwards"] == 0
+    assert [c["case"] for c in got["cases"]] == ["prefill 2x40", "decode batch 2"]
+    assert got["cases"][1]["tpot_ms_median"] > 0 and len(got["cases"][1]["token_ids"]) == 2
+    assert "forwards as two micro-batches: 0" in capsys.readouterr().out
+
+
 def test_offline_decode_under_a_grammar(llm):
     # --grammar-regex: every decode request constrained (what a constrained batch costs is measured so).
     spec = GrammarSpec("regex", "[a-z ,.]+")

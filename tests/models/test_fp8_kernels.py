@@ -106,7 +106,10 @@ def check_act_quant(gen, interpreter: bool = True) -> None:
         # of two codes may take the other (one in ~10^5 on the H200: 76.0 -> 72 or 80).
         wrong &= ((scaled.abs() - (got.abs() + want.abs()) / 2).abs() > 1e-5 * scaled.abs()) | (got.sign() != want.sign())
         if interpreter:
-            carry = (want.abs().log2() == want.abs().log2().round()) & (got == want / 2)
+            # The interpreter's fp8 cast drops the carry into a power of two: it returns the code
+            # below it (half of it; 0 below the smallest subnormal, 2^-9).
+            below = torch.where(want.abs() == 2.0 ** -9, torch.zeros_like(want), want / 2)
+            carry = (want.abs().log2() == want.abs().log2().round()) & (got == below)
             wrong &= ~carry
         assert not wrong.any(), f"M={M} K={K}: {int(wrong.sum())} codes differ, e.g. {got[wrong][:4]} vs {want[wrong][:4]}"
         assert (got[0, :128] == 0).all()

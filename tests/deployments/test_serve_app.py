@@ -2,8 +2,8 @@
 
 One server per module (a fresh local Ray cluster on this machine: ingress,
 decode, prefill and directory replicas, NIXL between the two roles). The
-reference is the offline engine, `LLM(model_dir, pd=False)`, on a tiny model
-made here from the same spec (the server makes its own copy on first start),
+reference is the offline engine, `LLM(model_dir, pd=False)`, on the tiny model
+of the same spec (made once for the servers and the references of a run),
 with the same dtype and KV format as the config. Checked: greedy output of
 completions and chat, streamed and not, equals the reference for the same
 prompt token ids, also under concurrent clients; every refused request gets
@@ -63,9 +63,9 @@ ID_PROMPTS = {
 
 
 @pytest.fixture(scope="module")
-def reference(server, tmp_path_factory):
+def reference(server):
     """Computed while the server starts (both take CPU-minutes on a small machine)."""
-    with reference_llm(ARGS, tmp_path_factory) as (llm, tok, _):
+    with reference_llm(ARGS) as (llm, tok, _):
         chat = tok(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
                    add_special_tokens=False)["input_ids"]
         yield Reference(llm, tok, {**ID_PROMPTS, "text": tok(TEXT_PROMPT)["input_ids"], "chat": chat})

@@ -31,11 +31,15 @@ import json
 import statistics
 import time
 
-import torch
+# torch is imported where it is used: `dsa-pd` builds every subcommand's parser from
+# `add_arguments`, and a module-level import cost each command (`check`, `serve`, a usage
+# error) ~2 s of loading torch.
 
 
 def random_prompts(n: int, length: int, seed: int, vocab: int = 256) -> list[list[int]]:
     """``n`` prompts of ``length`` token ids in ``[0, vocab)``, from ``seed`` (the bench serve default range)."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n, length), generator=g).tolist()
 
@@ -43,6 +47,8 @@ def random_prompts(n: int, length: int, seed: int, vocab: int = 256) -> list[lis
 def timed_run(llm, prompts: list[list[int]], max_new_tokens: int, tag: str, grammar=None) -> dict:
     """Run ``prompts`` greedily to ``max_new_tokens`` each through ``llm.engine``, one timestamp per step.
     grammar: a `workers.structured.GrammarSpec` every request's output must match (None: free)."""
+    import torch
+
     from workers.request import Request
     from workers.sample.params import SamplingParams
 
@@ -127,6 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    import torch
+
     from attention.formats import pages_for_tokens
     from workers.offline import LLM
     from workers.structured import GrammarSpec

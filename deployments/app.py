@@ -13,10 +13,10 @@ the ingress, the directory (behind ``/health`` and ``/stats``) and decode
 replicas that prefill their own requests, without NIXL.
 
 `serve run configs/tiny_pd.yaml` calls this in Serve's build task; a
-violation raises `AppConfigError`, whose message lists every violation with
-its path, and the application goes to DEPLOY_FAILED with that message
-without starting a replica. (`dsa-pd check` runs the same validation without
-a cluster.)
+violation raises `AppConfigError` (as `InvalidAppConfig`, which Serve does
+not retry), whose message lists every violation with its path, and the
+application goes to DEPLOY_FAILED with that message without starting a
+replica. (`dsa-pd check` runs the same validation without a cluster.)
 """
 
 from __future__ import annotations
@@ -26,11 +26,20 @@ from typing import Any
 
 from ray import serve
 from ray.serve.config import BackpressureConfig, RequestRouterConfig
+from ray.serve.exceptions import RayServeException
 
 from deployments.app_config import AppConfig
 from deployments.controller import AppConfigError, check_args, plan_placement
 
 log = logging.getLogger("ray.serve")
+
+
+class InvalidAppConfig(AppConfigError, RayServeException):
+    """`AppConfigError` from the build task. Serve retries a build that raises anything else three
+    times (a transient import failure may pass), each attempt a new worker process that imports
+    and validates again (~5 s apiece on 2 cores); a violation is the same every time, and a
+    `RayServeException` fails the build at once with this message."""
+
 
 def _router_config(router_cls: type, cfg: AppConfig, role: str) -> RequestRouterConfig:
     from deployments.router import ROUTING_STATS_PERIOD_S
@@ -48,7 +57,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
     """Validate ``args`` (an `AppConfig` mapping), make the model if it is a tiny spec, and build the app."""
     result = check_args(args)
     if result.violations:
-        raise AppConfigError(list(result.violations))
+        raise InvalidAppConfig(list(result.violations))
     cfg = result.app_cfg
     assert cfg is not None
 

@@ -35,13 +35,14 @@ def _make_tiny(args) -> int:
 
 
 def _generate(args) -> int:
+    if bool(args.model_dir) == bool(args.tiny):
+        print("error: give either MODEL_DIR or --tiny ARCH", file=sys.stderr)
+        return 2
+    # After the argument check: a usage error answers at once, without loading torch.
     from transformers import AutoTokenizer
 
     from workers.offline import LLM
 
-    if bool(args.model_dir) == bool(args.tiny):
-        print("error: give either MODEL_DIR or --tiny ARCH", file=sys.stderr)
-        return 2
     model_dir = Path(args.model_dir) if args.model_dir else tiny_model_dir(args.tiny)
     tokenizer = None
     if args.token_ids:

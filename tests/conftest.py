@@ -28,6 +28,37 @@ def _has_cuda() -> bool:
         return False
 
 
+_PRESTART: dict[Path, dict] = {}
+"""Per test directory, the ``PRESTART`` runs its collected tests read (tests/prestart.py)."""
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        module = getattr(item, "module", None)
+        if item.get_closest_marker("skip"):
+            continue
+        for name, factory in getattr(module, "PRESTART", {}).items():
+            if name in getattr(item, "fixturenames", ()) or getattr(item, "originalname", None) == name:
+                _PRESTART.setdefault(item.path.parent, {}).setdefault((module.__name__, name), factory)
+
+
+def pytest_runtest_setup(item):
+    """At a directory's first test, its runs start in the background: beside that directory's tests,
+    not beside another directory's servers, whose tests time what they serve."""
+    group = _PRESTART.pop(item.path.parent, None)
+    if group:
+        from tests.prestart import prestart
+
+        prestart(factory() for factory in group.values())
+
+
+def pytest_sessionfinish(session):
+    if "tests.prestart" in sys.modules:
+        sys.modules["tests.prestart"].stop_all()
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_cuda():
         return

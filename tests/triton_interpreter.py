@@ -1,21 +1,23 @@
-"""Triton kernel checks in the interpreter (``TRITON_INTERPRET=1``) on CPU tensors.
+"""Triton kernel checks in the interpreter (``TRITON_INTERPRET=1``) on CPU tensors, and compiled
+for sm_90 without a GPU.
 
-The interpreter must be switched on before triton is imported, so a test module
-runs its checks in a subprocess of itself (``python test_x.py SEED``): the
-subprocess calls `report`, the test process `interpreter_results`.
+The interpreter must be switched on before triton is imported (and be off for a compile), so a
+test module runs its checks in a subprocess of itself (``python test_x.py SEED``, ``python
+test_x.py --compile``): the subprocess calls `report` (or prints COMPILED), the test process reads
+it (`results`, `compiled`). The subprocesses are `tests.prestart` runs: a module lists them in its
+``PRESTART`` and they start in the background once the tests are collected.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.prestart import WorkerRun, python_env, temp_dir, worker
 
 
 def report(checks: dict[str, Callable[[], None]]) -> None:
@@ -41,25 +43,42 @@ def report_seeded(checks: dict[str, Callable], argv: list[str]) -> None:
             for name, check in checks.items()})
 
 
-def interpreter_results(test_file: str, seed: int) -> dict[str, str]:
-    """``{check: "ok" | traceback}`` from ``python test_file SEED`` under the interpreter."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(Path(test_file).resolve()), str(seed)],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+def _env(interpret: bool, **extra: str) -> dict[str, str]:
+    env = python_env(**extra)
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+def interpreter_run(test_file: str, *args, timeout: float = 300) -> WorkerRun:
+    """``python test_file ARGS`` under the interpreter (the module's worker prints `report`'s line)."""
+    return worker([sys.executable, str(Path(test_file).resolve()), *args], lambda: _env(True), timeout)
+
+
+def compile_run(test_file: str, timeout: float = 300) -> WorkerRun:
+    """``python test_file --compile`` (its sm_90 compile worker, which prints COMPILED), with a private
+    Triton cache dir so that it really compiles (no stale cubin from an earlier run)."""
+    return worker([sys.executable, str(Path(test_file).resolve()), "--compile"],
+                  lambda: _env(False, TRITON_CACHE_DIR=temp_dir("triton-cache-")), timeout)
+
+
+def code_compile_run(code: str, timeout: float = 300) -> WorkerRun:
+    """``python -c CODE`` outside the interpreter, with a private Triton cache dir."""
+    return worker([sys.executable, "-c", code], lambda: _env(False, TRITON_CACHE_DIR=temp_dir("triton-cache-")),
+                  timeout)
+
+
+def results(run: WorkerRun) -> dict[str, str]:
+    """``{check: "ok" | traceback}`` from a worker that ran `report`."""
+    proc = run.wait()
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, (
         f"interpreter worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1][len("RESULTS "):])
 
 
-def compile_in_subprocess(test_file: str, cache_dir: str | Path) -> None:
-    """Run ``python test_file --compile`` (its sm_90 compile worker, which prints COMPILED).
-
-    A subprocess: compiling needs TRITON_INTERPRET unset at import, and a private
-    cache dir makes it really compile (no stale cubin from an earlier run).
-    """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(cache_dir), PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(Path(test_file).resolve()), "--compile"],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+def compiled(run: WorkerRun) -> None:
+    """A compile worker's run printed COMPILED."""
+    proc = run.wait()
     assert proc.returncode == 0 and "COMPILED" in proc.stdout, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

@@ -23,10 +23,10 @@ paged kernel leaves as garbage are checked to come back ``-inf``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -49,6 +49,8 @@ from attention.cuda.logits import (  # noqa: E402
     ragged_logits_bytes,
 )
 from attention.formats import PAGE_SIZE, quantize_indexer_fp8  # noqa: E402
+from tests.prestart import temp_dir  # noqa: E402
+from tests.triton_interpreter import code_compile_run, compiled, interpreter_run  # noqa: E402
 
 SEED = int(os.environ.get("ATTN_TEST_SEED", secrets.randbits(31)))
 NEG_INF = float("-inf")
@@ -681,13 +683,29 @@ def _worker_main(argv: list[str]) -> None:
     print("RESULTS " + json.dumps(results))
 
 
+@functools.cache
+def _fakes_run():
+    return interpreter_run(__file__, SEED, temp_dir("cuda-fakes-"), timeout=900)
+
+
+MASK_TAIL_COMPILE = (
+    "import triton\n"
+    "from triton.backends.compiler import GPUTarget\n"
+    "from triton.compiler import ASTSource\n"
+    "from attention.cuda.logits import _mask_tail_kernel\n"
+    "src = ASTSource(fn=_mask_tail_kernel, signature={'logits_ptr': '*fp32', 'stride': 'i64', 'width': 'i32',"
+    " 'lens_ptr': '*i32', 'BLOCK': 'constexpr'}, constexprs={'BLOCK': 1024})\n"
+    "triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'num_warps': 4})\n"
+    "print('COMPILED')\n"
+)
+PRESTART = {"fake_results": _fakes_run,
+            "test_mask_tail_kernel_compiles_for_sm90": lambda: code_compile_run(MASK_TAIL_COMPILE)}
+"""The subprocesses this module reads, started early (tests/prestart.py)."""
+
+
 @pytest.fixture(scope="module")
-def fake_results(tmp_path_factory) -> dict[str, str]:
-    tmp = tmp_path_factory.mktemp("cuda_fakes")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(SEED), str(tmp)],
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+def fake_results() -> dict[str, str]:
+    proc = _fakes_run().wait()
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, (
         f"fake-kernel worker failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
@@ -701,20 +719,7 @@ def test_glue_on_fake_kernels(name, fake_results):
 
 def test_mask_tail_kernel_compiles_for_sm90():
     """The one new Triton kernel compiles to an sm_90 cubin without a GPU."""
-    code = (
-        "import triton\n"
-        "from triton.backends.compiler import GPUTarget\n"
-        "from triton.compiler import ASTSource\n"
-        "from attention.cuda.logits import _mask_tail_kernel\n"
-        "src = ASTSource(fn=_mask_tail_kernel, signature={'logits_ptr': '*fp32', 'stride': 'i64', 'width': 'i32',"
-        " 'lens_ptr': '*i32', 'BLOCK': 'constexpr'}, constexprs={'BLOCK': 1024})\n"
-        "triton.compile(src, target=GPUTarget('cuda', 90, 32), options={'num_warps': 4})\n"
-        "print('COMPILED')\n"
-    )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert "COMPILED" in proc.stdout, proc.stderr[-3000:]
+    compiled(code_compile_run(MASK_TAIL_COMPILE))
 
 
 # ---------------------------------------------------------------------------

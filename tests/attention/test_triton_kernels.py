@@ -32,8 +32,7 @@ if str(REPO) not in sys.path:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.triton_interpreter import compile_in_subprocess, report  # noqa: E402
-from tests.triton_interpreter import interpreter_results as run_in_interpreter  # noqa: E402
+from tests.triton_interpreter import compile_run, compiled, interpreter_run, report, results  # noqa: E402
 from attention.formats import (  # noqa: E402
     PAGE_SIZE,
     IndexerFp8Format,
@@ -557,9 +556,14 @@ def _worker_main(argv: list[str]) -> None:
     report({name: (lambda n=name: run_check(n, "cpu", seed, big=False)) for name in CHECKS})
 
 
+PRESTART = {"interpreter_results": lambda: interpreter_run(__file__, SEED),
+            "test_kernels_compile_for_sm90": lambda: compile_run(__file__)}
+"""The subprocesses this module reads, started early (tests/prestart.py)."""
+
+
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
-    return run_in_interpreter(__file__, SEED)
+    return results(interpreter_run(__file__, SEED))
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
@@ -713,8 +717,8 @@ def _compile_worker() -> None:
     print("COMPILED")
 
 
-def test_kernels_compile_for_sm90(tmp_path):
-    compile_in_subprocess(__file__, tmp_path)
+def test_kernels_compile_for_sm90():
+    compiled(compile_run(__file__))
 
 
 if __name__ == "__main__":

@@ -37,19 +37,22 @@ class Reference:
 
 
 @contextlib.contextmanager
-def reference_llm(args, tmp_path_factory, **llm_kwargs):
+def reference_llm(args, **llm_kwargs):
     """``(LLM, tokenizer, model_dir)`` of ``args``' model (an ``AppConfig``) with its decode role's dtype and
-    KV format, made into a fresh cache dir while the server starts. One torch thread: next to the server's
-    processes, two OpenMP threads spin at every barrier while the other waits for a core (10x slower here)."""
+    KV format, while the server starts. The checkpoint is the servers' (`shared_cache_dir`): made here
+    if this comes first (then the server's build finds it), by the same code from the same spec either
+    way; making is atomic. One torch thread: next to the server's processes, two OpenMP threads spin at
+    every barrier while the other waits for a core (10x slower here)."""
     import torch
     from transformers import AutoTokenizer
 
+    from tests.deployments.serve_process import shared_cache_dir
     from workers.offline import LLM
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        src = args.model.model_copy(update={"cache_dir": str(tmp_path_factory.mktemp("ref-cache"))})
+        src = args.model.model_copy(update={"cache_dir": str(shared_cache_dir())})
         model_dir = src.checkpoint_dir(make=True)
         d = args.decode
         llm = LLM(model_dir, backend=d.backend, device=d.device, dtype=d.dtype, kv_cache_dtype=d.kv_cache_dtype,

@@ -1,9 +1,10 @@
 """The dashboards against a real Prometheus (issue 20's must-show).
 
-`serve run configs/tiny_pd.yaml` runs as users start it; a real Prometheus
-(Debian's ``prometheus`` package) scrapes the cluster's Ray metrics
-endpoints every second through the service discovery file Ray writes; a
-`dsa-pd bench serve` load runs. Then, through Prometheus' HTTP API:
+`serve run configs/tiny_pd.yaml` runs as users start it (the server test_serve_app.py uses too:
+tests/deployments/conftest.py; what is checked here is counted from this module's start); a real
+Prometheus (Debian's ``prometheus`` package) scrapes the cluster's Ray metrics endpoints every
+second through the service discovery file Ray writes; a `dsa-pd bench serve` load runs. Then,
+through Prometheus' HTTP API:
 
 - every query of every panel of every dashboard in helm/dsa-pd/dashboards/
   (as Grafana would send it: variables at "All", ``$__rate_interval`` at
@@ -39,7 +40,6 @@ import pytest
 from deployments.cli import main
 from deployments.metrics.dashboards import DASHBOARD_DIR, panel_queries, resolve
 from deployments.metrics.table import spec
-from tests.deployments.app_fixtures import CONFIGS
 from tests.deployments.prometheus_process import PrometheusProcess, prometheus_binary
 from tests.deployments.serve_process import ServeProcess, wait_until
 
@@ -49,7 +49,6 @@ pytestmark = [
                        reason="no prometheus binary (Debian: apt-get install prometheus)"),
 ]
 
-CONFIG = CONFIGS / "tiny_pd.yaml"
 RATE_INTERVAL = "5s"
 """What ``$__rate_interval`` becomes. Grafana's would be 4 s at a 1 s scrape (four scrape intervals);
 one more second leaves room for Ray's agent, which reports what replicas recorded once a second."""
@@ -71,10 +70,12 @@ class Run:
     server: ServeProcess
     prom: PrometheusProcess | None
     bench: dict
+    t_start: float
+    """Before the error and the cancelled stream (the counters settled since the server's earlier users)."""
     t0: float
     """Just before the load (after the error and the cancelled stream)."""
     t1: float
-    """The load's tokens scraped and one rate window more; the server is stopped after it."""
+    """The load's tokens scraped and one rate window more."""
 
 
 def _counter(prom: PrometheusProcess, expr: str, at: float | None = None) -> float:
@@ -105,25 +106,31 @@ def _error_and_cancelled_stream(url: str, model: str) -> None:
         next(r.iter_lines())
 
 
+COUNTED = ['sum(ray_dsa_pd_generated_tokens_total{role="decode"})', 'sum(ray_dsa_pd_prompt_tokens_total{role="prefill"})',
+           "sum(ray_dsa_pd_requests_total)"]
+"""Counters that move with every request: still for a while = every earlier request reported."""
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Run:
+def run(tiny_pd_server, tmp_path_factory) -> Run:
     work = tmp_path_factory.mktemp("prometheus-dashboards")
     r = Run()
-    r.server = ServeProcess(CONFIG, work,
-                            env={"RAY_metrics_report_interval_ms": "1000"}).start()
+    r.server = tiny_pd_server  # RAY_metrics_report_interval_ms=1000 (tests/deployments/conftest.py)
     r.prom = None
     try:
         r.server.wait_ready(timeout=240)
         r.prom = PrometheusProcess(r.server.metrics_targets_file(), work).start()
         r.prom.wait_ready()
-        # Both roles' replicas and the ingress exported, and scraped, before any request.
+        # Both roles' replicas and the ingress exported, and scraped, before this module's requests.
         wait_until(lambda: len(r.prom.query("ray_dsa_pd_pages_total")) >= 2
                    and r.prom.query("ray_dsa_pd_requests_total"), 60, "the replicas' and the ingress' series scraped")
+        _settled(r.prom, COUNTED)
+        r.t_start = time.time()
+        cancelled = 'sum(ray_dsa_pd_requests_total{outcome="cancelled"})'
+        before = _counter(r.prom, cancelled, r.t_start)
         _error_and_cancelled_stream(r.server.url, MODEL)
-        wait_until(lambda: _counter(r.prom, 'sum(ray_dsa_pd_requests_total{outcome="cancelled"})') == 1, 30,
-                   "the cancelled stream counted")
-        _settled(r.prom, ['sum(ray_dsa_pd_generated_tokens_total{role="decode"})',
-                          'sum(ray_dsa_pd_prompt_tokens_total{role="prefill"})'])
+        wait_until(lambda: _counter(r.prom, cancelled) == before + 1, 30, "the cancelled stream counted")
+        _settled(r.prom, COUNTED)
         r.t0 = time.time()
         code = main(["bench", "serve", "--base-url", r.server.url, "--save-result", "--result-dir", str(work),
                      "--result-filename", "bench.json", "--disable-tqdm", *LOAD])
@@ -131,17 +138,13 @@ def run(tmp_path_factory) -> Run:
         r.bench = json.loads((work / "bench.json").read_text())
         assert r.bench["completed"] == 12 and r.bench["failed"] == 0
         # Until the last tokens went heartbeat -> Ray's agent -> a scrape.
-        _settled(r.prom, ['sum(ray_dsa_pd_generated_tokens_total{role="decode"})',
-                          'sum(ray_dsa_pd_prompt_tokens_total{role="prefill"})'])
+        _settled(r.prom, COUNTED)
         time.sleep(max(0.0, RATE_WINDOW_S - 3))  # the rate windows reach past the end of the load
         r.t1 = time.time()
-        # Everything is in Prometheus now: the cluster's cores go to the queries.
-        r.server.stop()
         yield r
     finally:
         if r.prom is not None:
             r.prom.stop()
-        r.server.stop()
 
 
 QUIET = {("overview", "Errors/s by type"), ("overview", "Rejections, retries and preemptions/s"),
@@ -269,14 +272,20 @@ def test_latency_histograms_count_every_request_within_their_bounds(run):
 
 
 def test_an_error_and_a_cancelled_stream_are_counted_by_outcome(run):
-    # Sent before the load (`_error_and_cancelled_stream`): by t0 each is counted once, with its
-    # error type; every other outcome and error type is there at 0 (never "no data").
-    series = {(x["metric"]["outcome"], x["metric"]["error_type"]): float(x["value"][1])
-              for x in run.prom.query("sum by (outcome, error_type) (ray_dsa_pd_requests_total)", run.t0)}
+    # Sent before the load (`_error_and_cancelled_stream`): between t_start and t0 each is counted
+    # once, with its error type; every other outcome and error type is there (never "no data") and
+    # did not move. (A server fresh at t_start has every series at 0 then.)
+    def by_outcome(at: float) -> dict:
+        return {(x["metric"]["outcome"], x["metric"]["error_type"]): float(x["value"][1])
+                for x in run.prom.query("sum by (outcome, error_type) (ray_dsa_pd_requests_total)", at)}
+
+    start, end = by_outcome(run.t_start), by_outcome(run.t0)
+    series = {k: v - start.get(k, 0.0) for k, v in end.items()}
     assert series == {("stop", "none"): 0, ("length", "none"): 0, ("cancelled", "none"): 1,
                       ("error", "invalid_request_error"): 0, ("error", "context_length_exceeded"): 0,
                       ("error", "model_not_found"): 1, ("error", "overloaded"): 0, ("error", "unavailable"): 0,
                       ("error", "server_error"): 0}
     # The cancelled request was prefilled, then left: its prompt counted by both roles.
     for role in ("prefill", "decode"):
-        assert _counter(run.prom, f'sum(ray_dsa_pd_prompt_tokens_total{{role="{role}"}})', run.t0) == CANCELLED_PROMPT
+        expr = f'sum(ray_dsa_pd_prompt_tokens_total{{role="{role}"}})'
+        assert _counter(run.prom, expr, run.t0) - _counter(run.prom, expr, run.t_start) == CANCELLED_PROMPT

@@ -1,9 +1,10 @@
 """`serve run configs/tiny_pd.yaml` end to end, with the official `openai` client.
 
-One server per module (a fresh local Ray cluster on this machine: ingress,
-decode, prefill and directory replicas, NIXL between the two roles). The
-reference is the offline engine, `LLM(model_dir, pd=False)`, on a tiny model
-made here from the same spec (the server makes its own copy on first start),
+One server (a fresh local Ray cluster on this machine: ingress, decode,
+prefill and directory replicas, NIXL between the two roles), shared with
+test_prometheus_dashboards.py (tests/deployments/conftest.py). The
+reference is the offline engine, `LLM(model_dir, pd=False)`, on the tiny model
+of the same spec (made once for the servers and the references of a run),
 with the same dtype and KV format as the config. Checked: greedy output of
 completions and chat, streamed and not, equals the reference for the same
 prompt token ids, also under concurrent clients; every refused request gets
@@ -34,7 +35,7 @@ from tests.deployments.logprob_checks import (
     sse_events,
 )
 from tests.deployments.offline_reference import Reference, prompt_ids, reference_llm
-from tests.deployments.serve_process import ServeProcess, stats, wait_until
+from tests.deployments.serve_process import stats, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -44,11 +45,8 @@ MODEL = ARGS.model_name
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve")
-    proc = ServeProcess(CONFIG, work).start()
-    yield proc
-    proc.stop()
+def server(tiny_pd_server):
+    return tiny_pd_server
 
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
@@ -63,9 +61,10 @@ ID_PROMPTS = {
 
 
 @pytest.fixture(scope="module")
-def reference(server, tmp_path_factory):
-    """Computed while the server starts (both take CPU-minutes on a small machine)."""
-    with reference_llm(ARGS, tmp_path_factory) as (llm, tok, _):
+def reference(server):
+    """Computed while the server starts (both take CPU-minutes on a small machine), when this
+    module is its first user."""
+    with reference_llm(ARGS) as (llm, tok, _):
         chat = tok(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
                    add_special_tokens=False)["input_ids"]
         yield Reference(llm, tok, {**ID_PROMPTS, "text": tok(TEXT_PROMPT)["input_ids"], "chat": chat})

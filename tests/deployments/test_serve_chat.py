@@ -148,9 +148,9 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ref(server, tmp_path_factory):
+def ref(server):
     """Computed while the server starts."""
-    with reference_llm(ARGS, tmp_path_factory) as (llm, tok, model_dir):
+    with reference_llm(ARGS) as (llm, tok, model_dir):
         assert tok.chat_template is None  # as the DeepSeek-V3.2 release: chat needs the native encoder
         yield Ref(llm, tok)
 

@@ -49,6 +49,8 @@ def test_serve_run_fails_the_build_with_every_violation_and_places_nothing(tmp_p
         for needle in MESSAGES:
             assert needle in log, needle
         assert "ServeReplica:dsa-pd" not in log  # not one replica of the application was started
+        # Built once: a violation is not retried (deployments.app.InvalidAppConfig).
+        assert log.count("Importing application 'dsa-pd'") == 1, proc.tail(80)
         assert not cache.exists()  # validation comes before making the tiny model
     finally:
         proc.stop()

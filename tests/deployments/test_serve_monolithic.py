@@ -3,7 +3,7 @@
 One server per module (a fresh local Ray cluster: ingress, directory and one decode replica
 that prefills its own requests; no prefill deployment, no NIXL agent). The reference is the
 offline engine, `LLM(model_dir, pd=False)`, with the decode section's dtype, KV format, chunk
-size and batch size, on a tiny model made here from the same spec. Checked: `/health` is ok
+size and batch size, on the tiny model of the same spec. Checked: `/health` is ok
 with a decode replica alone and `/stats` lists decode replicas only; greedy output of
 concurrent clients equals the reference token for token; streamed equals non-streamed; a
 prompt over the context limit gets the OpenAI error; a client leaving mid-stream frees its
@@ -50,10 +50,10 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(server, tmp_path_factory):
+def reference(server):
     """Computed while the server starts, with the decode section's pool, chunk and batch sizes."""
     d = ARGS.decode
-    with reference_llm(ARGS, tmp_path_factory, num_pages=d.num_pages, chunk_size=d.chunk_size,
+    with reference_llm(ARGS, num_pages=d.num_pages, chunk_size=d.chunk_size,
                        max_batch_size=d.max_batch_size, pd=False) as (llm, tok, _):
         yield Reference(llm, tok, ID_PROMPTS)
 

@@ -1,8 +1,8 @@
 """`serve run configs/tiny_v4_pd.yaml` end to end with the official `openai` client: DeepSeek-V4,
 one prefill and one decode replica, every cache group's pages pushed over NIXL (DRAM).
 
-One server start. The reference is the offline engine (`LLM(pd=False)`) on a tiny model made here
-from the same spec. Checked: `/health`; concurrent greedy completions (streamed and not, prompts
+One server start. The reference is the offline engine (`LLM(pd=False)`) on the tiny model of the
+same spec. Checked: `/health`; concurrent greedy completions (streamed and not, prompts
 crossing the window, several compressed blocks, a 256-token page and 1,024 tokens) equal the reference token for
 token; a chat completion answers through the tiny model's template; both pools end where they
 started.
@@ -41,9 +41,9 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(server, tmp_path_factory):
+def reference(server):
     """Computed while the server starts."""
-    with reference_llm(ARGS, tmp_path_factory, num_pages=ARGS.decode.num_pages, pd=False) as (llm, tok, _):
+    with reference_llm(ARGS, num_pages=ARGS.decode.num_pages, pd=False) as (llm, tok, _):
         yield Reference(llm, tok, PROMPTS)
 
 

@@ -29,8 +29,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from models.weights import dequantize_fp8_block, quantize_fp8_block  # noqa: E402
-from tests.triton_interpreter import compile_in_subprocess, report_seeded  # noqa: E402
-from tests.triton_interpreter import interpreter_results as run_in_interpreter  # noqa: E402
+from tests.triton_interpreter import compile_run, compiled, interpreter_run, report_seeded, results  # noqa: E402
 
 SEED = int(os.environ.get("FP8_TEST_SEED", secrets.randbits(31)))
 
@@ -158,9 +157,14 @@ def check_grouped_fp8(gen) -> None:
 CHECKS = {"w8a16": check_w8a16, "act_quant": check_act_quant, "grouped_fp8": check_grouped_fp8}
 
 
+PRESTART = {"interpreter_results": lambda: interpreter_run(__file__, SEED),
+            "test_kernels_compile_for_sm90": lambda: compile_run(__file__)}
+"""The subprocesses this module reads, started early (tests/prestart.py)."""
+
+
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
-    return run_in_interpreter(__file__, SEED)
+    return results(interpreter_run(__file__, SEED))
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
@@ -199,8 +203,8 @@ def _compile_worker() -> None:
     print("COMPILED")
 
 
-def test_kernels_compile_for_sm90(tmp_path):
-    compile_in_subprocess(__file__, tmp_path / "triton-cache")
+def test_kernels_compile_for_sm90():
+    compiled(compile_run(__file__))
 
 
 # --------------------------------------------------------------------------- GPU

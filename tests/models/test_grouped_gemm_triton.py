@@ -31,8 +31,7 @@ pytest.importorskip("triton")
 
 from models.moe import dispatch  # noqa: E402
 from models.ops import grouped_gemm_ref as ref  # noqa: E402
-from tests.triton_interpreter import compile_in_subprocess, report_seeded  # noqa: E402
-from tests.triton_interpreter import interpreter_results as run_in_interpreter  # noqa: E402
+from tests.triton_interpreter import compile_run, compiled, interpreter_run, report_seeded, results  # noqa: E402
 
 SEED = int(os.environ.get("MOE_TEST_SEED", secrets.randbits(31)))
 
@@ -142,9 +141,14 @@ CHECKS = {
 }
 
 
+PRESTART = {"interpreter_results": lambda: interpreter_run(__file__, SEED),
+            "test_kernels_compile_for_sm90": lambda: compile_run(__file__)}
+"""The subprocesses this module reads, started early (tests/prestart.py)."""
+
+
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
-    return run_in_interpreter(__file__, SEED)
+    return results(interpreter_run(__file__, SEED))
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
@@ -195,8 +199,8 @@ def _compile_worker() -> None:
     print("COMPILED")
 
 
-def test_kernels_compile_for_sm90(tmp_path):
-    compile_in_subprocess(__file__, tmp_path)
+def test_kernels_compile_for_sm90():
+    compiled(compile_run(__file__))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 # The peer comparison on one warm GPU machine, one step per device call (repo root):
 #   bash bench/peers/run_peer.sh STEP [ARGS]
 # Steps (state lives in /tmp between calls while the machine stays warm):
-#   stage DIR...        copy carried folders (.devicewheels/*, .whl, .vllmparts/d_partNN) into /tmp/stage
+#   stage DIR...        copy carried folders (.devicewheels/*, .whl, .vllmparts/d_partNN) into /tmp/stage,
+#                       or parts of bench/pack_device_parts.sh (.devparts/pNN) into /tmp/parts
 #   install             dsa-pd's stack -> /tmp/site; vLLM 0.26.0 (reassembled parts) + transformers -> /tmp/vsite
+#                       (from /tmp/parts when staged so: one tar of .devicewheels/*, .whl, .whl2 and .vllmsel,
+#                       the folder of pack_vllm.sh's wheels plus a transformers >= 5.23 wheel)
 #   ckpt bf16|fp8 [LAYERS EXPERTS]  /tmp/ckpt/bf16 (bench/peers/checkpoint.py) or
 #                       /tmp/ckpt/fp8 (the same weights block-quantized)
 #   vllm-up NAME        `vllm serve /tmp/ckpt/NAME` on :8100 (setsid: it outlives the call), wait for /health
@@ -19,6 +22,10 @@
 #   down                stop both servers
 # Every step ends by copying /tmp/results (tar), the server logs' tails and the table to $OUT.
 # Carry recipe: ../shared/offline-wheels (pack_wheels.py --groups kernels nixl ray; pack_vllm.sh).
+# Fewest calls: copy pack_vllm.sh's wheels (its $W/sel) and a transformers >= 5.23 wheel into .vllmsel, then
+#   PART_MIB=56 bash bench/pack_device_parts.sh .devicewheels/{kernels,nixl,ray1,ray2} .whl .whl2 .vllmsel
+# and, for the lease only, move models/checkpoints/small-v32 (36 MiB) out of the tree: the tree is then ~6 MiB
+# and seven 56 MiB parts carry everything (one `stage .devparts/pNN` call each, carry .devparts/pNN).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/results /tmp/logs
 RES=/tmp/results
@@ -46,12 +53,26 @@ collect() {
 step=${1:?step}; shift
 case "$step" in
   stage)
-    for d in "$@"; do cp -r "$d"/* /tmp/stage/ 2>/dev/null && echo "staged $d"; done
-    du -sh /tmp/stage ;;
+    for d in "$@"; do
+      case "$d" in
+        .devparts/*) mkdir -p /tmp/parts && cp "$d"/part* /tmp/parts/ && echo "staged $d" ;;
+        *) cp -r "$d"/* /tmp/stage/ 2>/dev/null && echo "staged $d" ;;
+      esac
+    done
+    du -sh /tmp/stage /tmp/parts 2>/dev/null ;;
   install)
-    cd /tmp/stage || exit 1
     rm -rf /tmp/site /tmp/vsite /tmp/vw
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    if [ -d /tmp/parts ]; then  # one tar in parts (bench/pack_device_parts.sh)
+      rm -rf /tmp/w && mkdir -p /tmp/w && cat /tmp/parts/part* | tar xf - -C /tmp/w || exit 1
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+          /tmp/w/.devicewheels/*/*.whl /tmp/w/.whl/*.whl $(ls /tmp/w/.whl2/*.whl 2>/dev/null) 2>&1 | grep -v WARNING | tail -3
+      tar xzf /tmp/w/.whl/tfslim.tgz -C /tmp/site
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite /tmp/w/.vllmsel/*.whl \
+          2>&1 | grep -v WARNING | tail -3
+      mkdir -p /tmp/stage
+    fi
+    cd /tmp/stage || exit 1
+    ls *.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         $(ls *.whl | grep -v -E '^vllm-') 2>&1 | grep -v WARNING | tail -3
     if ls part0* >/dev/null 2>&1; then
       cat part0* > /tmp/vllm.tar && mkdir -p /tmp/vw && tar xf /tmp/vllm.tar -C /tmp/vw && rm /tmp/vllm.tar

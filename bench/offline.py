@@ -158,6 +158,8 @@ def run(args) -> int:
 
 
 def _run_cases(args, llm, cases, grammar, startup: float, num_pages: int) -> int:
+    import torch
+
     out = {"model": args.model, "backend": args.backend, "device": args.device, "dtype": args.dtype,
            "overlap_scheduling": not args.no_overlap, "grammar_regex": args.grammar_regex,
            "tp_size": args.tp_size, "two_batch_overlap": args.two_batch_overlap,

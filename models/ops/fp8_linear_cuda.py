@@ -13,7 +13,12 @@ Two kernels, chosen by the number of rows ``M``:
 * ``deepgemm`` (M >= `DEEPGEMM_MIN_M`, prefill): activations quantized per token
   and 128-column group (`act_quant`, one Triton kernel; scales written in the
   MN-major layout DeepGEMM's SM90 kernels read), then ``deep_gemm.fp8_gemm_nt``
-  on fp8 tensor cores with the checkpoint's 128 x 128 weight scales as stored.
+  on fp8 tensor cores with the checkpoint's 128 x 128 weight scales as stored,
+  over `deepgemm_rows` rows (zero rows pad M up to a power of two below 4096).
+
+Both compile kernels on first use, and a compile stalls the engine for seconds:
+`first_use_rows` lists the row counts that compile every variant `linear` can
+launch, which the start-up warm-up (`workers/kernel_warmup.py`) runs.
 
 Both take ``w`` float8_e4m3fn ``[N, K]``, ``scale`` float32 ``[ceil(N / b0),
 ceil(K / b1)]`` and x ``[..., K]``, and return ``[..., N]`` in x's dtype.
@@ -30,6 +35,9 @@ import triton.language as tl
 FP8_MAX = 448.0
 ACT_GROUP = 128  # DeepGEMM's activation scale granularity (1 x 128)
 DEEPGEMM_MIN_M = 256  # below this the weight read dominates: w8a16 reads the same bytes without the quantization
+DEEPGEMM_PAD_BELOW = 4096  # `deepgemm_rows`
+W8A16_ROW_CLASSES = (16, 32, 64, 128)
+"""Upper bounds of `w8a16_config`'s tile classes (above the last, up to `DEEPGEMM_MIN_M`: one more)."""
 
 
 @triton.jit
@@ -103,13 +111,14 @@ def _pow2_at_least_16(n: int) -> int:
 
 def w8a16_config(M: int, N: int, K: int, block: tuple[int, int], sms: int) -> dict:
     """Tiles, K splits and launch options of `w8a16` for an ``[M, K] x [N, K]^T`` product."""
-    if M <= 16:
+    small, mid, large, top = W8A16_ROW_CLASSES
+    if M <= small:
         cfg = dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)
-    elif M <= 32:
+    elif M <= mid:
         cfg = dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=4)
-    elif M <= 64:
+    elif M <= large:
         cfg = dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4)
-    elif M <= 128:  # still weight-read bound: one m-tile, so every weight tile is read once
+    elif M <= top:  # still weight-read bound: one m-tile, so every weight tile is read once
         cfg = dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3)
     else:
         cfg = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
@@ -156,20 +165,27 @@ def w8a16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[in
     return y
 
 
-def act_quant(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """x ``[M, K]`` -> (fp8 ``[M, K]``, float32 scales ``[M, ceil(K / group)]``), x ~= q * s per group.
+def act_quant(x: torch.Tensor, group: int = ACT_GROUP, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ``[M, K]`` -> (fp8 ``[R, K]``, float32 scales ``[R, ceil(K / group)]``), x ~= q * s per group
+    in the first M rows; R = ``rows`` (default M, at least M), the rows after M zero.
 
-    The scales are a transposed view of a ``[groups, M']`` buffer, ``M'`` = M rounded up to 4
+    The scales are a transposed view of a ``[groups, R']`` buffer, ``R'`` = R rounded up to 4
     (16-byte rows): the MN-major, TMA-aligned layout DeepGEMM's SM90 GEMMs read without a copy."""
     M, K = x.shape
+    R = M if rows is None else rows
+    if R < M:
+        raise ValueError(f"act_quant: {R} rows cannot hold {M}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     groups = triton.cdiv(K, group)
-    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-    sf = torch.empty(groups, (M + 3) // 4 * 4, dtype=torch.float32, device=x.device)
+    q = torch.empty(R, K, dtype=torch.float8_e4m3fn, device=x.device)
+    sf = torch.empty(groups, (R + 3) // 4 * 4, dtype=torch.float32, device=x.device)
+    if R > M:
+        q[M:].view(torch.uint8).zero_()
+        sf[:, M:].zero_()
     if M:
         _act_quant_kernel[(M, groups)](x, x.stride(0), q, q.stride(0), sf, sf.stride(0), K, G=group, num_warps=1)
-    return q, sf[:, :M].t()
+    return q, sf[:, :R].t()
 
 
 @functools.cache
@@ -190,12 +206,48 @@ def deepgemm_fits(M: int, N: int, K: int, block: tuple[int, int], dtype: torch.d
             and _deep_gemm() is not None)
 
 
+def deepgemm_rows(M: int) -> int:
+    """Rows `deepgemm` runs for an M-row product: M, padded up to a power of two below
+    `DEEPGEMM_PAD_BELOW`.
+
+    DeepGEMM's JIT compiles a kernel for each tile configuration, which it picks from M. On the
+    H100 (bench/fp8_first_use.py, the seven DeepSeek-V3.2 projection shapes, every power of two
+    from 16 to 8192 run first) M = 300 compiled for 20.9 s; from 4096 rows on, M = 5120 to 8200
+    reused the configurations of 4096 and 8192. Powers of two are what the warm-up prefills; the
+    padding costs at most the rows' compute once more, where DeepGEMM's small products are still
+    near their weight reads."""
+    if M >= DEEPGEMM_PAD_BELOW:
+        return M
+    return max(DEEPGEMM_MIN_M, 1 << (M - 1).bit_length())
+
+
 def deepgemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x bf16 ``[M, K]`` -> bf16 ``[M, N]`` on fp8 tensor cores (x quantized per 1 x 128 group)."""
-    q, sf = act_quant(x)
-    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16, device=x.device)
+    """x bf16 ``[M, K]`` -> bf16 ``[M, N]`` on fp8 tensor cores (x quantized per 1 x 128 group), run
+    over `deepgemm_rows` rows. A row's result does not depend on the others (per-row activation
+    scales, a fixed K order)."""
+    M = x.shape[0]
+    rows = deepgemm_rows(M)
+    q, sf = act_quant(x, rows=rows)
+    out = torch.empty(rows, w.shape[0], dtype=torch.bfloat16, device=x.device)
     _deep_gemm().fp8_gemm_nt((q, sf), (w, scale), out)
-    return out
+    return out[:M]
+
+
+def first_use_rows() -> list[int]:
+    """Row counts whose `linear` calls compile every kernel variant it launches below
+    `DEEPGEMM_MIN_M` rows (from there on the warm-up's powers of two are `deepgemm_rows`'s sizes).
+
+    Triton compiles `w8a16` once per tile class (`W8A16_ROW_CLASSES`) and, within a class, once
+    per specialization of the runtime row count: M == 1, M a multiple of 16, any other M (on the
+    H100 each such first call took 2.3-3.1 s for the seven DeepSeek-V3.2 projection shapes). So:
+    1, and per class its largest multiple of 16 and its smallest other M."""
+    rows = {1}
+    low = 0
+    for high in (*W8A16_ROW_CLASSES, DEEPGEMM_MIN_M - 1):
+        rows.add(high // 16 * 16)
+        rows.add(next(m for m in range(low + 1, high + 1) if m % 16 and m != 1))
+        low = high
+    return sorted(rows)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -112,6 +112,11 @@ def check_act_quant(gen, interpreter: bool = True) -> None:
             wrong &= ~carry
         assert not wrong.any(), f"M={M} K={K}: {int(wrong.sum())} codes differ, e.g. {got[wrong][:4]} vs {want[wrong][:4]}"
         assert (got[0, :128] == 0).all()
+        # Padded to more rows (`deepgemm_rows`): the same first M rows, zero codes and scales after.
+        q_pad, sf_pad = cu.act_quant(x, rows=M + 7)
+        assert q_pad.shape == (M + 7, K) and sf_pad.shape == (M + 7, sf.shape[1]) and sf_pad.stride(0) == 1
+        assert torch.equal(q_pad[:M].view(torch.uint8), q.view(torch.uint8)) and torch.equal(sf_pad[:M], sf)
+        assert not q_pad[M:].view(torch.uint8).any() and not sf_pad[M:].any()
         if not interpreter:  # the torch spec of the same rounding (used by reference_w8a8)
             from models.ops.fp8_linear import quantize_activations
 
@@ -221,7 +226,7 @@ def test_act_quant_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 32, 128, 300, 2048])
+@pytest.mark.parametrize("M", [1, 32, 128, 300, 2048, 4100])
 @pytest.mark.parametrize("N,K", DSV32_SHAPES)
 def test_fp8_linear_equals_dequantized_gpu(M, N, K):
     from models.ops import fp8_linear_cuda as cu

@@ -7,10 +7,18 @@ missing kernel package is a failure, not a skip.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# One OpenMP thread per test process (and the processes it starts), unless set: a test process
+# shares the 2 cores with prestarted runs and servers starting (tests/prestart.py,
+# tests/schedule.py), and two OpenMP threads then spin at every barrier while the other waits for
+# a core. Alone on the machine a second thread saved 3% of the wall time of the engine tests, for
+# 40% more CPU time.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -28,6 +36,13 @@ def _has_cuda() -> bool:
         return False
 
 
+def _runs(item) -> bool:
+    """Not skipped by a mark known at collection (``skip``, or ``skipif`` with a condition already true)."""
+    if item.get_closest_marker("skip"):
+        return False
+    return not any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+
+
 _PRESTART: dict[Path, dict] = {}
 """Per test directory, the ``PRESTART`` runs its collected tests read (tests/prestart.py)."""
 
@@ -35,9 +50,12 @@ _PRESTART: dict[Path, dict] = {}
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
+    servers = sys.modules.get("tests.deployments.shared_servers")  # imported by the serving modules
+    if servers is not None:
+        servers.count_users(dict.fromkeys(getattr(item, "module", None) for item in session.items if _runs(item)))
     for item in session.items:
         module = getattr(item, "module", None)
-        if item.get_closest_marker("skip"):
+        if not _runs(item):
             continue
         for name, factory in getattr(module, "PRESTART", {}).items():
             if name in getattr(item, "fixturenames", ()) or getattr(item, "originalname", None) == name:
@@ -45,8 +63,7 @@ def pytest_collection_finish(session):
 
 
 def pytest_runtest_setup(item):
-    """At a directory's first test, its runs start in the background: beside that directory's tests,
-    not beside another directory's servers, whose tests time what they serve."""
+    """At a directory's first test, its runs are queued: they run beside that directory's tests."""
     group = _PRESTART.pop(item.path.parent, None)
     if group:
         from tests.prestart import prestart
@@ -54,9 +71,27 @@ def pytest_runtest_setup(item):
         prestart(factory() for factory in group.values())
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """Serving modules run once their server answers, started beside other modules (tests/schedule.py)."""
+    servers = sys.modules.get("tests.deployments.shared_servers")
+    if servers is None or session.config.option.collectonly or (
+            session.testsfailed and not session.config.option.continue_on_collection_errors):
+        return None  # pytest's own loop
+    from tests import prestart, schedule
+
+    factory = session.config._tmp_path_factory
+    return schedule.run(session, schedule.Servers(
+        spec_of=lambda group: servers.spec_of(getattr(group[0], "module", None)) if any(map(_runs, group)) else None,
+        alone=lambda group: bool(getattr(getattr(group[0], "module", None), "RUNS_ALONE", False)),
+        started=servers.started, ready=servers.ready, start=lambda spec: servers.start(spec, factory),
+        may_start=prestart.idle, hold_runs=prestart.hold))
+
+
 def pytest_sessionfinish(session):
-    if "tests.prestart" in sys.modules:
-        sys.modules["tests.prestart"].stop_all()
+    for name in ("tests.prestart", "tests.deployments.shared_servers"):
+        if name in sys.modules:
+            sys.modules[name].stop_all()
 
 
 def pytest_collection_modifyitems(config, items):

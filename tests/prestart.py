@@ -25,13 +25,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class _Scheduler:
-    """Starts queued runs while fewer than ``1 + blocked`` runs are going."""
+    """Starts queued runs while fewer than ``1 + blocked`` runs are going (none while ``held``)."""
 
     def __init__(self):
         self.cond = threading.Condition()
         self.queue: list[WorkerRun] = []
         self.running = 0
         self.blocked = 0
+        self.held = False
         self.thread: threading.Thread | None = None
 
     def add(self, runs: Iterable["WorkerRun"]) -> None:
@@ -45,7 +46,7 @@ class _Scheduler:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not (self.queue and self.running < 1 + self.blocked):
+                while not (self.queue and self.running < 1 + self.blocked and not self.held):
                     self.cond.wait()
                 run = self.queue.pop(0)
             run.start()
@@ -63,6 +64,15 @@ class _Scheduler:
         with self.cond:
             self.blocked += by
             self.cond.notify_all()
+
+    def hold(self, held: bool) -> None:
+        with self.cond:
+            self.held = held
+            self.cond.notify_all()
+
+    def idle(self) -> bool:
+        with self.cond:
+            return not self.queue and self.running == 0
 
 
 _SCHEDULER = _Scheduler()
@@ -155,6 +165,16 @@ def temp_dir(prefix: str) -> str:
 def prestart(runs: Iterable[WorkerRun]) -> None:
     """Queue ``runs`` (started in order as described above)."""
     _SCHEDULER.add(runs)
+
+
+def hold(held: bool) -> None:
+    """While ``held``, start no queued run (a test that a busy machine would disturb is running)."""
+    _SCHEDULER.hold(held)
+
+
+def idle() -> bool:
+    """No run going or queued."""
+    return _SCHEDULER.idle()
 
 
 def stop_all() -> None:

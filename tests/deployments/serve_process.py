@@ -4,8 +4,8 @@ Each server gets a fresh local Ray cluster (``RAY_ADDRESS=local``: never
 someone else's), its own short temp dir (``RAY_TMPDIR``: Ray's socket paths
 must stay short), a small object store, undeduplicated logs in a file, a
 free HTTP port (written into a copy of the config's ``http_options``; the
-application ``args`` are the shipped file's, unchanged) and its own cache dir
-for tiny models (so the first start makes the model). Every wait is bounded;
+application ``args`` are the shipped file's, unchanged) and the run's tiny-model
+cache dir (`shared_cache_dir`). Every wait is bounded;
 `stop` interrupts it like Ctrl-C (Serve shuts the app down) and kills the
 process group if that takes too long.
 """
@@ -198,14 +198,6 @@ def _pids_with_environ(needle: str) -> list[int]:
     return out
 
 
-def serve_args(work: Path, name: str, raw_args: dict) -> "ServeProcess":
-    """Write a one-application Serve config of ``raw_args`` to ``work/name`` and start `serve run` on it."""
-    config = work / name
-    config.write_text(yaml.safe_dump({"applications": [{
-        "name": "dsa-pd", "route_prefix": "/", "import_path": "deployments.app:build_app", "args": raw_args}]}))
-    return ServeProcess(config, work).start()
-
-
 def offline_greedy_texts(args, cache_dir: Path, prompts: list[list[int]], tokens: int) -> list[str]:
     """``LLM(pd=False)`` greedy text of ``prompts`` for the model of ``args`` (an ``AppConfig``),
     made in ``cache_dir`` with one torch thread (the server's processes share the cores)."""
@@ -224,26 +216,6 @@ def offline_greedy_texts(args, cache_dir: Path, prompts: list[list[int]], tokens
                 for o in llm.generate(prompts, max_new_tokens=tokens, ignore_eos=True)]
     finally:
         torch.set_num_threads(threads)
-
-
-def served_and_offline_fixtures(tag: str, config_name: str, raw_args: dict, args, prompts: list[list[int]],
-                                tokens: int):
-    """Module-scoped ``server`` (``config_name`` under ``serve run``, stopped at
-    the end) and ``reference`` (offline single-process greedy texts of
-    ``prompts``, made while the server starts) fixtures; bind them at module level."""
-    import pytest
-
-    @pytest.fixture(scope="module")
-    def server(tmp_path_factory):
-        proc = serve_args(tmp_path_factory.mktemp(tag), config_name, raw_args)
-        yield proc
-        proc.stop()
-
-    @pytest.fixture(scope="module")
-    def reference(server, tmp_path_factory) -> list[str]:
-        return offline_greedy_texts(args, shared_cache_dir(), prompts, tokens)
-
-    return server, reference
 
 
 def stats(server: "ServeProcess") -> dict:

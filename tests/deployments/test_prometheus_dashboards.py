@@ -1,7 +1,7 @@
 """The dashboards against a real Prometheus (issue 20's must-show).
 
 `serve run configs/tiny_pd.yaml` runs as users start it (the server test_serve_app.py uses too:
-tests/deployments/conftest.py; what is checked here is counted from this module's start); a real
+tests/deployments/shared_servers.py; what is checked here is counted from this module's start); a real
 Prometheus (Debian's ``prometheus`` package) scrapes the cluster's Ray metrics endpoints every
 second through the service discovery file Ray writes; a `dsa-pd bench serve` load runs. Then,
 through Prometheus' HTTP API:
@@ -42,6 +42,7 @@ from deployments.metrics.dashboards import DASHBOARD_DIR, panel_queries, resolve
 from deployments.metrics.table import spec
 from tests.deployments.prometheus_process import PrometheusProcess, prometheus_binary
 from tests.deployments.serve_process import ServeProcess, wait_until
+from tests.deployments.shared_servers import TINY_PD, server_fixture
 
 pytestmark = [
     pytest.mark.slow,
@@ -111,11 +112,15 @@ COUNTED = ['sum(ray_dsa_pd_generated_tokens_total{role="decode"})', 'sum(ray_dsa
 """Counters that move with every request: still for a while = every earlier request reported."""
 
 
+SERVER = TINY_PD  # RAY_metrics_report_interval_ms=1000
+server = server_fixture(SERVER)
+
+
 @pytest.fixture(scope="module")
-def run(tiny_pd_server, tmp_path_factory) -> Run:
+def run(server, tmp_path_factory) -> Run:
     work = tmp_path_factory.mktemp("prometheus-dashboards")
     r = Run()
-    r.server = tiny_pd_server  # RAY_metrics_report_interval_ms=1000 (tests/deployments/conftest.py)
+    r.server = server
     r.prom = None
     try:
         r.server.wait_ready(timeout=240)

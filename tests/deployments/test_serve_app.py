@@ -2,7 +2,7 @@
 
 One server (a fresh local Ray cluster on this machine: ingress, decode,
 prefill and directory replicas, NIXL between the two roles), shared with
-test_prometheus_dashboards.py (tests/deployments/conftest.py). The
+test_prometheus_dashboards.py (tests/deployments/shared_servers.py). The
 reference is the offline engine, `LLM(model_dir, pd=False)`, on the tiny model
 of the same spec (made once for the servers and the references of a run),
 with the same dtype and KV format as the config. Checked: greedy output of
@@ -36,6 +36,7 @@ from tests.deployments.logprob_checks import (
 )
 from tests.deployments.offline_reference import Reference, prompt_ids, reference_llm
 from tests.deployments.serve_process import stats, wait_until
+from tests.deployments.shared_servers import TINY_PD, server_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -44,9 +45,8 @@ ARGS = AppConfig.model_validate(yaml.safe_load(CONFIG.read_text())["applications
 MODEL = ARGS.model_name
 
 
-@pytest.fixture(scope="module")
-def server(tiny_pd_server):
-    return tiny_pd_server
+SERVER = TINY_PD
+server = server_fixture(SERVER)
 
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]

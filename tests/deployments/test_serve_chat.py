@@ -40,7 +40,8 @@ from models.config import load_config
 from tests.deployments import bench_payloads as bp
 from tests.deployments.app_fixtures import merged, yaml_args
 from tests.deployments.offline_reference import reference_llm
-from tests.deployments.serve_process import serve_args, stats, wait_until
+from tests.deployments.serve_process import stats, wait_until
+from tests.deployments.shared_servers import ServerSpec, server_fixture
 from workers.sample.params import SamplingParams
 from workers.structured import GrammarCompiler
 
@@ -140,11 +141,8 @@ class Ref:
         return dec(out[:at]), dec(out[at + 1:])
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = serve_args(tmp_path_factory.mktemp("serve-chat"), "chat.yaml", RAW)
-    yield proc
-    proc.stop()
+SERVER = ServerSpec("serve-chat", args=RAW, config_name="chat.yaml")
+server = server_fixture(SERVER)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,8 @@ from tests.deployments.serve_process import REPO, ServeProcess
 
 pytestmark = pytest.mark.slow
 
+RUNS_ALONE = "its `serve run` starts a Ray cluster (tests/schedule.py)"
+
 BAD_ARGS = merged(yaml_args("tiny_pd.yaml"),
                   prefill={"kv_cache_dtype": "auto", "tensor_parallel_size": 2},
                   decode={"num_pages": 3})

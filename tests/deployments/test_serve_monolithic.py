@@ -24,7 +24,8 @@ import yaml
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import CONFIGS
 from tests.deployments.logprob_checks import check_echo_logprobs, join_chunks, sse_events
-from tests.deployments.serve_process import ServeProcess, stats, wait_until
+from tests.deployments.serve_process import stats, wait_until
+from tests.deployments.shared_servers import ServerSpec, server_fixture
 from tests.deployments.offline_reference import Reference, prompt_ids, reference_llm
 
 pytestmark = pytest.mark.slow
@@ -41,12 +42,8 @@ ID_PROMPTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve-mono")
-    proc = ServeProcess(CONFIG, work).start()
-    yield proc
-    proc.stop()
+SERVER = ServerSpec("serve-mono", config=CONFIG)
+server = server_fixture(SERVER)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,8 @@ import pytest
 
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import merged, yaml_args
-from tests.deployments.serve_process import served_and_offline_fixtures, stats, wait_until
+from tests.deployments.serve_process import stats, wait_until
+from tests.deployments.shared_servers import ServerSpec, served_and_offline_fixtures
 from tests.deployments.offline_reference import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -80,7 +81,8 @@ def pools_whole(server):
             and all(e["stats"]["free_pages"] == ARGS.decode.num_pages - 1 for e in s["decode"]) and s)
 
 
-server, reference = served_and_offline_fixtures("serve-multi", "tiny_pd_2x2.yaml", RAW, ARGS, PROMPTS, TOKENS)
+SERVER = ServerSpec("serve-multi", args=RAW, config_name="tiny_pd_2x2.yaml")
+server, reference = served_and_offline_fixtures(SERVER, ARGS, PROMPTS, TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,8 @@ from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import merged, yaml_args
 from tests.deployments.hostile_bodies import raw_bodies
 from tests.deployments.offline_reference import prompt_ids
-from tests.deployments.serve_process import REPO, serve_args, wait_until
+from tests.deployments.serve_process import REPO, wait_until
+from tests.deployments.shared_servers import ServerSpec, server_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -75,17 +76,20 @@ MODEL = ARGS.model_name
 WHOLE = {"prefill": ARGS.prefill.num_pages, "decode": ARGS.decode.num_pages - 1}  # less decode's warm-up page
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    work = tmp_path_factory.mktemp("reliability")
+def _args_with_a_key_file(work) -> dict:
     key_file = work / "api-key"
     key_file.write_text(KEY + "\n")
-    proc = serve_args(work, "reliability.yaml", _raw_args(str(key_file)))
-    try:
-        proc.wait_ready(timeout=300)
-        yield proc
-    finally:
-        proc.stop()
+    return _raw_args(str(key_file))
+
+
+SERVER = ServerSpec("reliability", args=_args_with_a_key_file, config_name="reliability.yaml")
+started = server_fixture(SERVER)
+
+
+@pytest.fixture(scope="module")
+def server(started):
+    started.wait_ready(timeout=300)
+    return started
 
 
 def _stats(server) -> dict:

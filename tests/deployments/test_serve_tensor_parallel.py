@@ -19,7 +19,8 @@ import pytest
 
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import merged, yaml_args
-from tests.deployments.serve_process import served_and_offline_fixtures, stats
+from tests.deployments.serve_process import stats
+from tests.deployments.shared_servers import ServerSpec, served_and_offline_fixtures
 from tests.deployments.offline_reference import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,8 @@ PROMPTS = [prompt_ids(n, seed=700 + n) for n in (150, 7, 64, 90)]
 TOKENS = 10
 
 
-server, reference = served_and_offline_fixtures("serve-tp", "tiny_pd_tp2.yaml", RAW, ARGS, PROMPTS, TOKENS)
+SERVER = ServerSpec("serve-tp", args=RAW, config_name="tiny_pd_tp2.yaml")
+server, reference = served_and_offline_fixtures(SERVER, ARGS, PROMPTS, TOKENS)
 
 
 def test_tp2_pools_answer_like_the_offline_engine(server, reference):

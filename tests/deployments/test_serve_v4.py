@@ -20,7 +20,8 @@ import yaml
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import CONFIGS
 from tests.deployments.offline_reference import Reference, prompt_ids, reference_llm
-from tests.deployments.serve_process import ServeProcess, stats, wait_until
+from tests.deployments.serve_process import stats, wait_until
+from tests.deployments.shared_servers import ServerSpec, server_fixture
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +33,8 @@ MODEL = ARGS.model_name
 PROMPTS = {f"p{i}": prompt_ids(n, seed=400 + i) for i, n in enumerate((1, 9, 37, 260, 1300))}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    work = tmp_path_factory.mktemp("serve-v4")
-    proc = ServeProcess(CONFIG, work).start()
-    yield proc
-    proc.stop()
+SERVER = ServerSpec("serve-v4", config=CONFIG)
+server = server_fixture(SERVER)
 
 
 @pytest.fixture(scope="module")

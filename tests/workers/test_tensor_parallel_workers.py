@@ -21,6 +21,7 @@ from workers.offline import LLM
 # Chunks of 32 split the 70- and 100-token prompts: prefill pushes several chunks per rank.
 PROMPTS = [random_prompt(n, 300, 200 + n) for n in (70, 5, 100, 64)]
 NEW = 8
+RUNS_ALONE = "it starts a Ray cluster and six rank actors (tests/schedule.py)"
 
 
 @pytest.fixture(scope="module")

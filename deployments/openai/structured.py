@@ -31,6 +31,8 @@ inside a thinking block is constrained after ``</think>`` only
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib.util
 import json
 import re
 from concurrent.futures import Executor
@@ -39,7 +41,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.openai.errors import InvalidRequest
+from deployments.openai.errors import InvalidRequest, OpenAIError
 from deployments.openai.tools.grammar import forced_tool_grammar
 from workers.structured import GrammarCompiler, GrammarSpec
 
@@ -80,6 +82,21 @@ def _sources(body) -> list[str]:
     if getattr(body, "structured_outputs", None) is not None:
         out.append("structured_outputs")
     return out
+
+
+@functools.cache
+def _grammar_engine_installed() -> bool:
+    return importlib.util.find_spec("llguidance") is not None
+
+
+def _require_grammar_engine(fields: list[str]) -> None:
+    """A constrained request on a server whose Python lacks llguidance (a dependency: a broken install,
+    as the first GPU host's carried wheels were) is answered with this, not a traceback's 500; the
+    server keeps serving unconstrained requests."""
+    if fields and not _grammar_engine_installed():
+        raise OpenAIError(f"{fields[0]}: structured outputs are unavailable on this server: its Python lacks "
+                          "llguidance, a dependency of dsa-pd (pip install 'llguidance>=1.9,<2')",
+                          param=fields[0], code="grammar_engine_missing")
 
 
 def check_structured(body) -> None:
@@ -213,6 +230,7 @@ def constrain(body, params, compiler: GrammarCompiler, model_type: str, chat=Non
     is a 400 naming its field; ``params`` itself for an unconstrained request. chat: the chat reply's
     `ChatOutput` (a reply that starts inside a thinking block is constrained after it). Blocks while
     it compiles: on an event loop, use `constrain_off_loop`."""
+    _require_grammar_engine(_sources(body))
     return _with_grammar(params, grammar_spec(body, compiler, model_type, _reasoning_end(chat)), compiler)
 
 
@@ -225,8 +243,10 @@ async def constrain_off_loop(body, params, compiler: GrammarCompiler, model_type
     (the common case: clients send the same schema or tools on every request): writing a grammar's
     text is cheap once llguidance's tokenizer exists. A new grammar compiles on a thread, and so does
     the first constrained request's whole `constrain` (it builds that tokenizer)."""
-    if not _sources(body):
+    fields = _sources(body)
+    if not fields:
         return params
+    _require_grammar_engine(fields)
     loop = asyncio.get_running_loop()
     if not compiler.tokenizer_ready:
         return await loop.run_in_executor(executor, constrain, body, params, compiler, model_type, chat)

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 
-from deployments.openai.errors import InvalidRequest
+from deployments.openai.errors import InvalidRequest, OpenAIError
 from deployments.openai.protocol import parse_request
 from deployments.openai.render.deepseek_v32 import encode_tool_calls
 from deployments.openai.chat_output import ChatOutput
@@ -115,6 +115,24 @@ def test_body_rules_name_the_field(body, param):
 def test_grammars_that_do_not_compile_name_the_field(compilers, body, param):
     e = refused(body, compilers["deepseek_v32"])
     assert (e.status_code, e.param) == (400, param), e.message
+
+
+def test_a_server_without_llguidance_says_so_and_still_serves_unconstrained_requests(compilers, monkeypatch):
+    """The first GPU host's carried wheels lacked llguidance: every constrained request was a 500 with a
+    traceback in the log. Now a 500 that names the missing package; unconstrained requests are untouched."""
+    from deployments.openai import structured
+
+    monkeypatch.setattr(structured, "_grammar_engine_installed", lambda: False)
+    req = parse_request({"model": "m", "prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}, "completion")
+    for call in (lambda: constrain(req, SamplingParams(), compilers["deepseek_v32"], "deepseek_v32"),
+                 lambda: asyncio.run(constrain_off_loop(req, SamplingParams(), compilers["deepseek_v32"],
+                                                        "deepseek_v32"))):
+        with pytest.raises(OpenAIError) as e:
+            call()
+        assert (e.value.status_code, e.value.param, e.value.code) == (500, "structured_outputs", "grammar_engine_missing")
+        assert "llguidance" in e.value.message
+    plain = parse_request({"model": "m", "prompt": "x"}, "completion")
+    assert asyncio.run(constrain_off_loop(plain, SamplingParams(), compilers["deepseek_v32"], "deepseek_v32")).grammar is None
 
 
 def test_completions_take_structured_outputs(compilers):

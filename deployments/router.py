@@ -20,7 +20,9 @@ in its routing stats, `deployments.replica_stats.PrefixKeys`; a restarted
 replica reports none). ``load``: requests in flight at the replica, the
 fresher of Serve's own queue-length cache and the replica's report (prefill:
 its active and queued tasks). The highest score goes first; ties by page
-pressure (used page share), then replica id. ``overlap_weight``
+pressure (used page share), then by replica id rotated by the router's turn
+(a burst routed before any load report changes spreads over equally loaded
+replicas instead of all going to the lowest id). ``overlap_weight``
 (``router.overlap_weight``, in requests per cached page) is the cost function
 of Dynamo's KV router with our load unit: at the default 0.25 an 8k-token
 cached prefix (128 pages) is worth 32 requests of queue, and no overlap at all
@@ -110,7 +112,9 @@ def rank(cands: Iterable[Candidate], policy: str, overlap_weight: float = 0.0, t
         i = turn % len(keys)
         return keys[i:] + keys[:i]
     w = overlap_weight if policy == "cache_aware" else 0.0
-    order = sorted(cands, key=lambda c: (-score(c, w), round(c.pressure, 2), c.key))
+    keys = sorted(c.key for c in cands)
+    turned = {k: (i - turn) % len(keys) for i, k in enumerate(keys)}
+    order = sorted(cands, key=lambda c: (-score(c, w), round(c.pressure, 2), turned[c.key]))
     return [c.key for c in order]
 
 
@@ -168,18 +172,19 @@ class _LoadRouter(RequestRouter):
             cands.append(Candidate(k, self._load(r), self._pressure(r), cached))
         for gone in set(self._held) - set(by_key):
             del self._held[gone]
-        order = rank(cands, self.policy, self.overlap_weight, next(self._turns))
+        turn = next(self._turns)
+        order = rank(cands, self.policy, self.overlap_weight, turn)
         # Classified inside the metrics' guard: a failure there must not fail the routing.
-        self.metrics.decided(lambda: self._outcome(cands, order))
+        self.metrics.decided(lambda: self._outcome(cands, order, turn))
         return [[by_key[k]] for k in order]
 
-    def _outcome(self, cands: list[Candidate], order: list[str]) -> str:
+    def _outcome(self, cands: list[Candidate], order: list[str], turn: int) -> str:
         """The decision's ``outcome`` label: ``prefix_cache`` when cached pages changed the first choice."""
         if not order:
             return "no_replica"
         if self.policy == "round_robin":
             return "round_robin"
-        if self.policy == "cache_aware" and rank(cands, "least_loaded")[0] != order[0]:
+        if self.policy == "cache_aware" and rank(cands, "least_loaded", turn=turn)[0] != order[0]:
             return "prefix_cache"
         return "least_loaded"
 

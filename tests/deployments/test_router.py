@@ -30,6 +30,17 @@ def test_cache_aware_weighs_cached_pages_against_load():
     assert rank(cands, "least_loaded", 0.25)[0] == "a"  # the cache is not looked at
 
 
+def test_ties_rotate_with_the_turn():
+    """A burst of requests routed before any load report changes (the 2 x 2 serving test once sent all 8
+    of its prompts to one prefill replica): equally ranked replicas take turns; a better one still wins."""
+    tied = [Candidate(k, 1, 0.5) for k in "cab"]
+    for policy in ("least_loaded", "cache_aware"):
+        assert [rank(tied, policy, 0.25, turn=t)[0] for t in range(4)] == ["a", "b", "c", "a"]
+    better = tied + [Candidate("d", 0, 0.9)]
+    assert {rank(better, "least_loaded", turn=t)[0] for t in range(4)} == {"d"}
+    assert rank(better, "least_loaded", turn=1) == ["d", "b", "c", "a"]
+
+
 def test_a_lookup_stops_at_the_first_missing_page():
     assert cached_prefix([1, 2, 3, 4], {1, 2, 4}) == 2
     assert cached_prefix([1, 2], set()) == 0 and cached_prefix([], {1}) == 0

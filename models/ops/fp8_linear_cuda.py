@@ -218,7 +218,7 @@ def deepgemm_rows(M: int) -> int:
     near their weight reads."""
     if M >= DEEPGEMM_PAD_BELOW:
         return M
-    return max(DEEPGEMM_MIN_M, 1 << (M - 1).bit_length())
+    return max(DEEPGEMM_MIN_M, triton.next_power_of_2(M))
 
 
 def deepgemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

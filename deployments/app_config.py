@@ -261,8 +261,9 @@ class RoleConfig(_Strict):
     max_batch_size: int = Field(32, ge=1, description="Most requests in one forward.")
     cuda_graphs: bool | None = Field(
         None,
-        description="Decode steps from one captured CUDA graph per batch-size bucket (decode role). Default: on "
-        "for backend 'cuda' on a GPU with one rank; True elsewhere is an error.",
+        description="Decode steps from one captured CUDA graph per batch-size bucket (decode role; with "
+        "tensor_parallel_size > 1 every rank captures its own). Default: on for backend 'cuda' on a GPU, except "
+        "tensor parallel with MTP drafts; True elsewhere is an error.",
     )
     overlap_scheduling: bool = Field(
         True, description="Decode role: launch a pure-decode step before reading the previous one back, so the "

@@ -82,6 +82,7 @@ def build_decode_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: st
     p = _build(app_cfg, "decode", model_dir, worker_id, push, link=linked)
     sched = SchedulerConfig(max_batch_size=role_cfg.max_batch_size, chunk_size=role_cfg.chunk_size,
                             mtp_draft_tokens=role_cfg.mtp_draft_tokens, overlap=role_cfg.overlap_scheduling)
-    graphs = graphs_wanted(role_cfg.cuda_graphs, role_cfg.backend, role_cfg.device, role_cfg.tensor_parallel_size)
+    graphs = graphs_wanted(role_cfg.cuda_graphs, role_cfg.backend, role_cfg.device, role_cfg.tensor_parallel_size,
+                           mtp=role_cfg.mtp_draft_tokens > 0)
     engine = build_engine(p, model_dir, sched, app_cfg.features.mtp_topk_reuse, graphs, role_cfg.cuda_graph_max_context)
     return DecodeWorker(engine, p.link, deadline_s=app_cfg.transfer.deadline_s)

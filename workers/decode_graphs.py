@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.formats import PAGE_SIZE
+from attention.formats import PAGE_SIZE, pages_for_tokens
 from models.batch import ForwardBatch, ForwardMode
 
 
@@ -52,14 +52,17 @@ def graph_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def graphs_wanted(setting: bool | None, backend: str, device: str | torch.device, tp_size: int = 1) -> bool:
+def graphs_wanted(setting: bool | None, backend: str, device: str | torch.device, tp_size: int = 1,
+                  mtp: bool = False) -> bool:
     """Whether decode steps are captured: ``setting`` when given (True on a
     non-CUDA device is an error), else on for the cuda backend on a GPU (the
     reference backend reads values back to the host and cannot be captured).
-    Never with ``tp_size > 1`` (not built for rank workers yet; True is an error)."""
-    if tp_size > 1:
+    With ``tp_size > 1`` every rank captures its own graphs (`workers.rank_group`),
+    except with MTP (``mtp``: the drafts are made between the ranks' forwards;
+    True is then an error)."""
+    if tp_size > 1 and mtp:
         if setting:
-            raise ValueError("cuda_graphs with tp_size > 1 are not built yet")
+            raise ValueError("cuda_graphs with tp_size > 1 and MTP drafts are not built yet")
         return False
     on_gpu = torch.device(device).type == "cuda"
     if setting is None:
@@ -118,6 +121,12 @@ class DecodeGraphPlan:
         if not self.batch_sizes or list(self.batch_sizes) != sorted(set(self.batch_sizes)) or self.batch_sizes[0] < 1:
             raise ValueError(f"batch_sizes must be ascending distinct positive ints, got {self.batch_sizes}")
 
+    @classmethod
+    def for_limits(cls, width: int, max_batch_size: int, max_context: int) -> "DecodeGraphPlan":
+        """The plan of an engine serving up to ``max_batch_size`` requests with contexts up to
+        ``max_context`` tokens (`graph_batch_sizes` buckets)."""
+        return cls(width, graph_batch_sizes(max_batch_size), pages_for_tokens(max_context))
+
     @property
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
@@ -132,6 +141,11 @@ class DecodeGraphPlan:
             if b >= num_requests:
                 return b
         return None
+
+    def covers(self, num_requests: int, max_pages: int, width: int) -> bool:
+        """Whether a step of ``num_requests`` requests of ``width`` new tokens,
+        none with more than ``max_pages`` pages, has a graph here."""
+        return width == self.width and max_pages <= self.max_pages and self.bucket(num_requests) is not None
 
 
 class DecodeInputs:
@@ -295,10 +309,8 @@ class DecodeGraphs:
         self.replays = 0
 
     def covers(self, num_requests: int, max_pages: int, width: int) -> bool:
-        """Whether a step of ``num_requests`` requests of ``width`` new tokens,
-        none with more than ``max_pages`` pages, runs here."""
-        return (width == self.plan.width and max_pages <= self.plan.max_pages
-                and self.plan.bucket(num_requests) is not None)
+        """Whether a step runs here (`DecodeGraphPlan.covers`)."""
+        return self.plan.covers(num_requests, max_pages, width)
 
     @torch.inference_mode()
     def capture_all(self) -> None:

@@ -10,7 +10,7 @@ from attention.cache import PagedKVCache
 from attention.formats import PAGE_SIZE, pages_for_tokens
 from models.batch import ForwardBatch, ForwardMode, slots_for_positions
 from models.model import DsaForCausalLM
-from workers.decode_graphs import DecodeGraphPlan, DecodeGraphs, graph_batch_sizes, patch_tokens, to_device
+from workers.decode_graphs import DecodeGraphPlan, DecodeGraphs, patch_tokens, to_device
 from workers.page_tables import frozen_pages
 
 
@@ -135,7 +135,7 @@ class ModelRunner:
         ``capture``. Steps with more requests than ``max_batch_size`` or a
         context beyond ``max_context`` tokens run eagerly."""
         for w in widths:
-            plan = DecodeGraphPlan(w, graph_batch_sizes(max_batch_size), pages_for_tokens(max_context))
+            plan = DecodeGraphPlan.for_limits(w, max_batch_size, max_context)
             graphs = DecodeGraphs(self.model, self.cache, self.backend, plan, self.device, capture)
             graphs.capture_all()
             self.decode_graphs[w] = graphs

@@ -58,7 +58,8 @@ class LLM:
         # hadamard None: rotate indexer keys only once they are quantized (RankSpec.use_hadamard).
         spec = RankSpec(str(self.model_dir), backend, device, dtype, kv_cache_dtype, num_pages, hadamard,
                         two_batch_overlap=two_batch_overlap)
-        want_graphs = graphs_wanted(cuda_graphs, backend, device, tp_size)  # before any rank worker starts
+        # Before any rank worker starts: a refusal costs nothing.
+        want_graphs = graphs_wanted(cuda_graphs, backend, device, tp_size, mtp=mtp_draft_tokens > 0)
         if pd and tp_size == 1 and torch.device(device).type == "cuda":
             # Measured on the H100 (nixl 1.5.1): a VRAM push between two agents of
             # one process fails with NIXL_ERR_REMOTE_DISCONNECT; across processes

@@ -19,15 +19,17 @@ If a rank raises, the ranks' collectives are out of step for good: the group
 is marked broken and every later call raises `RankGroupFailed` (a Serve
 replica then fails its health check and is replaced; its actors die with it).
 
-Cost, as built: the hidden states of every forward travel rank 0 → driver
-(and back for the MTP layer), and sampling runs in the driver. Keeping hidden
-states on the ranks and sampling on rank 0 is the next step for large
-batches; the tiny models and CPU tests do not feel it.
+Decode steps: a width-1 step (no MTP) is one call per rank that runs the step
+(through each rank's own decode graphs, all-reduces captured inside them) and
+samples on rank 0 (`RankHidden`, `RankWorker.decode_sample`): only the sampled
+rows come back. Cost, as built: a prefill forward's hidden states travel
+rank 0 → driver whole (and back for the MTP layer), as do an MTP verify's.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -35,7 +37,8 @@ import torch
 from models.config import load_config
 from models.dtypes import torch_dtype
 from workers.group_link import GroupLink
-from workers.model_runner import ModelRunner
+from workers.decode_graphs import DecodeGraphPlan
+from workers.model_runner import DecodeStep, ModelRunner, TokenPatch
 from workers.rank_build import RankSpec
 from workers.rank_worker import RankWorker
 
@@ -176,10 +179,13 @@ class GroupModel:
         """fp32 ``[n, vocab]``; the head is replicated, so rank 0 alone computes it."""
         return self.group.call_rank(0, "logits", hidden)
 
-    def sample_hidden(self, hidden: torch.Tensor, meta, history=None):
+    def sample_hidden(self, hidden, meta, history=None):
         """One token per row of hidden ``[n, hidden]`` (host), sampled on rank 0's device: only the
         ``SampleOutput`` comes back, not ``[n, vocab]`` fp32 logits (16.5 MB at n = 32 for DeepSeek-V3.2,
-        which the driver then sampled on its CPU: ~130 of a 190 ms tp 2 decode step on H200s)."""
+        which the driver then sampled on its CPU: ~130 of a 190 ms tp 2 decode step on H200s).
+        A `RankHidden` (a decode step not run yet): the step and its sampling in one call per rank."""
+        if isinstance(hidden, RankHidden):
+            return hidden.sample(meta, history)
         return self.group.call_rank(0, "sample_hidden", hidden, meta, history)
 
     def mtp_forward(self, batch, prev_hidden: torch.Tensor, cache=None, backend=None, depth: int = 0, reuse=None,
@@ -190,12 +196,67 @@ class GroupModel:
         return self.group.call("mtp_forward", batch, prev_hidden, depth, reuse, draft, rows)[0]
 
 
+@dataclass
+class RankHidden:
+    """The hidden states of a width-1 decode step that has not run yet: the engine only samples them
+    (`workers.engine.Engine._decode` / ``_launch``), so the step runs when they are sampled, in the
+    same call per rank (`RankWorker.decode_sample`), and the hidden states never leave rank 0's device.
+    Sampled exactly once."""
+
+    group: RankGroup
+    step: DecodeStep
+    token_patch: TokenPatch | None
+    sampled: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        """Where the sampler's inputs are built (the driver's host; rank 0 moves them)."""
+        return torch.device("cpu")
+
+    def sample(self, meta, history):
+        if self.sampled:
+            raise RuntimeError("a RankHidden is sampled once: its decode step runs with the sampling")
+        self.sampled = True
+        patch = self.token_patch
+        if patch is not None:  # the tokens in flight: the previous step's sampled rows, on the host
+            patch = (list(patch[0]), patch[1].cpu())
+        return self.group.call("decode_sample", self.step, patch, meta, history)[0]
+
+
 class GroupRunner(ModelRunner):
     """`ModelRunner` whose batches (built on the driver's host) run on the ranks."""
 
     def __init__(self, model: GroupModel):
         super().__init__(model, cache=None, backend=None, device="cpu")
+        self.group = model.group
 
     def enable_decode_graphs(self, widths, max_batch_size, max_context, capture) -> None:
-        # The graphs would have to be captured on every rank, collectives included.
-        raise NotImplementedError("CUDA graphs for tensor-parallel rank workers are not built yet")
+        """Every rank captures its own decode graphs (the same buckets, in the same order: their
+        all-reduces are inside). Width 1 only: an MTP verify's drafts are made on the driver's side
+        of the ranks (`workers.mtp_draft`), which has no graphs here."""
+        if any(w != 1 for w in widths):
+            raise ValueError(f"decode graphs of a tensor-parallel replica run width-1 steps only (no MTP), "
+                             f"got widths {tuple(widths)}")
+        self.group.call("enable_decode_graphs", tuple(widths), max_batch_size, max_context, capture)
+        for w in widths:
+            self.decode_graphs[w] = RankGraphs(DecodeGraphPlan.for_limits(w, max_batch_size, max_context), capture)
+
+    def decode(self, step: DecodeStep, token_patch: TokenPatch | None = None):
+        """A width-1 step: a `RankHidden` (run when sampled, one call per rank); wider steps (an MTP
+        verify): every rank runs it now and rank 0's hidden ``[R * width, hidden]`` comes back."""
+        if step.width == 1:
+            return RankHidden(self.group, step, token_patch)
+        if token_patch is not None:
+            token_patch = (list(token_patch[0]), token_patch[1].cpu())
+        return self.group.call("decode", step, token_patch)[0]
+
+
+@dataclass(frozen=True)
+class RankGraphs:
+    """The driver's record of the decode graphs its ranks captured (the engine reads the plan)."""
+
+    plan: DecodeGraphPlan
+    capture: bool
+
+    def covers(self, num_requests: int, max_pages: int, width: int) -> bool:
+        return self.plan.covers(num_requests, max_pages, width)

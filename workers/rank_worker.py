@@ -72,6 +72,9 @@ class RankWorker:
         self.link: KVLink | None = None
         self.pusher = None
         self.receiver = None
+        # request id -> its page list as this rank last saw it: kept across decode steps so the
+        # decode graphs' inputs (`DecodeInputs.assign`, by list identity) copy only new pages.
+        self._tables: dict[str, list[int]] = {}
 
     # ------------------------------------------------------------- set-up
     def rendezvous_address(self) -> str:
@@ -124,6 +127,46 @@ class RankWorker:
         if self.rank or not draft:
             return None
         return logits.cpu(), hidden.cpu(), move_to(selected, torch.device("cpu"))
+
+    def enable_decode_graphs(self, widths: tuple[int, ...], max_batch_size: int, max_context: int,
+                             capture: bool) -> None:
+        """`ModelRunner.enable_decode_graphs` on this rank: every rank captures the same buckets in the same
+        order, its all-reduces inside the graphs (NCCL collectives replay with the graph)."""
+        self.parts.runner.enable_decode_graphs(widths, max_batch_size, max_context, capture)
+
+    def _step_here(self, step, token_patch):
+        """``step`` with each request's page list replaced by this rank's kept list, grown in place
+        (what a step pickled from the driver brings is a new list every time), and the patch's tokens
+        on this rank's device."""
+        kept: dict[str, list[int]] = {}
+        tables = []
+        for key, table in zip(step.keys, step.page_tables):
+            mine = self._tables.get(key)
+            if mine is None or len(table) < len(mine) or table[:len(mine)] != mine:
+                mine = list(table)
+            elif len(table) > len(mine):
+                mine.extend(table[len(mine):])
+            kept[key] = mine
+            tables.append(mine)
+        self._tables = kept
+        patch = None if token_patch is None else (token_patch[0], token_patch[1].to(self.device))
+        return dataclasses.replace(step, page_tables=tables), patch
+
+    @torch.inference_mode()
+    def decode(self, step, token_patch=None) -> torch.Tensor | None:
+        """`ModelRunner.decode` of ``step`` (a `workers.model_runner.DecodeStep`) on this rank, through its
+        decode graphs when they cover the step; rank 0 returns hidden ``[R * width, hidden]`` (host)."""
+        step, patch = self._step_here(step, token_patch)
+        return self._answer(self.parts.runner.decode(step, patch))
+
+    @torch.inference_mode()
+    def decode_sample(self, step, token_patch, meta, history):
+        """One decode step and its sampling in one call (`GroupModel.sample_hidden` of a `RankHidden`): every
+        rank runs ``step``; rank 0 samples one token per request from the hidden it keeps on its device and
+        returns the ``SampleOutput`` (host); the others return None."""
+        step, patch = self._step_here(step, token_patch)
+        hidden = self.parts.runner.decode(step, patch)
+        return None if self.rank else self.sample_hidden(hidden, meta, history)
 
     @torch.inference_mode()
     def sample_hidden(self, hidden: torch.Tensor, meta, history):

@@ -66,12 +66,18 @@ def _device_rules(role: str, role_cfg: RoleConfig, out: list[Violation]) -> None
             f"{role}.num_gpus",
             f"device 'cpu' does not use GPUs but num_gpus is {role_cfg.num_gpus:g}: the replica would hold them idle",
         ))
-    if role_cfg.cuda_graphs and not (role_cfg.backend == "cuda" and role_cfg.device == "cuda" and tp == 1):
+    if role_cfg.cuda_graphs and not (role_cfg.backend == "cuda" and role_cfg.device == "cuda"):
         out.append(Violation(
             f"{role}.cuda_graphs",
-            "CUDA graphs capture the cuda backend's decode step on a GPU with one rank (backend 'cuda', device "
-            f"'cuda', tensor_parallel_size 1); got backend {role_cfg.backend!r}, device {role_cfg.device!r}, "
-            f"tensor_parallel_size {tp}",
+            "CUDA graphs capture the cuda backend's decode step on a GPU (backend 'cuda', device 'cuda'); got "
+            f"backend {role_cfg.backend!r}, device {role_cfg.device!r}",
+        ))
+    if role_cfg.cuda_graphs and tp > 1 and role_cfg.mtp_draft_tokens:
+        out.append(Violation(
+            f"{role}.cuda_graphs",
+            f"CUDA graphs with tensor_parallel_size {tp} capture steps without MTP drafts only; "
+            f"mtp_draft_tokens is {role_cfg.mtp_draft_tokens}: set cuda_graphs to null (graphs off) or "
+            "mtp_draft_tokens to 0",
         ))
     if role_cfg.page_size != PAGE_SIZE:
         out.append(Violation(

@@ -249,11 +249,20 @@ def test_gpu_counts(pool, path, needle):
     assert len([v for v in vs if v.path == path and needle in v.message]) == 1, [str(v) for v in vs]
 
 
-def test_cuda_graphs_need_the_cuda_backend_on_one_gpu():
+def test_cuda_graphs_need_the_cuda_backend_and_no_mtp_at_tensor_parallel():
     v = only(validate(app(merged(CPU, decode={"cuda_graphs": True})), tiny_model()), "decode.cuda_graphs")
     assert "backend 'reference', device 'cpu'" in v.message
     vs = validate(app(merged(GPU, decode={"cuda_graphs": True})), gpu_model())
     assert not [v for v in vs if v.path == "decode.cuda_graphs"]
+    tp2 = {"tensor_parallel_size": 2, "num_gpus": 2}
+    no_mtp = {"mtp_draft_tokens": 0}
+    vs = validate(app(merged(GPU, prefill={**tp2, **no_mtp}, decode={**tp2, **no_mtp, "cuda_graphs": True})),
+                  gpu_model())
+    assert not [v for v in vs if v.path == "decode.cuda_graphs"], [str(v) for v in vs]
+    mtp = {"mtp_draft_tokens": 1}
+    vs = validate(app(merged(GPU, prefill={**tp2, **mtp}, decode={**tp2, **mtp, "cuda_graphs": True})), gpu_model())
+    v = only(vs, "decode.cuda_graphs")
+    assert "tensor_parallel_size 2" in v.message and "mtp_draft_tokens is 1" in v.message
 
 
 def test_cpu_device_holds_no_gpus():

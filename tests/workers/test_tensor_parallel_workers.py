@@ -15,6 +15,7 @@ import ray
 from tests.workers.mtp_friendly import make_mtp_friendly
 from tests.workers.pd_aborts import abort_at_every_phase
 from tests.workers.prompts import random_prompt
+from workers.decode_graphs import default_graph_context
 from workers.group_link import group_agent_name, rank_agent_name
 from workers.offline import LLM
 
@@ -63,6 +64,7 @@ def test_tp2_monolithic_and_pd_equal_tp1(arch, mtp, ray_session, tmp_path):
         st = mono.stats()
         assert st["pool_free_pages"] == st["pool_total_pages"] == 64
         assert (st["mtp_drafted"] > 0) == (mtp > 0)
+        decode_through_rank_graphs(mono, want, sampled, one.generate(PROMPTS, **sampled) if not mtp else None)
     finally:
         mono.shutdown()
 
@@ -79,3 +81,34 @@ def test_tp2_monolithic_and_pd_equal_tp1(arch, mtp, ray_session, tmp_path):
         pd.shutdown()
 
 
+
+
+def decode_through_rank_graphs(llm: LLM, want, sampled: dict, want_sampled) -> None:
+    """Each rank's decode graphs (static buffers on CPU: the capture's own path without the capture)
+    give the same greedy and seeded output as the eager steps, with one call per rank per decode step
+    (the step and rank 0's sampling together: `workers.rank_group.RankHidden`). With MTP drafts the
+    engine refuses them (a verify is wider than one token)."""
+    max_context = default_graph_context(llm.cfg, llm.pool.num_pages)
+    if len(llm.model.mtp) and llm.engine.k:
+        with pytest.raises(ValueError, match="width-1 steps only"):
+            llm.engine.enable_cuda_graphs(max_context, capture=False)
+        return
+    llm.engine.enable_cuda_graphs(max_context, capture=False)
+    group = llm.groups[0]
+    calls: list[str] = []
+    real_call = group.call
+
+    def counted(method, *args):  # the real fan-out, observed
+        calls.append(method)
+        return real_call(method, *args)
+
+    group.call = counted
+    try:
+        assert llm.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True) == want
+        assert llm.generate(PROMPTS, **sampled) == want_sampled
+    finally:
+        del group.call
+    assert calls.count("decode_sample") >= 2 * (NEW - 1) and "logits" not in calls
+    assert not [c for c in calls if c not in ("forward", "decode_sample")], calls
+    st = llm.stats()
+    assert st["pool_free_pages"] == st["pool_total_pages"]

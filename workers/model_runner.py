@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from attention.cache import PagedKVCache
-from attention.formats import PAGE_SIZE, pages_for_tokens
+from attention.formats import PAGE_SIZE
 from models.batch import ForwardBatch, ForwardMode, slots_for_positions
 from models.model import DsaForCausalLM
 from workers.decode_graphs import DecodeGraphPlan, DecodeGraphs, patch_tokens, to_device

@@ -8,11 +8,12 @@
 # (it stays warm ~30 s and /tmp survives): carry .devparts/pNN and run `bash bench/gpu_multi.sh stage`;
 # then `bash bench/gpu_multi.sh install` unpacks and installs them all into /tmp/site in one pip command.
 set -euo pipefail
-rm -rf .devparts && mkdir -p .devparts
+D=${PARTS_DIR:-.devparts}  # another folder (also git-excluded) keeps a second set beside the first
+rm -rf "$D" && mkdir -p "$D"
 tar cf /tmp/devparts.tar "$@"
 split -b "${PART_MIB:-19}m" -d -a 2 /tmp/devparts.tar /tmp/devparts.part
 for f in /tmp/devparts.part*; do
-  n=${f##*.part}; mkdir -p ".devparts/p$n"; mv "$f" ".devparts/p$n/part$n"
+  n=${f##*.part}; mkdir -p "$D/p$n"; mv "$f" "$D/p$n/part$n"
 done
 rm -f /tmp/devparts.tar
-ls -la .devparts/*/
+ls -la "$D"/*/

@@ -367,9 +367,9 @@ class Features(_Strict):
 
     two_batch_overlap: bool = Field(
         False, description="Run each eager forward of a tensor-parallel replica as two micro-batches whose "
-        "all-reduces overlap the other's compute (models/two_batch.py): tensor_parallel_size > 1, the reference "
-        "backend only (on the cuda backend it hung at DeepSeek-V3.2 dims on 2 x H200: docs/perf.md), not with "
-        "top-k sharing; CUDA-graphed decode steps run whole."
+        "all-reduces overlap the other's compute, interleaved in one fixed order at their all-reduces "
+        "(models/two_batch.py): tensor_parallel_size > 1, not with top-k sharing; CUDA-graphed decode steps "
+        "run whole."
     )
     mtp_topk_reuse: bool = Field(
         False, description="Reuse the indexer top-k of the first MTP draft step in later draft steps."

@@ -44,7 +44,13 @@ class TPContext:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x, group=getattr(_thread, "group", None) or self.group)
+            turns = getattr(_thread, "turns", None)
+            if turns is None:
+                dist.all_reduce(x, group=self.group)
+            else:  # a two-batch overlap micro-batch: launch, let the other micro-batch compute, then wait
+                work = dist.all_reduce(x, group=self.group, async_op=True)
+                turns[0].pass_turn(turns[1])
+                work.wait()
         return x
 
 
@@ -52,15 +58,15 @@ _thread = threading.local()
 
 
 @contextmanager
-def collectives_on(group):
-    """Run this thread's all-reduces on ``group`` instead of the model's own (`models.two_batch`: each
-    micro-batch has a process group of its own, so the two threads' collectives never interleave)."""
-    before = getattr(_thread, "group", None)
-    _thread.group = group
+def taking_turns(turns, me: int):
+    """This thread's all-reduces, inside the block, hand ``turns`` (a `models.two_batch.Turns`) to the
+    other micro-batch while they are on the wire (`models.two_batch`)."""
+    before = getattr(_thread, "turns", None)
+    _thread.turns = (turns, me)
     try:
         yield
     finally:
-        _thread.group = before
+        _thread.turns = before
 
 
 SINGLE = TPContext()

@@ -3,14 +3,21 @@
 With ``tp > 1`` every decoder layer waits on all-reduces (the attention output,
 the MLP or MoE output): on one micro-batch the ranks compute, then talk, then
 compute. TBO splits a forward's requests into two micro-batches and runs them
-at once, each in a thread of its own with a process group of its own
-(`models.parallel.collectives_on`): while one micro-batch's all-reduce is on
-the wire, the other computes. Each micro-batch is a whole forward of its
-requests, its layers' top-k selections its own (a shared layer reuses the
-selection of its own micro-batch's earlier layer, never the other's), so the
-output is the same as one forward over the whole batch, row for row (the
-per-request independence every batch already has: a request's output does not
-depend on what it is batched with).
+interleaved at their all-reduces: micro-batch A computes up to an all-reduce,
+launches it without waiting and hands the turn to B, which computes (while A's
+all-reduce is on the wire) up to its own all-reduce, launches it and hands the
+turn back; A waits for its result only then. Each micro-batch runs in a thread
+of its own, but only the thread holding the turn runs (`Turns`), so every rank
+issues its collectives in one fixed order (A0, B0, A1, B1, ...) on the model's
+one process group, and its kernels on one CUDA stream: NCCL's rule (one
+issuing order on every rank) holds by construction. (The first version ran the
+threads freely, each on a CUDA stream and a process group of its own; at
+DeepSeek-V3.2 dims on 2 x H200 it hung in its first decode step.)
+
+Each micro-batch is a whole forward of its requests, its layers' top-k
+selections its own (a shared layer reuses the selection of its own
+micro-batch's earlier layer, never the other's), so the output is the same as
+one forward over the whole batch, row for row.
 
 Where it runs: the eager forwards (prefill chunks, decode steps without CUDA
 graphs). A forward with fewer than two requests, or one captured in a CUDA
@@ -20,6 +27,7 @@ the first micro-batch takes the leading requests whose tokens come closest to ha
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable
@@ -27,7 +35,7 @@ from typing import Callable
 import torch
 
 from models.batch import ForwardBatch
-from models.parallel import collectives_on
+from models.parallel import taking_turns
 
 
 def split_point(batch: ForwardBatch) -> int | None:
@@ -54,14 +62,39 @@ def split_batch(batch: ForwardBatch, at: int) -> tuple[ForwardBatch, ForwardBatc
     return part(slice(0, t), slice(0, at)), part(slice(t, None), slice(at, None))
 
 
-class TwoBatchOverlap:
-    """Runs a forward as two overlapped micro-batches on ``groups`` (two process groups of the same
-    tensor-parallel ranks, made in the same order on every rank)."""
+class Turns:
+    """Whose turn it is to run, of two micro-batch threads (0 and 1). A thread runs only while it
+    holds the turn; `pass_turn` hands it over at an all-reduce and waits to get it back; `done`
+    hands it over for good. A thread whose partner is done keeps the turn."""
 
-    def __init__(self, groups: tuple):
-        if len(groups) != 2:
-            raise ValueError(f"two-batch overlap needs two process groups, got {len(groups)}")
-        self.groups = groups
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._turn = 0
+        self._done = [False, False]
+
+    def wait_turn(self, me: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._turn == me)
+
+    def pass_turn(self, me: int) -> None:
+        with self._cond:
+            if self._done[1 - me]:
+                return
+            self._turn = 1 - me
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._turn == me)
+
+    def done(self, me: int) -> None:
+        with self._cond:
+            self._done[me] = True
+            self._turn = 1 - me
+            self._cond.notify_all()
+
+
+class TwoBatchOverlap:
+    """Runs a forward as two micro-batches interleaved at their all-reduces (module docstring)."""
+
+    def __init__(self):
         self._other = ThreadPoolExecutor(1, thread_name_prefix="tbo-micro-batch")
         self.overlapped = 0
         """Forwards run as two micro-batches (the rest ran whole)."""
@@ -73,14 +106,23 @@ class TwoBatchOverlap:
             return forward(batch)
         first, second = split_batch(batch, at)
         inference = torch.is_inference_mode_enabled()  # thread-local: the other thread takes it over
+        device = first.input_ids.device
+        turns = Turns()
 
-        def run(micro: ForwardBatch, group) -> torch.Tensor:
-            with torch.inference_mode(inference), collectives_on(group):
-                return forward(micro)
+        def run(micro: ForwardBatch, me: int) -> torch.Tensor:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # a fresh thread starts on device 0
+            turns.wait_turn(me)
+            try:
+                with torch.inference_mode(inference), taking_turns(turns, me):
+                    return forward(micro)
+            finally:
+                turns.done(me)  # also on an error: the partner is never left waiting for the turn
 
-        other = self._other.submit(run, first, self.groups[0])
+        # The first micro-batch (turn 0) runs on the pool's thread, the second here.
+        other = self._other.submit(run, first, 0)
         try:
-            tail = run(second, self.groups[1])
+            tail = run(second, 1)
         finally:
             head = other.result()  # waited for even when this thread failed: never left running
         self.overlapped += 1

@@ -26,13 +26,6 @@ from workers.model_runner import ModelRunner
 from workers.push_tuning import PushTuning
 
 
-CUDA_TBO_REFUSAL = (
-    "two_batch_overlap runs on the reference backend only: on the cuda backend (each micro-batch "
-    "thread on a CUDA stream of its own, all-reduces on two NCCL communicators) tp 2 at DeepSeek-V3.2 "
-    "dims hung on 2 x H200 in its first decode step (docs/perf.md, issue 26); set two_batch_overlap "
-    "to false")
-
-
 @dataclass(frozen=True)
 class RankSpec:
     """What every rank of one replica loads (the rank index is separate).
@@ -44,7 +37,7 @@ class RankSpec:
     (``kv_cache_dtype == "fp8"``), as transformers' reference skips it in exact mode;
     with_mtp: load the checkpoint's MTP layer(s) and give them cache layers;
     two_batch_overlap: run each eager forward as two micro-batches whose all-reduces overlap the
-    other's compute (`models.two_batch`; tensor parallel only: the ranks make two more process groups).
+    other's compute (`models.two_batch`; tensor parallel only).
     """
 
     model_dir: str
@@ -62,8 +55,6 @@ class RankSpec:
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype)  # a clear error now, not at load
-        if self.two_batch_overlap and self.backend != "reference":
-            raise ValueError(CUDA_TBO_REFUSAL)
 
     @property
     def fp8_weights(self) -> bool:
@@ -118,20 +109,11 @@ def build_rank(spec: RankSpec, tp: TPContext = SINGLE, device: str | None = None
     model = load_model(spec.model_dir, torch_dtype(spec.dtype), device, tp=tp, hadamard=spec.use_hadamard,
                        with_mtp=spec.with_mtp, fp8_weights=spec.fp8_weights)
     if spec.two_batch_overlap:
-        model.two_batch = TwoBatchOverlap(micro_batch_groups(tp))
+        if tp.size < 2:
+            raise ValueError("two_batch_overlap overlaps tensor-parallel all-reduces: it needs tensor parallel size > 1")
+        model.two_batch = TwoBatchOverlap()
     cache = PagedKVCache(spec.cache_spec(model.cfg), device)
     return RankParts(spec, model, cache, ModelRunner(model, cache, get_backend(spec.backend), device))
-
-
-def micro_batch_groups(tp: TPContext) -> tuple:
-    """Two more process groups of ``tp``'s ranks, one per micro-batch of a two-batch overlap. Every
-    rank must call this at the same point (``torch.distributed.new_group`` is collective)."""
-    import torch.distributed as dist
-
-    if tp.size < 2:
-        raise ValueError("two_batch_overlap overlaps tensor-parallel all-reduces: it needs tensor parallel size > 1")
-    ranks = list(range(tp.size))
-    return dist.new_group(ranks), dist.new_group(ranks)
 
 
 def uses_cache_groups(model_dir: str) -> bool:

@@ -18,7 +18,6 @@ from models.config import ConfigError, ModelConfig, config_from_dict, load_confi
 from transfer.compat import diff_compat
 from workers.mtp import check_topk_reuse
 from workers.scheduler import tokens_to_hold
-from workers.rank_build import CUDA_TBO_REFUSAL
 
 from deployments.controller.violations import AppConfigError, Violation, violations_from_pydantic
 from deployments.controller.memory import _cache_spec, cache_formats, estimate_memory, role_compat_info
@@ -192,9 +191,6 @@ def _feature_rules(app_cfg: AppConfig, model_cfg: ModelConfig | None, out: list[
                 f"and tensor_parallel_size is 1 ({', '.join(single)}): there is nothing to overlap; set "
                 "two_batch_overlap to false or tensor_parallel_size to 2 or more",
             ))
-        other = [f"{r} {rc.backend!r}" for r, rc in roles.items() if rc.backend != "reference"]
-        if other:
-            out.append(Violation("features.two_batch_overlap", f"{CUDA_TBO_REFUSAL} ({', '.join(other)})"))
     try:
         check_topk_reuse(f.mtp_topk_reuse, f.draft_topk)  # the engine's own rule
     except ValueError as e:

@@ -149,8 +149,8 @@ def test_tp2_with_fp8_weights_equals_tp1_dequantized(tmp_path):
 @pytest.mark.parametrize("arch,kv_cache_dtype,mtp", [("deepseek_v32", "fp8", 1), ("glm_moe_dsa", "auto", 0)])
 def test_tp2_with_two_batch_overlap_equals_tp1(arch, kv_cache_dtype, mtp, tmp_path):
     """Two-batch overlap (`models.two_batch`): each multi-request forward (prefill chunks of several
-    prompts, decode and MTP verify steps) runs as two micro-batches in two threads, each micro-batch's
-    all-reduces on a process group of its own. The output is tp 2's without it: equal to one
+    prompts, decode and MTP verify steps) runs as two micro-batches in two threads taking turns at
+    their all-reduces (launched without waiting, on the model's one process group). The output is tp 2's without it: equal to one
     process's greedy output, on GLM-5 too, whose shared layers reuse top-k within each micro-batch."""
     tiny = make_tiny(arch, tmp_path / arch, seed=7)
     ref = _run_replica(tiny, SINGLE, kv_cache_dtype, mtp)
@@ -164,13 +164,40 @@ def test_tp2_with_two_batch_overlap_equals_tp1(arch, kv_cache_dtype, mtp, tmp_pa
     print(f"{arch} kv {kv_cache_dtype} mtp {mtp}: {ranks[0]['overlapped']} forwards as two micro-batches")
 
 
-def test_two_batch_overlap_is_refused_off_the_reference_backend():
-    """On the cuda backend it hung at DeepSeek-V3.2 dims on 2 x H200 (docs/perf.md): a clear error, not a hang."""
-    from workers.rank_build import RankSpec
+def test_two_batch_turns_issue_collectives_in_one_order():
+    """`models.two_batch.Turns`: whatever the threads' timing, the micro-batches' all-reduces are
+    issued A0, B0, A1, B1, ... (NCCL needs one issuing order on every rank), and a micro-batch with
+    more of them than its partner finishes alone without waiting."""
+    import random
+    import threading
+    import time
 
-    with pytest.raises(ValueError, match="reference backend only.*hung on 2 x H200"):
-        RankSpec("m", backend="cuda", device="cuda", dtype="bfloat16", two_batch_overlap=True)
-    assert RankSpec("m", two_batch_overlap=True).two_batch_overlap
+    from models.two_batch import Turns
+
+    for trial in range(20):
+        turns, order = Turns(), []
+        rng = random.Random(trial)
+        counts = (3, 5) if trial % 2 else (4, 4)
+
+        def micro(me: int) -> None:
+            turns.wait_turn(me)
+            try:
+                for i in range(counts[me]):
+                    time.sleep(rng.random() * 1e-3)  # compute of uneven length
+                    order.append(f"{'AB'[me]}{i}")
+                    turns.pass_turn(me)
+            finally:
+                turns.done(me)
+
+        threads = [threading.Thread(target=micro, args=(m,)) for m in (1, 0)]  # B starts first: it must wait
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(5)
+            assert not t.is_alive(), f"trial {trial}: a micro-batch never got its turn back"
+        a, b = counts
+        want = [x for i in range(max(a, b)) for x in ((f"A{i}",) if i < a else ()) + ((f"B{i}",) if i < b else ())]
+        assert order == want, (trial, order)
 
 
 def test_split_batch_keeps_every_request_whole():

@@ -32,8 +32,11 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
-def test_tp2_on_gpus(arch, tmp_path, ray_session):
+# "graphs": every rank's decode steps from its own CUDA graphs (all-reduces captured inside);
+# "tbo": eager steps with two-batch overlap (micro-batches taking turns at their all-reduces).
+@pytest.mark.parametrize("arch,mode", [("deepseek_v32", "graphs"), ("glm_moe_dsa", "graphs"),
+                                       ("deepseek_v32", "tbo")])
+def test_tp2_on_gpus(arch, mode, tmp_path, ray_session):
     from models.tiny import make_tiny
     from workers.offline import LLM
 
@@ -41,7 +44,8 @@ def test_tp2_on_gpus(arch, tmp_path, ray_session):
     prompts = [[40 + (i * 7 + j * 13) % 80 for j in range(n)] for i, n in enumerate((5, 70, 150, 260))]
     one = LLM(model, cuda_graphs=False, **KW)
     want = one.generate(prompts, max_new_tokens=16, ignore_eos=True)
-    two = LLM(model, tp_size=2, **KW)
+    extra = dict(cuda_graphs=True) if mode == "graphs" else dict(cuda_graphs=False, two_batch_overlap=True)
+    two = LLM(model, tp_size=2, **KW, **extra)
     try:
         got = two.generate(prompts, max_new_tokens=16, ignore_eos=True)
         rel = []
@@ -50,10 +54,12 @@ def test_tp2_on_gpus(arch, tmp_path, ray_session):
             l2 = two.prompt_logits(p + cont[:-1])[len(p) - 1:]
             rel += [float((a - b).abs().max() / b.abs().max()) for a, b in zip(l2, l1)]
         st = two.stats()
+        overlapped = two.groups[0].call("two_batch_forwards")
     finally:
         two.shutdown()
-    print(f"TP2 {arch}: greedy equal to tp=1: {got == want}; teacher-forced logits rel err max "
-          f"{max(rel):.3e} median {sorted(rel)[len(rel) // 2]:.3e}")
+    print(f"TP2 {arch} {mode}: greedy equal to tp=1: {got == want}; teacher-forced logits rel err max "
+          f"{max(rel):.3e} median {sorted(rel)[len(rel) // 2]:.3e}; forwards as two micro-batches {overlapped}")
+    assert (min(overlapped) > 0) == (mode == "tbo")
     assert max(rel) <= 0.3 and sorted(rel)[len(rel) // 2] <= 0.06
     assert st["pool_free_pages"] == st["pool_total_pages"]
 

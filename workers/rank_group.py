@@ -145,8 +145,8 @@ class RankGroup:
         import ray
 
         if self.broken is None:
-            try:
-                self.call("close")
+            try:  # bounded: a rank stuck in teardown must not hold the replica's shutdown
+                self._wait([a.close.remote() for a in self.actors], timeout_s=60.0)
             except Exception:  # noqa: BLE001 - ending anyway
                 pass
         for a in self.actors:

@@ -92,6 +92,12 @@ class RankWorker:
         Returns (MTP layers loaded, this process's pid)."""
         import torch.distributed as dist
 
+        stacks_s = float(os.environ.get("DSA_PD_RANK_STACKS_S", "0"))
+        if stacks_s > 0:  # a debugging aid (bench/tp_probe.py): this rank's stacks every stacks_s seconds
+            import faulthandler
+            import sys
+
+            faulthandler.dump_traceback_later(stacks_s, repeat=True, file=sys.stderr)
         on_gpu = self.device.type == "cuda"
         if on_gpu:
             # Ray exposes this actor's one GPU as device 0.
@@ -254,5 +260,8 @@ class RankWorker:
         import torch.distributed as dist
 
         self.close_link()
-        if dist.is_initialized():
+        captured = any(g.graphs for g in self.parts.runner.decode_graphs.values()) if self.parts else False
+        # After NCCL collectives were captured in CUDA graphs, destroy_process_group hangs (pytorch#115388;
+        # 2 x H200, bench/tp_probe.py): the process group then ends with the process (the actor is killed next).
+        if dist.is_initialized() and not captured:
             dist.destroy_process_group()

@@ -19,11 +19,13 @@ If a rank raises, the ranks' collectives are out of step for good: the group
 is marked broken and every later call raises `RankGroupFailed` (a Serve
 replica then fails its health check and is replaced; its actors die with it).
 
-Decode steps: a width-1 step (no MTP) is one call per rank that runs the step
-(through each rank's own decode graphs, all-reduces captured inside them) and
-samples on rank 0 (`RankHidden`, `RankWorker.decode_sample`): only the sampled
-rows come back. Cost, as built: a prefill forward's hidden states travel
-rank 0 → driver whole (and back for the MTP layer), as do an MTP verify's.
+Hidden states stay on the ranks (`workers.rank_rows`). A forward's are kept
+there and the driver holds a handle: rank 0 samples the rows the engine picks,
+each rank gathers the MTP layer's inputs from its own copy. A width-1 decode
+step (no MTP) is one call per rank that runs the step (through each rank's own
+decode graphs, all-reduces captured inside them) and samples on rank 0
+(`RankHidden`, `RankWorker.decode_sample`): only the sampled rows come back.
+An MTP verify's hidden states still come to the driver whole.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from workers.group_link import GroupLink
 from workers.decode_graphs import DecodeGraphPlan
 from workers.model_runner import DecodeStep, ModelRunner, TokenPatch
 from workers.rank_build import RankSpec
+from workers.rank_rows import KeptRows, RankHidden, RankRows
 from workers.rank_worker import RankWorker
 
 
@@ -166,17 +169,26 @@ class GroupModel:
         self.dtype = torch_dtype(spec.dtype)
         # The engine reads how many MTP layers there are (len); the layers live on the ranks.
         self.mtp = tuple(range(num_mtp))
+        self.forwards = 0
+        """Forwards run; the ranks keep the last one's hidden states (`workers.rank_rows.KeptRows`)."""
 
     @property
     def num_cache_layers(self) -> int:
         return self.cfg.num_hidden_layers + len(self.mtp)
 
-    def __call__(self, batch, cache=None, backend=None) -> torch.Tensor:
-        """Normed hidden ``[T, hidden]`` (host) of the target model over ``batch``."""
-        return self.group.call("forward", batch)[0]
+    def __call__(self, batch, cache=None, backend=None) -> RankRows:
+        """The target model over ``batch``: its normed hidden ``[T, hidden]`` stay on the ranks, the driver
+        gets a handle (`workers.rank_rows.RankRows`: rows come back only where a torch op needs them)."""
+        self.group.call("forward", batch, self.forwards + 1)
+        self.forwards += 1
+        return RankRows(self, KeptRows(self.forwards, None), int(batch.input_ids.shape[0]),
+                        self.cfg.hidden_size, self.dtype)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 ``[n, vocab]``; the head is replicated, so rank 0 alone computes it."""
+    def logits(self, hidden) -> torch.Tensor:
+        """fp32 ``[n, vocab]``; the head is replicated, so rank 0 alone computes it (over the rows it keeps,
+        for a `RankRows`)."""
+        if isinstance(hidden, RankRows):
+            return self.group.call_rank(0, "kept_logits", hidden.kept)
         return self.group.call_rank(0, "logits", hidden)
 
     def sample_hidden(self, hidden, meta, history=None):
@@ -186,6 +198,8 @@ class GroupModel:
         A `RankHidden` (a decode step not run yet): the step and its sampling in one call per rank."""
         if isinstance(hidden, RankHidden):
             return hidden.sample(meta, history)
+        if isinstance(hidden, RankRows):
+            return self.group.call_rank(0, "sample_kept", hidden.kept, meta, history)
         return self.group.call_rank(0, "sample_hidden", hidden, meta, history)
 
     def mtp_forward(self, batch, prev_hidden: torch.Tensor, cache=None, backend=None, depth: int = 0, reuse=None,
@@ -193,34 +207,9 @@ class GroupModel:
         """As ``DsaForCausalLM.mtp_forward``: (fp32 logits ``[T, vocab]``, hidden ``[T, hidden]``, selection),
         only ``rows`` of them when given; None with ``draft=False`` (the ranks wrote their MTP cache pages
         and send nothing back)."""
+        if isinstance(prev_hidden, RankRows):  # each rank gathers the rows from its own copy
+            prev_hidden = prev_hidden.kept
         return self.group.call("mtp_forward", batch, prev_hidden, depth, reuse, draft, rows)[0]
-
-
-@dataclass
-class RankHidden:
-    """The hidden states of a width-1 decode step that has not run yet: the engine only samples them
-    (`workers.engine.Engine._decode` / ``_launch``), so the step runs when they are sampled, in the
-    same call per rank (`RankWorker.decode_sample`), and the hidden states never leave rank 0's device.
-    Sampled exactly once."""
-
-    group: RankGroup
-    step: DecodeStep
-    token_patch: TokenPatch | None
-    sampled: bool = False
-
-    @property
-    def device(self) -> torch.device:
-        """Where the sampler's inputs are built (the driver's host; rank 0 moves them)."""
-        return torch.device("cpu")
-
-    def sample(self, meta, history):
-        if self.sampled:
-            raise RuntimeError("a RankHidden is sampled once: its decode step runs with the sampling")
-        self.sampled = True
-        patch = self.token_patch
-        if patch is not None:  # the tokens in flight: the previous step's sampled rows, on the host
-            patch = (list(patch[0]), patch[1].cpu())
-        return self.group.call("decode_sample", self.step, patch, meta, history)[0]
 
 
 class GroupRunner(ModelRunner):

@@ -27,6 +27,7 @@ from models.parallel import TPContext
 from transfer import PushResult, ReceiveResult
 from workers.kv_link import KVLink
 from workers.rank_build import RankParts, RankSpec, build_rank
+from workers.rank_rows import KeptRows
 
 
 def move_to(obj, device: torch.device):
@@ -75,6 +76,7 @@ class RankWorker:
         # request id -> its page list as this rank last saw it: kept across decode steps so the
         # decode graphs' inputs (`DecodeInputs.assign`, by list identity) copy only new pages.
         self._tables: dict[str, list[int]] = {}
+        self._kept: tuple[int, torch.Tensor] | None = None  # (forward number, its hidden states): `forward`
 
     # ------------------------------------------------------------- set-up
     def rendezvous_address(self) -> str:
@@ -115,20 +117,42 @@ class RankWorker:
         return None if self.rank or t is None else t.cpu()
 
     @torch.inference_mode()
-    def forward(self, batch) -> torch.Tensor | None:
-        """Target model over ``batch``; rank 0 returns the normed hidden ``[T, hidden]`` (host), others None."""
-        hidden = self.model(move_to(batch, self.device), self.cache, self.backend)
-        return self._answer(hidden)
+    def forward(self, batch, forward_id: int) -> None:
+        """Target model over ``batch``; its normed hidden ``[T, hidden]`` stay here as forward number
+        ``forward_id`` (`workers.rank_rows`: every rank has the same bytes after the all-reduces) until
+        the next forward."""
+        self._kept = (forward_id, self.model(move_to(batch, self.device), self.cache, self.backend))
+
+    def _kept_rows(self, kept: KeptRows) -> torch.Tensor:
+        if self._kept is None:
+            raise RuntimeError("no forward's hidden states are kept on this rank")
+        return kept.take(*self._kept)
 
     @torch.inference_mode()
-    def mtp_forward(self, batch, prev_hidden: torch.Tensor, depth: int, reuse, draft: bool = True,
+    def kept_rows(self, kept: KeptRows) -> torch.Tensor:
+        """Rows of the kept hidden states (host)."""
+        return self._kept_rows(kept).cpu()
+
+    @torch.inference_mode()
+    def kept_logits(self, kept: KeptRows) -> torch.Tensor:
+        """fp32 ``[n, vocab]`` (host) of rows of the kept hidden states."""
+        return self.model.logits(self._kept_rows(kept)).cpu()
+
+    def sample_kept(self, kept: KeptRows, meta, history):
+        """`sample_hidden` over rows of the kept hidden states."""
+        return self.sample_hidden(self._kept_rows(kept), meta, history)
+
+    @torch.inference_mode()
+    def mtp_forward(self, batch, prev_hidden: torch.Tensor | KeptRows, depth: int, reuse, draft: bool = True,
                     rows: torch.Tensor | None = None):
-        """``DsaForCausalLM.mtp_forward`` on this shard; rank 0 returns (fp32 logits ``[T, vocab]``,
+        """``DsaForCausalLM.mtp_forward`` on this shard (``prev_hidden``: a tensor, or rows of the kept
+        hidden states); rank 0 returns (fp32 logits ``[T, vocab]``,
         MTP hidden ``[T, hidden]``, selection) on the host (only ``rows`` of them when given), others
         None. ``draft=False`` (a prompt's prefill: only the cache pages are wanted): no head, and None
         from every rank."""
+        prev = self._kept_rows(prev_hidden) if isinstance(prev_hidden, KeptRows) else prev_hidden.to(self.device)
         logits, hidden, selected = self.model.mtp_forward(
-            move_to(batch, self.device), prev_hidden.to(self.device), self.cache, self.backend, depth,
+            move_to(batch, self.device), prev, self.cache, self.backend, depth,
             move_to(reuse, self.device), draft, move_to(rows, self.device))
         if self.rank or not draft:
             return None

@@ -56,15 +56,21 @@ def test_tp2_monolithic_and_pd_equal_tp1(arch, mtp, ray_session, tmp_path):
         assert mono.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True) == want
         if not mtp:  # rank 0 samples (`GroupModel.sample_hidden`): seeded draws and logprobs as one process's
             assert mono.generate(PROMPTS, **sampled) == one.generate(PROMPTS, **sampled)
-            got, ref = (llm.logprob_requests(PROMPTS[:2], max_new_tokens=3, logprobs=2, prompt_logprobs=None)
+            # Prompt logprobs: the head on rank 0 over the rows its forward kept (`workers.rank_rows`).
+            got, ref = (llm.logprob_requests(PROMPTS[:2], max_new_tokens=3, logprobs=2, prompt_logprobs=1)
                         for llm in (mono, one))
             for g, r in zip(got, ref):
                 assert g.output == r.output
                 assert len(g.logprobs) == 3 and max(abs(a - b) for a, b in zip(g.logprobs, r.logprobs)) < 1e-4
+                gp, rp = g.prompt_logprobs, r.prompt_logprobs
+                assert len(gp.logprobs) == len(rp.logprobs) == len(g.prompt) - 1
+                assert max(abs(a - b) for a, b in zip(gp.logprobs, rp.logprobs)) < 1e-4
+                assert [list(t) for t in gp.top] == [list(t) for t in rp.top]
         st = mono.stats()
         assert st["pool_free_pages"] == st["pool_total_pages"] == 64
         assert (st["mtp_drafted"] > 0) == (mtp > 0)
         decode_through_rank_graphs(mono, want, sampled, one.generate(PROMPTS, **sampled) if not mtp else None)
+        kept_rows_are_the_forwards(mono, one)
     finally:
         mono.shutdown()
 
@@ -96,19 +102,64 @@ def decode_through_rank_graphs(llm: LLM, want, sampled: dict, want_sampled) -> N
     llm.engine.enable_cuda_graphs(max_context, capture=False)
     group = llm.groups[0]
     calls: list[str] = []
-    real_call = group.call
+    rank0: list[str] = []
+    real_call, real_call_rank = group.call, group.call_rank
 
     def counted(method, *args):  # the real fan-out, observed
         calls.append(method)
         return real_call(method, *args)
 
-    group.call = counted
+    def counted_rank(rank, method, *args):
+        rank0.append(method)
+        return real_call_rank(rank, method, *args)
+
+    group.call, group.call_rank = counted, counted_rank
     try:
         assert llm.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True) == want
         assert llm.generate(PROMPTS, **sampled) == want_sampled
     finally:
-        del group.call
-    assert calls.count("decode_sample") >= 2 * (NEW - 1) and "logits" not in calls
+        del group.call, group.call_rank
+    assert calls.count("decode_sample") >= 2 * (NEW - 1)
     assert not [c for c in calls if c not in ("forward", "decode_sample")], calls
+    # The prefill forwards' hidden states stayed on the ranks: rank 0 sampled the prompts' last rows
+    # where they were (`workers.rank_rows`), and no call brought rows or logits back.
+    assert rank0 and set(rank0) == {"sample_kept"}, rank0
     st = llm.stats()
     assert st["pool_free_pages"] == st["pool_total_pages"]
+
+
+def kept_rows_are_the_forwards(llm: LLM, one: LLM) -> None:
+    """A tp 2 forward's hidden states stay on the ranks (`workers.rank_rows.RankRows`): selected,
+    sliced and concatenated handles fetch the same rows as one process's forward; a handle used after
+    the next forward raises instead of reading that forward's rows."""
+    import torch
+
+    from models.batch import ForwardMode
+    from workers.model_runner import WorkItem
+    from workers.rank_rows import RankRows
+
+    prompt = PROMPTS[0]
+    hidden = {}
+    for name, m in (("tp2", llm), ("tp1", one)):
+        pages = m.pool.allocate_for_tokens(len(prompt))
+        try:
+            _, hidden[name] = m.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(prompt), 0, tuple(pages))])
+        finally:
+            m.pool.free(pages)
+    h, ref = hidden["tp2"], hidden["tp1"]
+    assert isinstance(h, RankRows) and h.shape == ref.shape
+    picked = torch.cat([h[3:7], h.index_select(0, torch.tensor([60, 1]))])
+    assert isinstance(picked, RankRows) and picked.shape[0] == 6
+    want = torch.cat([ref[3:7], ref[[60, 1]]])
+    torch.testing.assert_close(picked.materialize(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.nn.functional.rms_norm(h[:2], (h.shape[1],)),
+                               torch.nn.functional.rms_norm(ref[:2], (ref.shape[1],)), rtol=1e-4, atol=1e-4)
+    stale = h[:1]
+    pages = llm.pool.allocate_for_tokens(5)
+    try:
+        llm.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(prompt[:5]), 0, tuple(pages))])
+    finally:
+        llm.pool.free(pages)
+    with pytest.raises(RuntimeError, match="after the next forward"):  # on the driver: the ranks are fine
+        stale.materialize()
+    assert llm.groups[0].broken is None

@@ -1,0 +1,150 @@
+"""Hidden states that stay on the ranks of a tensor-parallel replica.
+
+A prefill forward of ``T`` tokens leaves its normed hidden states ``[T, hidden]`` on every rank (the
+same bytes everywhere after the all-reduces); the driver holds a `RankRows` handle to them instead of
+the tensor. The engine needs few of those rows: the last row of each finished prompt (sampled on rank
+0), the MTP layer's inputs (gathered by each rank from its own copy), a prompt's logprob rows (the
+head on rank 0). Before this, the whole ``[T, hidden]`` came to the driver: 470 MB through Ray's object
+store for an 8 x 4096 prefill at DeepSeek-V3.2 dims, which held tp 2 prefill at 0.23x tp 1
+(docs/perf.md, session 17).
+
+A handle is valid until the replica's next forward replaces what the ranks keep: a stale handle raises
+(`KeptRows.check`), it never reads another forward's rows. Any torch operation on a handle fetches its
+rows from rank 0 once (`RankRows.materialize`), so code written for tensors keeps working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.model_runner import DecodeStep, TokenPatch
+
+
+@dataclass(frozen=True)
+class KeptRows:
+    """Which rows of which forward's kept hidden states: what travels to the ranks.
+
+    forward: the replica's forward counter at the forward that made them; rows: int64 ``[n]`` (host),
+    or None for all of them."""
+
+    forward: int
+    rows: torch.Tensor | None
+
+    def take(self, forward: int, hidden: torch.Tensor) -> torch.Tensor:
+        """These rows of ``hidden``, the kept hidden states of forward number ``forward``."""
+        if forward != self.forward:
+            raise RuntimeError(f"rows of forward {self.forward} were asked for, but the ranks keep forward "
+                               f"{forward}'s hidden states (a handle used after the next forward)")
+        return hidden if self.rows is None else hidden.index_select(0, self.rows.to(hidden.device))
+
+
+class RankRows:
+    """Rows ``[n, hidden]`` of the hidden states a forward left on the ranks of ``group``.
+
+    ``index_select(0, ...)``, slicing and ``torch.cat`` of handles of one forward give handles (nothing
+    moves); `GroupModel` passes a handle's `KeptRows` to the ranks; any other use fetches the rows."""
+
+    def __init__(self, model, kept: KeptRows, num_rows: int, width: int, dtype: torch.dtype):
+        self._model, self._kept = model, kept  # model: the `workers.rank_group.GroupModel` that ran the forward
+        self.shape = torch.Size((num_rows, width))
+        self.dtype = dtype
+        self._host: torch.Tensor | None = None
+
+    device = torch.device("cpu")  # where the driver builds what goes with the rows (indices, sampling inputs)
+
+    @property
+    def kept(self) -> KeptRows:
+        """What to send to the ranks; raises here, on the driver, for a handle whose forward is no longer kept."""
+        if self._model.forwards != self._kept.forward:
+            raise RuntimeError(f"rows of forward {self._kept.forward} were asked for, but the ranks keep forward "
+                               f"{self._model.forwards}'s hidden states (a handle used after the next forward)")
+        return self._kept
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def dim(self) -> int:
+        return 2
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def _rows(self) -> torch.Tensor:
+        return torch.arange(self.shape[0]) if self._kept.rows is None else self._kept.rows
+
+    def _with_rows(self, rows: torch.Tensor) -> "RankRows":
+        return RankRows(self._model, KeptRows(self._kept.forward, rows), len(rows), self.shape[1], self.dtype)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> "RankRows":
+        if dim != 0:
+            raise ValueError("hidden states kept on the ranks are selected by row (dim 0)")
+        return self._with_rows(self._rows().index_select(0, index.cpu().long()))
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return self._with_rows(self._rows()[key])
+        return self.materialize()[key]
+
+    def materialize(self) -> torch.Tensor:
+        """The rows on the host (fetched from rank 0 once; later uses reuse them)."""
+        if self._host is None:
+            self._host = self._model.group.call_rank(0, "kept_rows", self.kept)
+        return self._host
+
+    def clone(self) -> torch.Tensor:
+        return self.materialize().clone()
+
+    def __getattr__(self, name: str):  # any other tensor method: on the fetched rows
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.cat and not kwargs.get("dim") and len(args) == 1:
+            parts = list(args[0])
+            if parts and all(isinstance(p, RankRows) for p in parts) \
+                    and len({(id(p._model), p._kept.forward) for p in parts}) == 1:
+                return parts[0]._with_rows(torch.cat([p._rows() for p in parts]))
+        return func(*_fetched(args), **_fetched(kwargs))
+
+
+def _fetched(value):
+    """``value`` with every `RankRows` in it (nested in lists, tuples, dicts) replaced by its rows."""
+    if isinstance(value, RankRows):
+        return value.materialize()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fetched(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _fetched(v) for k, v in value.items()}
+    return value
+
+
+@dataclass
+class RankHidden:
+    """The hidden states of a width-1 decode step that has not run yet: the engine only samples them
+    (`workers.engine.Engine._decode` / ``_launch``), so the step runs when they are sampled, in the
+    same call per rank (`RankWorker.decode_sample`), and the hidden states never leave rank 0's device.
+    Sampled exactly once."""
+
+    group: object  # workers.rank_group.RankGroup
+    step: DecodeStep
+    token_patch: TokenPatch | None
+    sampled: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        """Where the sampler's inputs are built (the driver's host; rank 0 moves them)."""
+        return torch.device("cpu")
+
+    def sample(self, meta, history):
+        if self.sampled:
+            raise RuntimeError("a RankHidden is sampled once: its decode step runs with the sampling")
+        self.sampled = True
+        patch = self.token_patch
+        if patch is not None:  # the tokens in flight: the previous step's sampled rows, on the host
+            patch = (list(patch[0]), patch[1].cpu())
+        return self.group.call("decode_sample", self.step, patch, meta, history)[0]

@@ -24,7 +24,11 @@ there and the driver holds a handle: rank 0 samples the rows the engine picks,
 each rank gathers the MTP layer's inputs from its own copy. A width-1 decode
 step (no MTP) is one call per rank that runs the step (through each rank's own
 decode graphs, all-reduces captured inside them) and samples on rank 0
-(`RankHidden`, `RankWorker.decode_sample`): only the sampled rows come back.
+(`RankHidden`, `RankWorker.decode_sample`): only the sampled rows come back,
+and the driver waits for them only when it reads them (`PendingSample`), so
+with overlap scheduling it prepares step n + 1 while the ranks run step n;
+step n + 1's input tokens go from rank 0's device to the others (a broadcast),
+not through the driver.
 An MTP verify's hidden states still come to the driver whole.
 """
 
@@ -122,8 +126,17 @@ class RankGroup:
 
     def call(self, method: str, *args) -> list:
         """``method(*args)`` on every rank; every rank's result, in rank order."""
+        return self.results(self.submit(method, *args))
+
+    def submit(self, method: str, *args) -> list:
+        """Start ``method(*args)`` on every rank without waiting (each rank runs its calls in the order
+        they were submitted); `results` waits for them."""
         self._check()
-        return self._wait([getattr(a, method).remote(*args) for a in self.actors])
+        return [getattr(a, method).remote(*args) for a in self.actors]
+
+    def results(self, refs: list) -> list:
+        """Every rank's result of a `submit`, in rank order."""
+        return self._wait(refs)
 
     def call_each(self, method: str, args: Sequence[tuple], return_exceptions: bool = False) -> list:
         """``method(*args[r])`` on rank r; with ``return_exceptions`` a rank's error is its result
@@ -171,6 +184,8 @@ class GroupModel:
         self.mtp = tuple(range(num_mtp))
         self.forwards = 0
         """Forwards run; the ranks keep the last one's hidden states (`workers.rank_rows.KeptRows`)."""
+        self.decode_samples = 0
+        """Decode steps sampled on rank 0; it keeps the last one's tokens (`workers.rank_rows.SampledTokens`)."""
 
     @property
     def num_cache_layers(self) -> int:
@@ -234,7 +249,7 @@ class GroupRunner(ModelRunner):
         """A width-1 step: a `RankHidden` (run when sampled, one call per rank); wider steps (an MTP
         verify): every rank runs it now and rank 0's hidden ``[R * width, hidden]`` comes back."""
         if step.width == 1:
-            return RankHidden(self.group, step, token_patch)
+            return RankHidden(self.model, step, token_patch)
         if token_patch is not None:
             token_patch = (list(token_patch[0]), token_patch[1].cpu())
         return self.group.call("decode", step, token_patch)[0]

@@ -1,4 +1,4 @@
-"""Hidden states that stay on the ranks of a tensor-parallel replica.
+"""Hidden states and sampled tokens that stay on the ranks of a tensor-parallel replica.
 
 A prefill forward of ``T`` tokens leaves its normed hidden states ``[T, hidden]`` on every rank (the
 same bytes everywhere after the all-reduces); the driver holds a `RankRows` handle to them instead of
@@ -123,6 +123,77 @@ def _fetched(value):
     return value
 
 
+@dataclass(frozen=True)
+class SampledTokens:
+    """Rows of the tokens rank 0 sampled in its decode step number ``call``: the input of the next step
+    for the requests whose token is still in flight (`workers.model_runner.TokenPatch`). The ranks take
+    them from rank 0's device (a broadcast), not from the driver, which has not read them yet.
+
+    rows: int64 ``[m]`` (host), rows of that step's sampled tokens."""
+
+    call: int
+    rows: torch.Tensor
+
+
+class _PendingTokens:
+    """``SampleOutput.tokens`` of a step in flight: only selected (`SampledTokens`), never read."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, call: int):
+        self.call = call
+
+    def index_select(self, dim: int, index: torch.Tensor) -> SampledTokens:
+        if dim != 0:
+            raise ValueError("sampled tokens are selected by row (dim 0)")
+        return SampledTokens(self.call, index.cpu().long())
+
+
+class PendingSample:
+    """The ``SampleOutput`` of a decode step the ranks are running (`RankHidden.sample`): ``tokens``
+    can be passed to the next step unread; ``packed()`` is read (``tolist()``, or any torch op) when
+    the engine reads the step back, and only then does the driver wait for the ranks."""
+
+    def __init__(self, group, refs: list, call: int):
+        self._group, self._refs = group, refs
+        self._out = None
+        self.tokens = _PendingTokens(call)
+
+    def result(self):
+        """Rank 0's ``SampleOutput`` (host), waiting for the ranks the first time."""
+        if self._out is None:
+            self._out = self._group.results(self._refs)[0]
+            self._refs = []
+        return self._out
+
+    def packed(self) -> "_PendingPacked":
+        return _PendingPacked(self)
+
+
+class _PendingPacked:
+    """``SampleOutput.packed()`` of a step in flight: fetched on first use."""
+
+    device = torch.device("cpu")  # the engine's read-back takes it as a host tensor (no device copy)
+
+    def __init__(self, sample: PendingSample):
+        self._sample = sample
+
+    def materialize(self) -> torch.Tensor:
+        return self._sample.result().packed()
+
+    def tolist(self) -> list:
+        return self.materialize().tolist()
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return func(*_fetched(args), **_fetched(kwargs or {}))
+
+
 @dataclass
 class RankHidden:
     """The hidden states of a width-1 decode step that has not run yet: the engine only samples them
@@ -130,9 +201,9 @@ class RankHidden:
     same call per rank (`RankWorker.decode_sample`), and the hidden states never leave rank 0's device.
     Sampled exactly once."""
 
-    group: object  # workers.rank_group.RankGroup
+    model: object  # workers.rank_group.GroupModel
     step: DecodeStep
-    token_patch: TokenPatch | None
+    token_patch: TokenPatch | None  # its tokens: host int64, or `SampledTokens` of the step in flight
     sampled: bool = False
 
     @property
@@ -140,11 +211,15 @@ class RankHidden:
         """Where the sampler's inputs are built (the driver's host; rank 0 moves them)."""
         return torch.device("cpu")
 
-    def sample(self, meta, history):
+    def sample(self, meta, history) -> PendingSample:
+        """Start the step and its sampling on every rank; the result is read when the engine reads it."""
         if self.sampled:
             raise RuntimeError("a RankHidden is sampled once: its decode step runs with the sampling")
         self.sampled = True
         patch = self.token_patch
-        if patch is not None:  # the tokens in flight: the previous step's sampled rows, on the host
+        if patch is not None and not isinstance(patch[1], SampledTokens):
             patch = (list(patch[0]), patch[1].cpu())
-        return self.group.call("decode_sample", self.step, patch, meta, history)[0]
+        self.model.decode_samples += 1
+        call = self.model.decode_samples
+        refs = self.model.group.submit("decode_sample", self.step, patch, meta, history, call)
+        return PendingSample(self.model.group, refs, call)

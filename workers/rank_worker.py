@@ -27,7 +27,7 @@ from models.parallel import TPContext
 from transfer import PushResult, ReceiveResult
 from workers.kv_link import KVLink
 from workers.rank_build import RankParts, RankSpec, build_rank
-from workers.rank_rows import KeptRows
+from workers.rank_rows import KeptRows, SampledTokens
 
 
 def move_to(obj, device: torch.device):
@@ -77,6 +77,7 @@ class RankWorker:
         # decode graphs' inputs (`DecodeInputs.assign`, by list identity) copy only new pages.
         self._tables: dict[str, list[int]] = {}
         self._kept: tuple[int, torch.Tensor] | None = None  # (forward number, its hidden states): `forward`
+        self._sampled: tuple[int, torch.Tensor] | None = None  # rank 0: (decode step number, its tokens)
 
     # ------------------------------------------------------------- set-up
     def rendezvous_address(self) -> str:
@@ -179,8 +180,25 @@ class RankWorker:
             kept[key] = mine
             tables.append(mine)
         self._tables = kept
-        patch = None if token_patch is None else (token_patch[0], token_patch[1].to(self.device))
+        patch = None
+        if token_patch is not None:
+            at, values = token_patch
+            patch = (at, self._sampled_rows(values) if isinstance(values, SampledTokens) else values.to(self.device))
         return dataclasses.replace(step, page_tables=tables), patch
+
+    def _sampled_rows(self, ref: SampledTokens) -> torch.Tensor:
+        """int64 ``[m]`` on this device: rows of the tokens rank 0 sampled in its step ``ref.call``,
+        broadcast from rank 0 (every rank runs this at the same point of the same call)."""
+        import torch.distributed as dist
+
+        values = torch.empty(len(ref.rows), dtype=torch.int64, device=self.device)
+        if self.rank == 0:
+            call, tokens = self._sampled if self._sampled is not None else (None, None)
+            if call != ref.call:
+                raise RuntimeError(f"tokens of decode step {ref.call} were asked for; rank 0 keeps step {call}'s")
+            values.copy_(tokens.index_select(0, ref.rows.to(self.device)))
+        dist.broadcast(values, src=0)
+        return values
 
     @torch.inference_mode()
     def decode(self, step, token_patch=None) -> torch.Tensor | None:
@@ -190,24 +208,32 @@ class RankWorker:
         return self._answer(self.parts.runner.decode(step, patch))
 
     @torch.inference_mode()
-    def decode_sample(self, step, token_patch, meta, history):
-        """One decode step and its sampling in one call (`GroupModel.sample_hidden` of a `RankHidden`): every
-        rank runs ``step``; rank 0 samples one token per request from the hidden it keeps on its device and
-        returns the ``SampleOutput`` (host); the others return None."""
+    def decode_sample(self, step, token_patch, meta, history, call: int):
+        """Decode step number ``call`` and its sampling in one call (`workers.rank_rows.RankHidden`): every
+        rank runs ``step`` (its patch's tokens: host values, or `SampledTokens` of rank 0's previous step);
+        rank 0 samples one token per request from the hidden it keeps on its device, keeps the tokens for
+        the next step and returns the ``SampleOutput`` (host); the others return None."""
         step, patch = self._step_here(step, token_patch)
         hidden = self.parts.runner.decode(step, patch)
-        return None if self.rank else self.sample_hidden(hidden, meta, history)
+        if self.rank:
+            return None
+        out = self._sample_here(hidden, meta, history)
+        self._sampled = (call, out.tokens)
+        return move_to(out, torch.device("cpu"))
 
     @torch.inference_mode()
     def sample_hidden(self, hidden: torch.Tensor, meta, history):
         """`workers.sample.sampler.sample_hidden` on this rank's GPU: the head over hidden ``[n, hidden]``
         and one token per row; returns the ``SampleOutput`` on the host (tokens, the chosen tokens'
         logprobs, the top-n asked for: ``[n, 2 + 2 top]`` numbers, not ``[n, vocab]`` logits)."""
+        return move_to(self._sample_here(hidden, meta, history), torch.device("cpu"))
+
+    def _sample_here(self, hidden: torch.Tensor, meta, history):
+        """The head and the sampler on this device; the ``SampleOutput`` stays here."""
         from workers.sample.sampler import sample
 
-        out = sample(self.model.logits(hidden.to(self.device)), move_to(meta, self.device),
-                     move_to(history, self.device))
-        return move_to(out, torch.device("cpu"))
+        return sample(self.model.logits(hidden.to(self.device)), move_to(meta, self.device),
+                      move_to(history, self.device))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

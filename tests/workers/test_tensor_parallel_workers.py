@@ -7,6 +7,7 @@ page pool (the driver's, and with PD both sides') returns to its start count.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -18,6 +19,7 @@ from tests.workers.prompts import random_prompt
 from workers.decode_graphs import default_graph_context
 from workers.group_link import group_agent_name, rank_agent_name
 from workers.offline import LLM
+from workers.rank_rows import SampledTokens
 
 # Chunks of 32 split the 70- and 100-token prompts: prefill pushes several chunks per rank.
 PROMPTS = [random_prompt(n, 300, 200 + n) for n in (70, 5, 100, 64)]
@@ -71,6 +73,7 @@ def test_tp2_monolithic_and_pd_equal_tp1(arch, mtp, ray_session, tmp_path):
         assert (st["mtp_drafted"] > 0) == (mtp > 0)
         decode_through_rank_graphs(mono, want, sampled, one.generate(PROMPTS, **sampled) if not mtp else None)
         kept_rows_are_the_forwards(mono, one)
+        a_dead_rank_fails_the_step(mono)
     finally:
         mono.shutdown()
 
@@ -92,8 +95,9 @@ def test_tp2_monolithic_and_pd_equal_tp1(arch, mtp, ray_session, tmp_path):
 def decode_through_rank_graphs(llm: LLM, want, sampled: dict, want_sampled) -> None:
     """Each rank's decode graphs (static buffers on CPU: the capture's own path without the capture)
     give the same greedy and seeded output as the eager steps, with one call per rank per decode step
-    (the step and rank 0's sampling together: `workers.rank_group.RankHidden`). With MTP drafts the
-    engine refuses them (a verify is wider than one token)."""
+    (the step and rank 0's sampling together: `workers.rank_rows.RankHidden`), with overlap scheduling
+    (step n + 1 starts before step n is read; its input tokens broadcast from rank 0) and without. With
+    MTP drafts the engine refuses them (a verify is wider than one token)."""
     max_context = default_graph_context(llm.cfg, llm.pool.num_pages)
     if len(llm.model.mtp) and llm.engine.k:
         with pytest.raises(ValueError, match="width-1 steps only"):
@@ -103,24 +107,32 @@ def decode_through_rank_graphs(llm: LLM, want, sampled: dict, want_sampled) -> N
     group = llm.groups[0]
     calls: list[str] = []
     rank0: list[str] = []
-    real_call, real_call_rank = group.call, group.call_rank
+    real_submit, real_call_rank = group.submit, group.call_rank
 
-    def counted(method, *args):  # the real fan-out, observed
+    def counted(method, *args):  # the real fan-out (every call to all ranks), observed
         calls.append(method)
-        return real_call(method, *args)
+        if method == "decode_sample" and args[1] is not None and isinstance(args[1][1], SampledTokens):
+            calls.append("tokens from rank 0")
+        return real_submit(method, *args)
 
     def counted_rank(rank, method, *args):
         rank0.append(method)
         return real_call_rank(rank, method, *args)
 
-    group.call, group.call_rank = counted, counted_rank
+    group.submit, group.call_rank = counted, counted_rank
     try:
         assert llm.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True) == want
         assert llm.generate(PROMPTS, **sampled) == want_sampled
+        # Overlap scheduling off: every step read back before the next (the tokens come from the host).
+        cfg = llm.engine.cfg
+        llm.engine.cfg = dataclasses.replace(cfg, overlap=False)
+        assert llm.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True) == want
     finally:
-        del group.call, group.call_rank
-    assert calls.count("decode_sample") >= 2 * (NEW - 1)
-    assert not [c for c in calls if c not in ("forward", "decode_sample")], calls
+        del group.submit, group.call_rank
+        llm.engine.cfg = cfg
+    assert calls.count("decode_sample") >= 3 * (NEW - 1)
+    assert calls.count("tokens from rank 0") >= NEW - 2  # overlapped steps fed from rank 0's device
+    assert not [c for c in calls if c not in ("forward", "decode_sample", "tokens from rank 0")], calls
     # The prefill forwards' hidden states stayed on the ranks: rank 0 sampled the prompts' last rows
     # where they were (`workers.rank_rows`), and no call brought rows or logits back.
     assert rank0 and set(rank0) == {"sample_kept"}, rank0
@@ -163,3 +175,18 @@ def kept_rows_are_the_forwards(llm: LLM, one: LLM) -> None:
     with pytest.raises(RuntimeError, match="after the next forward"):  # on the driver: the ranks are fine
         stale.materialize()
     assert llm.groups[0].broken is None
+
+
+def a_dead_rank_fails_the_step(llm: LLM) -> None:
+    """A rank that dies mid-generation fails the engine's step with `RankGroupFailed` as soon as the
+    driver reads a step (overlapped steps are read a step late), not a wait on the survivor stuck in
+    a collective; the group then refuses every later call."""
+    from workers.rank_group import RankGroupFailed
+
+    group = llm.groups[0]
+    ray.kill(group.actors[1])
+    with pytest.raises(RankGroupFailed):
+        llm.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+    assert group.broken is not None
+    with pytest.raises(RankGroupFailed, match="failed earlier"):
+        group.call("two_batch_forwards")

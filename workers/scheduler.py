@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from attention.formats import PAGE_SIZE, pages_for_tokens
+from attention.formats import PAGE_SIZE
 from workers.page_pool import PagePool, PoolExhausted
 from workers.request import FinishReason, Request, RequestState
 

@@ -46,7 +46,7 @@ from workers.group_link import GroupLink
 from workers.decode_graphs import DecodeGraphPlan
 from workers.model_runner import DecodeStep, ModelRunner, TokenPatch
 from workers.rank_build import RankSpec
-from workers.rank_rows import KeptRows, RankHidden, RankRows
+from workers.rank_rows import KeptRows, RankHidden, RankRows, host_patch
 from workers.rank_worker import RankWorker
 
 
@@ -250,9 +250,7 @@ class GroupRunner(ModelRunner):
         verify): every rank runs it now and rank 0's hidden ``[R * width, hidden]`` comes back."""
         if step.width == 1:
             return RankHidden(self.model, step, token_patch)
-        if token_patch is not None:
-            token_patch = (list(token_patch[0]), token_patch[1].cpu())
-        return self.group.call("decode", step, token_patch)[0]
+        return self.group.call("decode", step, host_patch(token_patch))[0]
 
 
 @dataclass(frozen=True)

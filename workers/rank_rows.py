@@ -40,7 +40,24 @@ class KeptRows:
         return hidden if self.rows is None else hidden.index_select(0, self.rows.to(hidden.device))
 
 
-class RankRows:
+class _FetchedOnUse:
+    """A value that lives on the ranks until used as a tensor: any tensor method or torch function
+    applied to it runs on `materialize()` (fetched once by the subclass)."""
+
+    def materialize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # never for the object's own (possibly unset) fields
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return func(*_fetched(args), **_fetched(kwargs or {}))
+
+
+class RankRows(_FetchedOnUse):
     """Rows ``[n, hidden]`` of the hidden states a forward left on the ranks of ``group``.
 
     ``index_select(0, ...)``, slicing and ``torch.cat`` of handles of one forward give handles (nothing
@@ -96,25 +113,20 @@ class RankRows:
     def clone(self) -> torch.Tensor:
         return self.materialize().clone()
 
-    def __getattr__(self, name: str):  # any other tensor method: on the fetched rows
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.materialize(), name)
-
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.cat and not kwargs.get("dim") and len(args) == 1:
+        if func is torch.cat and not kwargs.get("dim") and len(args) == 1:  # rows of one forward: a handle
             parts = list(args[0])
             if parts and all(isinstance(p, RankRows) for p in parts) \
                     and len({(id(p._model), p._kept.forward) for p in parts}) == 1:
                 return parts[0]._with_rows(torch.cat([p._rows() for p in parts]))
-        return func(*_fetched(args), **_fetched(kwargs))
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def _fetched(value):
     """``value`` with every `RankRows` in it (nested in lists, tuples, dicts) replaced by its rows."""
-    if isinstance(value, RankRows):
+    if isinstance(value, _FetchedOnUse):
         return value.materialize()
     if isinstance(value, (list, tuple)):
         return type(value)(_fetched(v) for v in value)
@@ -170,7 +182,7 @@ class PendingSample:
         return _PendingPacked(self)
 
 
-class _PendingPacked:
+class _PendingPacked(_FetchedOnUse):
     """``SampleOutput.packed()`` of a step in flight: fetched on first use."""
 
     device = torch.device("cpu")  # the engine's read-back takes it as a host tensor (no device copy)
@@ -184,14 +196,13 @@ class _PendingPacked:
     def tolist(self) -> list:
         return self.materialize().tolist()
 
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return getattr(self.materialize(), name)
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return func(*_fetched(args), **_fetched(kwargs or {}))
+def host_patch(patch: TokenPatch | None):
+    """A token patch as it travels to the ranks: its rows a list, its tokens on the host, or the
+    `SampledTokens` reference to rank 0's (those never leave the ranks)."""
+    if patch is None or isinstance(patch[1], SampledTokens):
+        return patch
+    return list(patch[0]), patch[1].cpu()
 
 
 @dataclass
@@ -216,9 +227,7 @@ class RankHidden:
         if self.sampled:
             raise RuntimeError("a RankHidden is sampled once: its decode step runs with the sampling")
         self.sampled = True
-        patch = self.token_patch
-        if patch is not None and not isinstance(patch[1], SampledTokens):
-            patch = (list(patch[0]), patch[1].cpu())
+        patch = host_patch(self.token_patch)
         self.model.decode_samples += 1
         call = self.model.decode_samples
         refs = self.model.group.submit("decode_sample", self.step, patch, meta, history, call)

@@ -1,10 +1,12 @@
 """Which row counts make the fp8 GEMMs compile a kernel after start-up's warm-up (GPU).
 
-The start-up warm-up (`workers/kernel_warmup.py`) prefills powers of two. A served run on the
+The start-up warm-up (`workers/kernel_warmup.py`) prefills powers of two and the row counts of
+`first_use_rows` (``--warm startup``, the default; ``--warm pow2``: powers of two alone, as in
+session 16). A served run on the
 H100 (docs/perf.md, session 16) stalled for seconds in its first batched requests on an fp8
 checkpoint and not on bf16: a kernel compiled on first use. This times, for the DeepSeek-V3.2
 projection shapes, the first and the second `models.ops.fp8_linear_cuda.linear` call at each row
-count M after every power of two from 16 to 8192 ran once: a first call far slower than the second
+count M after the warm-up's row counts ran once: a first call far slower than the second
 is a compile (DeepGEMM's JIT or a Triton specialization) that the warm-up did not cover.
 
     python -m bench.fp8_first_use [--json out.json]
@@ -21,7 +23,7 @@ import torch
 # (N, K) of the block-quantized projections of one DeepSeek-V3.2 layer: q_a, q_b, kv_a, o_proj,
 # indexer wq_b, shared/dense gate_up and down.
 SHAPES = [(1536, 7168), (24576, 1536), (576, 7168), (7168, 16384), (8192, 1536), (4096, 7168), (7168, 2048)]
-WARM = [16 << k for k in range(10)]  # 16 .. 8192, as the warm-up's prefill sizes
+POW2 = [16 << k for k in range(10)]  # 16 .. 8192: session 16's warm-up (powers of two only)
 PROBE = [1, 7, 17, 100, 129, 200, 255, 300, 1055, 1536, 3072, 5120, 6144, 7168, 8200]
 
 
@@ -38,7 +40,15 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json")
+    ap.add_argument("--warm", choices=("startup", "pow2"), default="startup",
+                    help="startup: the row counts start-up's warm-up prefills (`workers.kernel_warmup.warmup_sizes` "
+                         "for an 8192-token chunk); pow2: the powers of two alone (session 16)")
     args = ap.parse_args()
+    if args.warm == "startup":
+        from workers.kernel_warmup import warmup_sizes
+        warm = warmup_sizes(8192, 8192)
+    else:
+        warm = POW2
     dev = torch.device("cuda")
     weights = []
     for n, k in SHAPES:
@@ -46,7 +56,7 @@ def main() -> int:
         s = torch.rand((n + 127) // 128, (k + 127) // 128, device=dev) * 0.01 + 1e-3
         weights.append((w, s))
     rows = []
-    for phase, sizes in (("warm-up", WARM), ("probe", PROBE)):
+    for phase, sizes in (("warm-up", warm), ("probe", PROBE)):
         for m in sizes:
             first = second = 0.0
             for (w, s), (n, k) in zip(weights, SHAPES):
@@ -57,7 +67,7 @@ def main() -> int:
             print(f"{phase:8s} M={m:5d}  first {first * 1e3:9.1f} ms  second {second * 1e3:7.2f} ms")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"gpu": torch.cuda.get_device_name(), "shapes": SHAPES, "rows": rows}, fh, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "warm": warm, "shapes": SHAPES, "rows": rows}, fh, indent=1)
     return 0
 
 

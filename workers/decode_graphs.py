@@ -39,6 +39,7 @@ import torch
 
 from attention.formats import PAGE_SIZE, pages_for_tokens
 from models.batch import ForwardBatch, ForwardMode
+from workers.host_copy import to_device
 
 
 def graph_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
@@ -77,16 +78,6 @@ def default_graph_context(cfg, num_pages: int) -> int:
     """The longest context a captured decode step serves by default: what the
     pool could hold for one request, capped by the model's position limit."""
     return max(PAGE_SIZE, min(num_pages * PAGE_SIZE, int(cfg.max_position_embeddings)))
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without waiting for the device: on CUDA through pinned memory,
-    non-blocking (the caching host allocator keeps the pinned block until the copy ran). A blocking
-    copy waits for every kernel queued before it, so the host could not queue the next forward
-    while the device runs this one."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def patch_tokens(tokens: torch.Tensor, width: int, at: torch.Tensor, values: torch.Tensor) -> None:
@@ -248,7 +239,7 @@ class DecodeInputs:
             self._release(key, dirty)
         if dirty:
             rows = torch.tensor(sorted(dirty), dtype=torch.int64)
-            self.page_tables[rows.to(self.device)] = self._host_tables[rows].to(self.device)
+            self.page_tables[to_device(rows, self.device)] = to_device(self._host_tables[rows], self.device)
 
     def write_step(self, rows: list[int], tokens: list[int], seq_lens: list[int]) -> None:
         """This step's new tokens (``len(rows) * width`` ints, by request) and

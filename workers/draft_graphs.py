@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.decode_graphs import DecodeGraphs, to_device
+from workers.decode_graphs import DecodeGraphs
+from workers.host_copy import to_device
 from workers.mtp_draft import (
     DraftSampler,
     Drafts,

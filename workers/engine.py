@@ -23,6 +23,7 @@ import torch
 
 from attention.formats import pages_for_tokens
 from models.batch import ForwardMode
+from workers.host_copy import tensor_on
 from workers.model_runner import DecodeStep, ModelRunner, WorkItem
 from workers.mtp import check_topk_reuse
 from workers.mtp_draft import FixedWidthDrafter
@@ -309,9 +310,9 @@ class Engine:
         patch = None
         if any(pending):
             at = [i for i, p in enumerate(pending) if p]
-            src = torch.tensor([prev.index[reqs[i].request_id] for i in at], dtype=torch.int64)
             tokens = prev.sampled.tokens
-            patch = (at, tokens.index_select(0, src.to(tokens.device)))
+            src = tensor_on([prev.index[reqs[i].request_id] for i in at], torch.int64, tokens.device)
+            patch = (at, tokens.index_select(0, src))
         hidden = self.runner.decode(step, token_patch=patch)
         self.stats.decode_tokens += len(reqs)
         for r, n in zip(reqs, step.seq_lens):
@@ -505,7 +506,7 @@ class Engine:
         fresh = [(req, row) for req, row in finishing if not req.output]
         if not fresh:
             return sites
-        rows = torch.tensor([row for _, row in fresh], device=hidden.device)
+        rows = tensor_on([row for _, row in fresh], torch.int64, hidden.device)
         return sites + [self._sample([req for req, _ in fresh], hidden.index_select(0, rows), grammar=masks)]
 
     def _decode(self, reqs: list[Request]) -> _Sampled:
@@ -533,7 +534,7 @@ class Engine:
                           [r.page_table for r in reqs], n)
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if constrained:  # their masks walk the drafts on the host: those rows' drafts come back
-            index = torch.tensor(constrained, dtype=torch.int64).to(drafts.tokens.device)
+            index = tensor_on(constrained, torch.int64, drafts.tokens.device)
             for i, ds in zip(constrained, drafts.tokens.index_select(0, index).tolist()):
                 reqs[i].drafts = ds
         masks = self._grammar_masks(reqs, drafts=True)  # the k + 1 positions' masks, while the forward runs

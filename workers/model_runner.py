@@ -10,7 +10,8 @@ from attention.cache import PagedKVCache
 from attention.formats import PAGE_SIZE
 from models.batch import ForwardBatch, ForwardMode, slots_for_positions
 from models.model import DsaForCausalLM
-from workers.decode_graphs import DecodeGraphPlan, DecodeGraphs, patch_tokens, to_device
+from workers.decode_graphs import DecodeGraphPlan, DecodeGraphs, patch_tokens
+from workers.host_copy import to_device
 from workers.page_tables import frozen_pages
 
 
@@ -147,12 +148,12 @@ class ModelRunner:
         dev = self.device
         return ForwardBatch(
             mode=mode,
-            input_ids=hb.token_ids.to(dev),
-            positions=hb.positions.to(dev),
-            out_slots=hb.out_slots.to(dev),
-            page_tables=hb.page_tables.to(dev),
-            seq_lens=hb.seq_lens.to(dev),
-            q_lens=hb.q_lens.to(dev),
+            input_ids=to_device(hb.token_ids, dev),
+            positions=to_device(hb.positions, dev),
+            out_slots=to_device(hb.out_slots, dev),
+            page_tables=to_device(hb.page_tables, dev),
+            seq_lens=to_device(hb.seq_lens, dev),
+            q_lens=to_device(hb.q_lens, dev),
             max_seq_len=max(it.end for it in items),
         )
 

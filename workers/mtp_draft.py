@@ -36,7 +36,7 @@ import torch
 
 from attention.formats import PAGE_SIZE
 from models.batch import ForwardBatch, ForwardMode
-from workers.decode_graphs import to_device
+from workers.host_copy import to_device
 from workers.model_runner import ModelRunner, WorkItem
 from workers.mtp import draft_slot_layout
 from workers.request import Request

@@ -17,6 +17,7 @@ import torch
 from attention.formats import PAGE_SIZE, pages_for_tokens
 from models.batch import ForwardMode
 from transfer import PushStatus
+from workers.host_copy import tensor_on
 from workers.kv_link import KVLink
 from workers.model_runner import ModelRunner, WorkItem
 from workers.page_pool import PagePool
@@ -233,7 +234,7 @@ class PrefillWorker:
                 finishing.append(a)
                 rows.append(s1 - 1)
         if finishing:
-            self._sample_first(finishing, hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
+            self._sample_first(finishing, hidden.index_select(0, tensor_on(rows, torch.int64, hidden.device)))
         # A chunk's pages are final in every layer, the MTP layer's included. After a read-back they
         # are written: a fence (a CUDA event the pusher polls) would only delay the WRITE of a prompt's
         # last chunk, the one its first token waits for (docs/perf.md, session 8).
@@ -298,7 +299,7 @@ class PrefillWorker:
         if not rows:
             return None
         bitmask = torch.cat([finishing[i].first_mask.wait(device).bitmask for i in rows])
-        return GrammarMask(torch.tensor(rows, dtype=torch.int64).to(device), bitmask)
+        return GrammarMask(tensor_on(rows, torch.int64, device), bitmask)
 
     def _run_mtp(self, chosen, ranges, hidden: torch.Tensor) -> None:
         """The MTP layer's cache for this round's positions whose next token is in the prompt

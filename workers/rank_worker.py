@@ -25,6 +25,7 @@ import torch
 from attention.cache import PagedKVCache
 from models.parallel import TPContext
 from transfer import PushResult, ReceiveResult
+from workers.host_copy import to_device
 from workers.kv_link import KVLink
 from workers.rank_build import RankParts, RankSpec, build_rank
 from workers.rank_rows import KeptRows, SampledTokens
@@ -41,12 +42,12 @@ def move_to(obj, device: torch.device):
     if obj is None:
         return None
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return to_device(obj, device)
     if dataclasses.is_dataclass(obj):
         return dataclasses.replace(obj, **{f.name: _moved(getattr(obj, f.name), device)
                                            for f in dataclasses.fields(obj) if f.init})
     if hasattr(obj, "slots") and hasattr(obj, "positions"):  # models.indexer.SelectedTokens
-        return type(obj)(obj.slots.to(device), obj.positions.to(device))
+        return type(obj)(to_device(obj.slots, device), to_device(obj.positions, device))
     raise TypeError(f"cannot move a {type(obj).__name__} to {device}")
 
 
@@ -151,7 +152,7 @@ class RankWorker:
         MTP hidden ``[T, hidden]``, selection) on the host (only ``rows`` of them when given), others
         None. ``draft=False`` (a prompt's prefill: only the cache pages are wanted): no head, and None
         from every rank."""
-        prev = self._kept_rows(prev_hidden) if isinstance(prev_hidden, KeptRows) else prev_hidden.to(self.device)
+        prev = self._kept_rows(prev_hidden) if isinstance(prev_hidden, KeptRows) else to_device(prev_hidden, self.device)
         logits, hidden, selected = self.model.mtp_forward(
             move_to(batch, self.device), prev, self.cache, self.backend, depth,
             move_to(reuse, self.device), draft, move_to(rows, self.device))
@@ -183,7 +184,7 @@ class RankWorker:
         patch = None
         if token_patch is not None:
             at, values = token_patch
-            patch = (at, self._sampled_rows(values) if isinstance(values, SampledTokens) else values.to(self.device))
+            patch = (at, self._sampled_rows(values) if isinstance(values, SampledTokens) else to_device(values, self.device))
         return dataclasses.replace(step, page_tables=tables), patch
 
     def _sampled_rows(self, ref: SampledTokens) -> torch.Tensor:
@@ -196,7 +197,7 @@ class RankWorker:
             call, tokens = self._sampled if self._sampled is not None else (None, None)
             if call != ref.call:
                 raise RuntimeError(f"tokens of decode step {ref.call} were asked for; rank 0 keeps step {call}'s")
-            values.copy_(tokens.index_select(0, ref.rows.to(self.device)))
+            values.copy_(tokens.index_select(0, to_device(ref.rows, self.device)))
         dist.broadcast(values, src=0)
         return values
 
@@ -232,7 +233,7 @@ class RankWorker:
         """The head and the sampler on this device; the ``SampleOutput`` stays here."""
         from workers.sample.sampler import sample
 
-        return sample(self.model.logits(hidden.to(self.device)), move_to(meta, self.device),
+        return sample(self.model.logits(to_device(hidden, self.device)), move_to(meta, self.device),
                       move_to(history, self.device))
 
     @torch.inference_mode()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.host_copy import tensor_on, to_device
 from workers.sample.ops.grammar_mask import GrammarMask
 from workers.sample.ops.logit_bias import UNTIL_ALWAYS, LogitBias
 from workers.sample.ops.penalties import token_counts
@@ -128,22 +129,22 @@ class SamplingMetadata:
                     raise ValueError(f"row {i} samples (temperature {p.temperature}) but has no seed")
                 floats.append((p.temperature, p.top_p, p.min_p))
                 ints.append((p.top_k, to_int64(s), offsets[i]))
-            f = torch.tensor(floats, dtype=torch.float32).to(device)
-            t = torch.tensor(ints, dtype=torch.int64).to(device)
+            f = tensor_on(floats, torch.float32, device)
+            t = tensor_on(ints, torch.int64, device)
             sorts = [params[i].top_k > 0 or params[i].top_p < 1.0 for i in drawing]
             mixed = None
             if any(sorts) and not all(sorts):
-                mixed = tuple(torch.tensor([j for j, x in enumerate(sorts) if x == want], dtype=torch.int64).to(device)
+                mixed = tuple(tensor_on([j for j, x in enumerate(sorts) if x == want], torch.int64, device)
                               for want in (True, False))
             rows = RowParams(f[:, 0], t[:, 0], f[:, 1], f[:, 2], truncate=any(sorts),
                              use_min_p=any(params[i].min_p > 0 for i in drawing), mixed=mixed)
             seed, offset = t[:, 1], t[:, 2]
             if len(drawing) < n:
-                sampled_rows = torch.tensor(drawing, dtype=torch.int64).to(device)
+                sampled_rows = tensor_on(drawing, torch.int64, device)
         penalties = None
         if any(p.uses_penalties for p in params):
-            pen = torch.tensor([(p.presence_penalty, p.frequency_penalty, p.repetition_penalty) for p in params],
-                               dtype=torch.float32).to(device)
+            pen = tensor_on([(p.presence_penalty, p.frequency_penalty, p.repetition_penalty) for p in params],
+                            torch.float32, device)
             penalties = Penalties(pen[:, 0], pen[:, 1], pen[:, 2])
         bias = None
         if any(p.adjusts_logits for p in params):
@@ -170,8 +171,8 @@ def _logit_bias(params: Sequence[SamplingParams], num_output: Sequence[int], eos
                 values.append(float("-inf"))
     if not ints:
         return None
-    t = torch.tensor(ints, dtype=torch.int64).to(device)
-    return LogitBias(t[:, 0], t[:, 1], torch.tensor(values, dtype=torch.float32).to(device), t[:, 2])
+    t = tensor_on(ints, torch.int64, device)
+    return LogitBias(t[:, 0], t[:, 1], tensor_on(values, torch.float32, device), t[:, 2])
 
 
 @dataclass
@@ -190,7 +191,7 @@ class TokenHistory:
               outputs: Sequence[torch.Tensor | Sequence[int] | None], device: torch.device | str) -> "TokenHistory":
         """Pad each row on the host (None = no tokens) and copy once per tensor.
         A row given as an int64 CPU tensor (a cached prompt) is copied without a Python loop."""
-        return cls(_padded(prompts).to(device), _padded(outputs).to(device))
+        return cls(to_device(_padded(prompts), device), to_device(_padded(outputs), device))
 
     def counts(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(fp32 ``[R, vocab]`` generated-token counts, bool ``[R, vocab]`` seen in prompt or output)."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.host_copy import tensor_on, to_device
 from workers.sample.output import SampleOutput
 
 LOGITS_BUDGET = 1 << 24
@@ -123,12 +124,12 @@ class PromptRows:
         time (default: `LOGITS_BUDGET` // vocab_size)."""
         n_top = max(s.n_top for s, _ in self.owners)
         block = rows_per_block or max(1, LOGITS_BUDGET // vocab_size)
-        idx = torch.tensor(self.rows, dtype=torch.int64, device=hidden.device)
+        idx = tensor_on(self.rows, torch.int64, hidden.device)
         targets = torch.tensor(self.targets, dtype=torch.int64)
         out = []
         for at in range(0, len(self.rows), block):
             logits = logits_fn(hidden.index_select(0, idx[at:at + block]))
-            tgt = targets[at:at + block].to(logits.device)
+            tgt = to_device(targets[at:at + block], logits.device)
             lse = torch.logsumexp(logits, dim=-1)
             cols = [tgt.float()[:, None], (logits.gather(1, tgt[:, None]).squeeze(1) - lse)[:, None]]
             if n_top:

@@ -7,6 +7,7 @@ from concurrent.futures import Future
 
 import torch
 
+from workers.host_copy import tensor_on
 from workers.sample.ops.grammar_mask import GrammarMask
 
 
@@ -55,5 +56,5 @@ class MaskJob:
         bitmask = host.view(self.n, self.width, words) if self.width > 1 else host
         device = torch.device(device)
         # Pinned host memory copies asynchronously; the sampler's kernels are queued after it.
-        return GrammarMask(torch.tensor(self.rows, dtype=torch.int64).to(device),
+        return GrammarMask(tensor_on(self.rows, torch.int64, device),
                            bitmask.to(device, non_blocking=host.is_pinned()))

@@ -33,15 +33,20 @@ class LogitBias:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Biased fp32 logits (a new tensor): ``[R, V]`` (position 0 of each row) or
-        ``[R, W, V]`` (positions 0..W-1 of each row)."""
+        ``[R, W, V]`` (positions 0..W-1 of each row).
+
+        Entries past their ``until`` add 0 instead of being filtered out: a boolean-mask
+        selection has a data-dependent size and so reads the mask back, which stalls the host
+        on the decode step in flight (`workers.host_copy`)."""
         if logits.dim() == 2:
-            keep = self.until > 0
-            return logits.index_put((self.rows[keep], self.cols[keep]), self.values[keep], accumulate=True)
+            values = torch.where(self.until > 0, self.values, 0.0)
+            return logits.index_put((self.rows, self.cols), values, accumulate=True)
         r, w, v = logits.shape
         pos = torch.arange(w, device=logits.device)
         keep = self.until[:, None] > pos[None, :]  # [N, W]
-        rows = (self.rows[:, None] * w + pos[None, :])[keep]
-        cols = self.cols[:, None].expand(-1, w)[keep]
-        values = self.values[:, None].expand(-1, w)[keep]
-        flat = logits.reshape(r * w, v).index_put((rows, cols), values, accumulate=True)
+        rows = self.rows[:, None] * w + pos[None, :]
+        cols = self.cols[:, None].expand(-1, w)
+        values = torch.where(keep, self.values[:, None], 0.0)
+        flat = logits.reshape(r * w, v).index_put((rows.reshape(-1), cols.reshape(-1)), values.reshape(-1),
+                                                  accumulate=True)
         return flat.view(r, w, v)

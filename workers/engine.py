@@ -232,15 +232,19 @@ class Engine:
         what is in flight.
         """
         outs: dict[str, RequestOutput] = {}
-        if self._inflight is not None and not self._can_overlap():
+        # Decided once, before scheduling: when it holds, `schedule` finds the pages it counted free,
+        # so it admits nothing, prefills nothing and preempts nobody (the checks below are guards).
+        overlap = self._can_overlap()
+        if self._inflight is not None and not overlap:
             self._drain(self._inflight, outs)
         sched = self.scheduler.schedule()
         self.stats.steps += 1
         self.stats.preemptions += len(sched.preempted)
         decode = [r for r in sched.decode if not r.finished]
         # A request whose last token is already in flight needs no further step.
-        ahead = [r for r in decode if len(r.output) + self._pending(r) < r.params.max_new_tokens]
-        if self._can_overlap() and ahead and not sched.prefill and not sched.preempted:
+        flying = self._inflight.index if self._inflight is not None else {}
+        ahead = [r for r in decode if len(r.output) + (r.request_id in flying) < r.params.max_new_tokens]
+        if overlap and ahead and not sched.prefill and not sched.preempted:
             prev, self._inflight = self._inflight, self._launch(ahead, outs)
             if prev is not None and not prev.read:
                 self._drain(prev, outs)
@@ -282,12 +286,15 @@ class Engine:
             return False
         need = 0
         for r in s.running:
+            p = r.params
             # A min_tokens block depends on the count of tokens generated, which lags by the one in flight.
-            if r.params.uses_penalties or len(r.output) < r.params.min_tokens:
+            if p.uses_penalties or len(r.output) < p.min_tokens:
                 return False
             # What `schedule` grows each request to: the launch writes position num_tokens - 1
             # + pending (its token in flight), within tokens_to_hold(num_tokens).
-            need += max(0, pages_for_tokens(tokens_to_hold(r.num_tokens, 0)) - len(r.page_table))
+            short = pages_for_tokens(tokens_to_hold(len(r.prompt) + len(r.output), 0)) - len(r.page_table)
+            if short > 0:
+                need += short
         return need <= self.pool.free_count
 
     def _pending(self, req: Request) -> int:
@@ -304,7 +311,8 @@ class Engine:
         this step's sampling waits for them. Rows that end at that read-back are computed and
         dropped, as an unconstrained row that stops is."""
         prev = self._inflight
-        pending = [self._pending(r) for r in reqs]
+        flying = prev.index if prev is not None else {}
+        pending = [int(r.request_id in flying) for r in reqs]
         step = DecodeStep([r.request_id for r in reqs], [0 if p else r.last_token for r, p in zip(reqs, pending)],
                           [r.num_tokens + p for r, p in zip(reqs, pending)], [r.page_table for r in reqs], 1)
         patch = None

@@ -149,15 +149,16 @@ class Scheduler:
         out = Schedule()
         k = self.cfg.mtp_draft_tokens
         # 1. Pages for running requests, oldest first; preempt the newest on shortage.
-        for req in sorted(self.running, key=lambda r: r.arrival):
-            if req not in self.running:
-                continue
+        order = sorted(self.running, key=lambda r: r.arrival)
+        for req in order:
+            if req.state is not RequestState.RUNNING:
+                continue  # preempted for an older request just now
             while not self._grow(req, tokens_to_hold(req.num_tokens, k)):
                 victim = max(self.running, key=lambda r: r.arrival)
                 self._preempt(victim, out)
                 if victim is req:
                     break
-        out.decode = sorted(self.running, key=lambda r: r.arrival)[: self.cfg.max_batch_size]
+        out.decode = [r for r in order if r.state is RequestState.RUNNING][: self.cfg.max_batch_size]
 
         # 2. Prefill chunks within the token budget.
         budget = self.cfg.chunk_size

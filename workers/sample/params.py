@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from workers.structured.spec import GrammarSpec
 
@@ -108,9 +109,10 @@ class SamplingParams:
         1e-300 makes them +-inf, and a draw over NaN probabilities picked token 0."""
         return self.temperature < GREEDY_BELOW
 
-    @property
+    @cached_property
     def uses_penalties(self) -> bool:
-        """Any of the three penalties is on (the sampler then needs the token history)."""
+        """Any of the three penalties is on (the sampler then needs the token history). Cached: the
+        engine asks for every running request every step."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property

@@ -103,6 +103,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Streams ``[n, hc * hidden]`` (`forward`'s rows) -> fp32 logits ``[n, vocab]``."""
         return self.head(self.final_hidden(hidden)).float()
 
+    def mtp_logits(self, streams: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """MTP layer ``depth``'s output streams ``[n, hc * hidden]`` -> fp32 draft logits ``[n, vocab]``
+        (its own ``hc_head`` and ``norm``, then the shared ``head``)."""
+        return self.head(self.mtp[depth].collapse(streams)).float()
+
     def mtp_forward(self, batch: V4Batch, prev_hidden: torch.Tensor, cache, backend=None, depth: int = 0,
                     reuse=None, draft: bool = True, rows: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor | None, torch.Tensor, None]:

@@ -103,5 +103,5 @@ def paged_mtp_forward(model, batch: V4Batch, prev_hidden: torch.Tensor, cache, d
         store_mtp_state(model, cache, pages, st, start, depth)
     if rows is not None:
         x = x.index_select(0, rows.to(x.device))
-    logits = model.head(model.mtp[depth].collapse(x)).float() if draft else None
+    logits = model.mtp_logits(x, depth) if draft else None
     return logits, x

@@ -78,13 +78,11 @@ def test_greedy_mtp_on_the_made_tiny_checkpoint(tiny_v4, prompts):
     assert llm.stats()["mtp_drafted"] > 0 and len(llm.model.mtp) == 1
 
 
-def test_drafts_are_the_mtp_layers(tiny_v4, monkeypatch):
-    """The first verify's draft logits are the standalone MTP layer's: its entries over the prompt with the
-    tokens after each position (the last: token 1), then chained steps at the next positions (rotated there).
-    On the random checkpoint (the friendly one's MTP block outputs nothing, so positions would not show)."""
+def _record_draft_logits(monkeypatch) -> list[torch.Tensor]:
+    """The logits every draft step of a V4 drafter made from now on samples from (in order)."""
     import workers.v4_mtp_draft as v4_draft
 
-    logits = []
+    logits: list[torch.Tensor] = []
 
     class Recording(v4_draft.DraftSampler):
         def __call__(self, x):
@@ -92,6 +90,14 @@ def test_drafts_are_the_mtp_layers(tiny_v4, monkeypatch):
             return super().__call__(x)
 
     monkeypatch.setattr(v4_draft, "DraftSampler", Recording)
+    return logits
+
+
+def test_drafts_are_the_mtp_layers(tiny_v4, monkeypatch):
+    """The first verify's draft logits are the standalone MTP layer's: its entries over the prompt with the
+    tokens after each position (the last: token 1), then chained steps at the next positions (rotated there).
+    On the random checkpoint (the friendly one's MTP block outputs nothing, so positions would not show)."""
+    logits = _record_draft_logits(monkeypatch)
     k, p = 3, random_prompt(23, 300, 23)
     llm = LLM(tiny_v4, num_pages=8, chunk_size=16, mtp_draft_tokens=k)
     t1 = llm.generate([p], max_new_tokens=2, ignore_eos=True)[0][0]
@@ -151,15 +157,22 @@ def test_draft_writes_where_the_draft_layout_says(friendly, prompts):
     assert len(calls) > 5 and max(calls) >= 3  # batched drafts of several requests
 
 
-def test_pd_with_mtp_equals_monolithic(friendly, prompts, baseline):
+def test_pd_with_mtp_equals_monolithic(friendly, tiny_v4, prompts, baseline, monkeypatch):
     """Prefill writes the MTP layer's keys of the prompt (all but its last position) and pushes them with the
-    swa pages; decode's first draft writes the last one."""
+    swa pages; decode's first draft writes the last one. Greedy output is the same, and so are the drafts'
+    logits (on the random checkpoint, whose MTP block attends: keys not pushed would change them)."""
     llm = LLM(friendly, num_pages=8, chunk_size=16, mtp_draft_tokens=2, pd=True)
     _same(_greedy(llm, prompts), baseline)
-    st = llm.stats()
-    assert set(st["mtp_accepted_histogram"]) == {0, 1, 2}
+    assert set(llm.stats()["mtp_accepted_histogram"]) == {0, 1, 2}
     for pools in (llm.pd.prefill.pool, llm.pd.decode.pool):
         assert {g: p.free_count for g, p in pools.pools.items()} == {g: p.num_pages for g, p in pools.pools.items()}
+    runs = []
+    for pd in (False, True):
+        logits = _record_draft_logits(monkeypatch)
+        LLM(tiny_v4, num_pages=8, chunk_size=16, mtp_draft_tokens=2, pd=pd).generate(prompts[2:3], max_new_tokens=8,
+                                                                                    ignore_eos=True)
+        runs.append(torch.cat(logits))
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=1e-4)
 
 
 def test_fp8_caches_with_mtp(friendly, prompts):

@@ -80,7 +80,8 @@ class V4ModelRunner:
             at, values = token_patch
             patch_tokens(batch.input_ids, len(items[0].token_ids), to_device(torch.tensor(at, dtype=torch.int64),
                                                                              self.device), values)
-        states = [load_state(self.model, self.cache, pages, start) for pages, start in zip(batch.page_tables, batch.starts)]
+        states = [load_state(self.model, self.cache, pages, start)
+                  for pages, start in zip(batch.page_tables, batch.starts)]
         hidden = self.model(batch.input_ids, list(batch.q_lens), states)
         for pages, start, st in zip(batch.page_tables, batch.starts, states):
             store_state(self.model, self.cache, pages, st, start)

@@ -58,7 +58,8 @@ class V4Batch:
         return out
 
 
-def sequence_positions(q_lens: Sequence[int], seq_lens: Sequence[int], device) -> tuple[list[tuple[int, int]], torch.Tensor]:
+def sequence_positions(q_lens: Sequence[int], seq_lens: Sequence[int], device
+                       ) -> tuple[list[tuple[int, int]], torch.Tensor]:
     """Token ranges of each sequence in a forward over ``q_lens[r]`` new tokens of sequences that hold
     ``seq_lens[r]`` already, and the positions int64 ``[sum(q_lens)]`` of those tokens."""
     ranges, pos = [], []

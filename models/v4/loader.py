@@ -96,7 +96,8 @@ def load_v4_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, dev
                             read_dtype=torch.float32, tie_word_embeddings=cfg.tie_word_embeddings,
                             tied=("head.weight", "embed.weight"))
     except ValueError as e:
-        if len(model.mtp) and "mtp." in str(e):
+        missing = str(e).partition("lacks weights for:")[2]
+        if len(model.mtp) and "mtp." in missing:
             raise ValueError(f"{e} (config.json declares num_nextn_predict_layers "
                              f"{cfg.num_nextn_predict_layers}: the MTP layer's mtp.N.* tensors must be in the "
                              "checkpoint, or load it with with_mtp=False)") from e

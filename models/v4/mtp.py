@@ -96,7 +96,8 @@ def paged_mtp_forward(model, batch: V4Batch, prev_hidden: torch.Tensor, cache, d
     layer ``num_hidden_layers + depth``): loaded before, what the step added written after. Returns
     (fp32 draft logits ``[T, vocab]``, or None without ``draft``; output streams ``[T, hc * D]``), only the
     ``rows`` (int64 ``[n]``) of both when given (every row still writes its cache entry)."""
-    states = [load_mtp_state(model, cache, pages, start, depth) for pages, start in zip(batch.page_tables, batch.starts)]
+    states = [load_mtp_state(model, cache, pages, start, depth)
+              for pages, start in zip(batch.page_tables, batch.starts)]
     x = mtp_step(model, depth, batch.input_ids, prev_hidden, list(batch.q_lens), states)
     for pages, start, st in zip(batch.page_tables, batch.starts, states):
         store_mtp_state(model, cache, pages, st, start, depth)

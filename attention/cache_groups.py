@@ -9,8 +9,9 @@ shared by a set of layers, with one page geometry:
 * ``compressed``: one entry per ``ratio`` source tokens (V4's c4 / c128 caches);
 * ``indexer``: the lightning indexer's keys over a compressed cache (same ratio);
 * ``state``: per-sequence compressor state, the raw projections of the last
-  ``tokens_per_page`` source tokens (the partially filled compressed block,
-  and for overlapping windows the block before it): one page per sequence.
+  source tokens (the partially filled compressed block, for overlapping
+  windows the block before it, and a few positions of slack) in a ring of
+  ``tokens_per_page`` slots keyed by position: one page per sequence.
 
 A group's positions (tokens, entries or state slots) are addressed like every
 paged cache: ``page * tokens_per_page + offset``.

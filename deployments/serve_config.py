@@ -151,12 +151,13 @@ def _v4_summary(app_cfg, m: V4Config, plan) -> list[str]:
     kinds = {k: m.layer_types.count(k) for k in dict.fromkeys(m.layer_types)}
     lines = [f"model {app_cfg.model_name!r}: {m.arch}, {m.num_hidden_layers} layers "
              f"({', '.join(f'{n} {k}' for k, n in kinds.items())}), window {m.sliding_window}, compress rates "
-             f"{dict(m.compress_rates)}, {m.num_attention_heads} heads, no MTP drafts (not built)"]
+             f"{dict(m.compress_rates)}, {m.num_attention_heads} heads, {m.num_nextn_predict_layers} MTP "
+             "(sliding-window block)"]
     for role in app_cfg.roles:
         role_cfg, place = app_cfg.for_role(role), plan.for_role(role)
         lo, hi = place.replica_range
         lines.append(f"{role}: {lo if lo == hi else f'{lo}-{hi}'} replica(s), {role_cfg.backend}/{role_cfg.device}/"
-                     f"{role_cfg.dtype}, kv {role_cfg.kv_cache_dtype}")
+                     f"{role_cfg.dtype}, kv {role_cfg.kv_cache_dtype}, MTP drafts {role_cfg.mtp_draft_tokens}")
         lines.append(f"  {v4_summary(role_cfg, m)}")
         lines.append("  prefix cache: not built for DeepSeek-V4 (its compressor state is per sequence)")
     return lines

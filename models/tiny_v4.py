@@ -11,8 +11,13 @@ entry count, so the indexer really selects.
 
 The tokenizer is ``models.tiny``'s byte-level one (vocab 320, ``<|eos|>`` 257);
 lm_head rows other than printable ASCII and ``<|eos|>`` are damped, as there,
-so greedy text is readable. The MTP layer is not written
-(``num_nextn_predict_layers`` 0): ``models.v4`` does not build it yet.
+so greedy text is readable. One MTP layer (``num_nextn_predict_layers`` 1,
+``models.v4.mtp``) is written under DeepSeek's names (``mtp.0.*``) in a second
+shard, with ``model.safetensors.index.json`` over both, as ``models.tiny`` does
+for V3.2: transformers has no MTP module, so its block (sliding window, learned
+MoE, hyper-connections), ``hc_head`` and ``norm`` come from a one-layer model of
+transformers' own, and ``enorm`` / ``hnorm`` / ``e_proj`` / ``h_proj`` are drawn
+here, all random. ``num_nextn_predict_layers=0`` writes none.
 Weights are bfloat16 (fp32 where transformers keeps them fp32: norms, sinks,
 position biases, hyper-connections) and a function of ``seed`` only.
 """
@@ -20,6 +25,7 @@ position biases, hyper-connections) and a function of ``seed`` only.
 from __future__ import annotations
 
 import copy
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,7 +39,7 @@ V4_TINY = dict(
     index_n_heads=4, index_head_dim=24, index_topk=3, sliding_window=8,
     compress_rates={CSA: 4, HCA: 8}, layer_types=[SWA, CSA, HCA, CSA],
     mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_mult=3, hc_sinkhorn_iters=6,
-    max_position_embeddings=2048, initializer_range=0.1, num_nextn_predict_layers=0,
+    max_position_embeddings=2048, initializer_range=0.1, num_nextn_predict_layers=1,
     tie_word_embeddings=False,
 )
 """transformers ``DeepseekV4Config`` kwargs of the tiny model (bos / eos come from the tokenizer)."""
@@ -53,27 +59,69 @@ def make_tiny_v4(out_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.
     """Write the tiny V4 checkpoint (config.json, safetensors, byte tokenizer) to ``out_dir``."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    from models.tiny import _FAVOURED_IDS, make_tokenizer
+    from models.tiny import add_mtp_shard, make_tokenizer
+    from models.weights import INDEX_FILE
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for p in out.glob("*.safetensors"):
-        p.unlink()
+    for p in [*out.glob("*.safetensors"), out / INDEX_FILE]:
+        p.unlink(missing_ok=True)
     tokenizer = make_tokenizer()
+    kwargs = v4_tiny_config_kwargs(**overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        cfg = DeepseekV4Config(**v4_tiny_config_kwargs(**overrides))
+        cfg = DeepseekV4Config(**kwargs)
         if cfg.vocab_size < len(tokenizer):
             raise ValueError(f"vocab_size {cfg.vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
         model = DeepseekV4ForCausalLM(cfg).eval()
         _perturb_v4_(model, torch.Generator().manual_seed(seed + 1))
+    _save(model, out, dtype)
+    tokenizer.save_pretrained(out)
+    if cfg.num_nextn_predict_layers:
+        add_mtp_shard(out, {n: t for d in range(cfg.num_nextn_predict_layers)
+                            for n, t in _mtp_tensors(kwargs, d, seed, dtype).items()})
+    return out
+
+
+def _save(model: torch.nn.Module, out: Path, dtype: torch.dtype) -> None:
+    """``save_pretrained`` with every parameter but those DeepSeek keeps in fp32 cast to ``dtype``."""
     keep_fp32 = {n for n, p in model.named_parameters() if p.dtype == torch.float32 and _stays_fp32(n)}
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n not in keep_fp32:
                 p.data = p.data.to(dtype)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+
+
+def _mtp_tensors(kwargs: dict, depth: int, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random tensors of MTP layer ``depth`` under DeepSeek's names (``mtp.{depth}.*``): the block, ``hc_head``
+    and ``norm`` of a one-layer transformers model whose layer is what the MTP block is (sliding window,
+    learned MoE), dtypes as the main checkpoint's; ``enorm`` / ``hnorm`` (fp32) and ``e_proj`` / ``h_proj``."""
+    from safetensors.torch import load_file
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    from models.weights import SINGLE_FILE
+
+    aux_kwargs = dict(kwargs, num_hidden_layers=1, layer_types=[SWA], mlp_layer_types=["moe"],
+                      num_nextn_predict_layers=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1000 + 17 + depth)
+        aux = DeepseekV4ForCausalLM(DeepseekV4Config(**aux_kwargs)).eval()
+        perturb_v4_constants_(aux, torch.Generator().manual_seed(seed * 1000 + 18 + depth))
+    with tempfile.TemporaryDirectory() as tmp:
+        _save(aux, Path(tmp), dtype)
+        saved = load_file(str(Path(tmp) / SINGLE_FILE))
+    p = f"mtp.{depth}."
+    out = {p + n[len("model.layers.0."):]: t for n, t in saved.items() if n.startswith("model.layers.0.")}
+    for part in ("fn", "base", "scale"):
+        out[f"{p}hc_head_{part}"] = saved[f"model.hc_head.hc_{part}"]
+    out[p + "norm.weight"] = saved["model.norm.weight"]
+    g = torch.Generator().manual_seed(seed * 1000 + 19 + depth)
+    D, std = kwargs["hidden_size"], kwargs["initializer_range"]
+    for name in ("enorm", "hnorm"):
+        out[f"{p}{name}.weight"] = 1 + 0.2 * torch.randn(D, generator=g)
+    for name in ("e_proj", "h_proj"):
+        out[f"{p}{name}.weight"] = (std * torch.randn(D, D, generator=g)).to(dtype)
     return out
 
 

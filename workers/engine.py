@@ -141,8 +141,13 @@ class Engine:
         self.eos = set(eos_token_ids)
         self.k = cfg.mtp_draft_tokens
         self.topk_reuse = mtp_topk_reuse
-        # The draft phase of an MTP step (`workers.mtp_draft.ExtendDrafter` is the spec it is tested against).
-        self.drafter = FixedWidthDrafter(runner, self.k, mtp_topk_reuse) if self.k else None
+        # The draft phase of an MTP step (`workers.mtp_draft.ExtendDrafter` is the spec it is tested against);
+        # a runner with a draft phase of its own makes it (DeepSeek-V4: `workers.v4_mtp_draft`).
+        make = getattr(runner, "make_drafter", None)
+        if not self.k:
+            self.drafter = None
+        else:
+            self.drafter = make(self.k, mtp_topk_reuse) if make else FixedWidthDrafter(runner, self.k, mtp_topk_reuse)
         self.detokenize = detokenize
         self.grammars = grammars
         self.requests: dict[str, Request] = {}
@@ -494,7 +499,8 @@ class Engine:
                 # final prefill position waits (its next token is sampled now).
                 known_end = min(c.end, prefill_length(req) - 1)
                 if known_end > c.start:
-                    mtp_items.append(WorkItem(tuple(req.token_ids[c.start + 1:known_end + 1]), c.start, tuple(req.page_table)))
+                    mtp_items.append(WorkItem(tuple(req.token_ids[c.start + 1:known_end + 1]), c.start,
+                                              frozen_pages(req.page_table)))
                     mtp_hidden.append(hidden[s0:s0 + known_end - c.start])
                 if c.is_last:
                     req.pending_hidden, req.pending_start = hidden[s1 - 1:s1].clone(), c.end - 1

@@ -15,13 +15,14 @@ from attention.formats import PAGE_SIZE
 
 
 def draft_slot_layout(page_tables: torch.Tensor, first_positions: torch.Tensor, steps: int,
-                      topk: int = 1) -> torch.Tensor:
+                      topk: int = 1, page_size: int = PAGE_SIZE) -> torch.Tensor:
     """Cache slots written by ``steps`` chained draft steps.
 
     page_tables: int ``[bs, max_pages]``; first_positions: int64 ``[bs]``, the
     position written by step 0. Returns int64 ``[steps, bs * topk]``: row ``s``
     holds, for request ``b`` and draft branch ``t``, the slot of position
-    ``first_positions[b] + s`` at index ``b * topk + t``.
+    ``first_positions[b] + s`` at index ``b * topk + t``. ``page_size``: positions a
+    page holds (DeepSeek-V4's ``swa`` group, where its MTP layer's keys live: 256).
     """
     if topk != 1:
         # Tree drafts (top-k > 1) write topk branches per position; they need
@@ -29,8 +30,8 @@ def draft_slot_layout(page_tables: torch.Tensor, first_positions: torch.Tensor, 
         raise ValueError(f"draft top-k must be 1, got {topk}")
     bs = first_positions.shape[0]
     pos = first_positions.long()[None, :] + torch.arange(steps, device=first_positions.device)[:, None]  # [steps, bs]
-    pages = torch.gather(page_tables.long(), 1, (pos // PAGE_SIZE).T).T
-    flat = (pages * PAGE_SIZE + pos % PAGE_SIZE).reshape(steps * bs * topk)
+    pages = torch.gather(page_tables.long(), 1, (pos // page_size).T).T
+    flat = (pages * page_size + pos % page_size).reshape(steps * bs * topk)
     return flat.view(steps, bs * topk)
 
 

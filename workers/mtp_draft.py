@@ -92,8 +92,12 @@ class PendingRows:
     counts: list[int]
 
 
-def pending_rows(reqs: list[Request], k: int) -> PendingRows:
-    """Each request's pending positions as `PendingRows`; checks the invariants they rest on."""
+def pending_rows(reqs: list[Request], k: int, positions_held=None) -> PendingRows:
+    """Each request's pending positions as `PendingRows`; checks the invariants they rest on.
+    ``positions_held(page_table)``: the positions a request's pages cover (default: 64 a page; a
+    grouped cache's drafter gives its own, `workers.v4_mtp_draft`)."""
+    if positions_held is None:
+        positions_held = lambda table: len(table) * PAGE_SIZE  # noqa: E731
     n = k + 1
     tokens, starts, counts = [], [], []
     for r in reqs:
@@ -107,9 +111,9 @@ def pending_rows(reqs: list[Request], k: int) -> PendingRows:
                                f"{num} tokens (want 1..{n} ending at {num - 2})")
         # The chained steps write up to position num_tokens + k - 2: the scheduler's pages cover it
         # (`tokens_to_hold`); a graph's slot lookup would silently read page 0 beyond the table.
-        if num + k - 1 > len(r.page_table) * PAGE_SIZE:
-            raise RuntimeError(f"request {r.request_id!r}: {len(r.page_table)} pages for draft positions up to "
-                               f"{num + k - 2}")
+        if num + k - 1 > positions_held(r.page_table):
+            raise RuntimeError(f"request {r.request_id!r}: pages for {positions_held(r.page_table)} positions, "
+                               f"draft positions up to {num + k - 2}")
         last = r.output[-m:] if len(r.output) >= m else r.token_ids[-m:]
         tokens += last
         tokens += [0] * (n - m)

@@ -308,7 +308,8 @@ class PrefillWorker:
         for (a, start, end), (s0, _) in zip(chosen, ranges):
             known_end = min(end, len(a.task.token_ids) - 1)
             if known_end > start:
-                mtp_items.append(WorkItem(tuple(a.task.token_ids[start + 1:known_end + 1]), start, tuple(a.page_table)))
+                mtp_items.append(WorkItem(tuple(a.task.token_ids[start + 1:known_end + 1]), start,
+                                          frozen_pages(a.page_table)))
                 mtp_hidden.append(hidden[s0:s0 + known_end - start])
         if mtp_items:
             mbatch = self.runner.build_batch(ForwardMode.PREFILL, mtp_items)

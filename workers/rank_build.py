@@ -124,8 +124,9 @@ def uses_cache_groups(model_dir: str) -> bool:
 
 
 def _build_grouped_rank(spec: RankSpec, tp: TPContext, device: str) -> RankParts:
-    """A DeepSeek-V4 rank: the ``models.v4`` model, its cache groups (``spec.num_pages`` pages each) in one
-    ``GroupedPagedCache``, the `workers.v4_runner.V4ModelRunner`. Reference backend, one rank."""
+    """A DeepSeek-V4 rank: the ``models.v4`` model (its MTP layer with ``spec.with_mtp``), its cache groups
+    (``spec.num_pages`` pages each) in one ``GroupedPagedCache``, the `workers.v4_runner.V4ModelRunner`.
+    Reference backend, one rank."""
     from attention.group_cache import GroupedPagedCache
     from models.registry import load_any_model
     from models.v4.cache_spec import v4_group_layouts, v4_kv_format
@@ -136,9 +137,10 @@ def _build_grouped_rank(spec: RankSpec, tp: TPContext, device: str) -> RankParts
     for what, (got, want) in limits.items():
         if got != want:
             raise ValueError(f"DeepSeek-V4 runs with {what} {want!r} only for now, got {got!r}")
-    model = load_any_model(spec.model_dir, dtype=torch_dtype(spec.dtype), device=device)
+    model = load_any_model(spec.model_dir, dtype=torch_dtype(spec.dtype), device=device, with_mtp=spec.with_mtp)
     # fp8 caches: the model rounds keys and entries through the pages' format as it makes them.
     model.set_kv_cache_format(v4_kv_format(model.cfg, spec.kv_cache_dtype))
-    layouts = v4_group_layouts(model.cfg, torch_dtype(spec.dtype), spec.kv_cache_dtype)
+    # The MTP layer's keys (when loaded) are one more layer of the swa group.
+    layouts = v4_group_layouts(model.cfg, torch_dtype(spec.dtype), spec.kv_cache_dtype, with_mtp=len(model.mtp) > 0)
     cache = GroupedPagedCache(layouts, {lay.name: spec.num_pages for lay in layouts}, device)
     return RankParts(spec, model, cache, V4ModelRunner(model, cache, device))

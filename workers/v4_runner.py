@@ -9,45 +9,40 @@ batch runs through ``models.v4``'s model (per-sequence attention, batched
 projections and MoE), and what it added goes back into the pages: nothing of
 a request lives in the runner between forwards.
 
-Not here yet: CUDA graphs and overlap scheduling (tokens come from the host
-each step), the MTP layer, the cuda backend's sparse kernels.
+The "hidden state" a forward returns is the model's residual streams before
+``hc_head`` (``[T, hc_mult * hidden]``, ``models.v4.model``): ``model.logits``
+collapses the rows it samples, and the MTP layer reads them as they are.
+
+MTP: ``model.mtp_forward`` takes this runner's `build_batch` output (a
+``models.v4.batch.V4Batch``) and writes the MTP layer's keys into the same
+``swa`` pages; the draft phase is `workers.v4_mtp_draft.V4Drafter` (`make_drafter`);
+a verify step takes its drafts from the device (``token_patch``). A verify of ``k``
+drafts writes up to ``k`` positions past where the next step resumes: the state
+pages keep the accepted ones (``models.v4.cache_spec.STATE_LOOKAHEAD``).
+
+Not here yet: CUDA graphs and overlap scheduling (a step's last tokens come from
+the host), the cuda backend's sparse kernels.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from attention.group_cache import GroupedPagedCache
 from models.batch import ForwardMode
+from models.v4.batch import V4Batch
+from models.v4.cache_spec import STATE_LOOKAHEAD
 from models.v4.model import DeepseekV4ForCausalLM
 from models.v4.paged_state import load_state, store_state
+from workers.decode_graphs import patch_tokens, to_device
 from workers.model_runner import DecodeStep, TokenPatch, WorkItem, decode_width
 
-
-@dataclass(frozen=True)
-class V4Batch:
-    """What the engine reads of a forward's batch: its token count and each request's token range."""
-
-    mode: ForwardMode
-    q_lens: tuple[int, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.q_lens)
-
-    def query_ranges(self) -> list[tuple[int, int]]:
-        out, start = [], 0
-        for n in self.q_lens:
-            out.append((start, start + n))
-            start += n
-        return out
+__all__ = ["V4Batch", "V4ModelRunner"]
 
 
 class V4ModelRunner:
     supports_overlap = False
-    """Each step's input tokens come from the host (no device-side token patch yet)."""
+    """A step's input tokens come from the host, but for an MTP verify's drafts (no in-flight token patch)."""
 
     def __init__(self, model: DeepseekV4ForCausalLM, cache: GroupedPagedCache, device: str | torch.device):
         if cache.device != torch.device(device):
@@ -59,30 +54,41 @@ class V4ModelRunner:
     def enable_decode_graphs(self, *args, **kwargs) -> None:
         raise ValueError("CUDA graphs are not built for DeepSeek-V4 (its runner is eager, reference backend)")
 
+    def make_drafter(self, k: int, topk_reuse: bool):
+        """The draft phase of an MTP step of ``k`` drafts (`workers.engine.Engine` asks its runner)."""
+        from workers.v4_mtp_draft import V4Drafter
+
+        return V4Drafter(self, k, topk_reuse)
+
     def build_batch(self, mode: ForwardMode, items: list[WorkItem]) -> V4Batch:
-        if mode is ForwardMode.DECODE:
-            decode_width(items)
         if not items:
             raise ValueError("a forward needs at least one request")
-        return V4Batch(mode, tuple(len(it.token_ids) for it in items))
+        if mode is ForwardMode.DECODE and decode_width(items) > STATE_LOOKAHEAD + 1:
+            # A verify may leave this many positions rejected; the state rings keep no more.
+            raise ValueError(f"a DeepSeek-V4 decode step has at most {STATE_LOOKAHEAD + 1} tokens per request "
+                             f"(MTP drafts <= {STATE_LOOKAHEAD}), got {decode_width(items)}")
+        return V4Batch.of(mode, [it.token_ids for it in items], [it.start for it in items],
+                          [it.page_table for it in items], self.device)
 
     @torch.inference_mode()
-    def forward(self, mode: ForwardMode, items: list[WorkItem]) -> tuple[V4Batch, torch.Tensor]:
-        """Run ``items`` (request ``r``'s tokens at positions ``start ..``) -> (batch, normed hidden ``[T, hidden]``)."""
+    def forward(self, mode: ForwardMode, items: list[WorkItem], token_patch: TokenPatch | None = None
+                ) -> tuple[V4Batch, torch.Tensor]:
+        """Run ``items`` (request ``r``'s tokens at positions ``start ..``) -> (batch, streams
+        ``[T, hc_mult * hidden]``). ``token_patch``: a DECODE step's last tokens still on the device."""
         batch = self.build_batch(mode, items)
-        for it in items:
-            if not isinstance(it.page_table, dict):
-                raise TypeError("a DeepSeek-V4 work item's page table is its pages per cache group")
-        states = [load_state(self.model, self.cache, it.page_table, it.start) for it in items]
-        ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, list(batch.q_lens), states)
-        for it, st in zip(items, states):
-            store_state(self.model, self.cache, it.page_table, st, it.start)
+        if token_patch is not None:
+            at, values = token_patch
+            patch_tokens(batch.input_ids, len(items[0].token_ids), to_device(torch.tensor(at, dtype=torch.int64),
+                                                                             self.device), values)
+        states = [load_state(self.model, self.cache, pages, start)
+                  for pages, start in zip(batch.page_tables, batch.starts)]
+        hidden = self.model(batch.input_ids, list(batch.q_lens), states)
+        for pages, start, st in zip(batch.page_tables, batch.starts, states):
+            store_state(self.model, self.cache, pages, st, start)
         return batch, hidden
 
     @torch.inference_mode()
     def decode(self, step: DecodeStep, token_patch: TokenPatch | None = None) -> torch.Tensor:
-        """One DECODE step: normed hidden ``[R * width, hidden]``."""
-        if token_patch is not None:
-            raise ValueError("the DeepSeek-V4 runner takes its decode inputs from the host (no token patch)")
-        return self.forward(ForwardMode.DECODE, step.items())[1]
+        """One DECODE step: streams ``[R * width, hc_mult * hidden]``. ``token_patch``: an MTP verify's
+        drafts (the last ``width - 1`` tokens of each request), on the device."""
+        return self.forward(ForwardMode.DECODE, step.items(), token_patch)[1]

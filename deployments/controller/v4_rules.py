@@ -8,10 +8,15 @@ What the DSA settings mean for V4, and what its engine runs today
   window; there is no ``index_topk_freq`` / pattern to share, so two-batch
   overlap has no sharing conflict. It is refused for another reason: the V4
   runner is one rank, eager (two-batch overlap needs tensor parallel >= 2).
-* MTP: the checkpoint's MTP layer is not built (``models.v4``; transformers
-  does not build it either, so there is no reference to test it against):
-  ``mtp_draft_tokens`` must be 0, and ``features.mtp_topk_reuse`` (reusing the
-  target's top-k across draft steps) has nothing to apply to.
+* MTP: the checkpoint's MTP layer (``models.v4.mtp``: one sliding-window V4
+  block over ``e_proj(enorm(e)) + h_proj(hnorm(h))``) drafts as DeepSeek-V3.2's
+  does; ``mtp_draft_tokens`` > 0 needs ``num_nextn_predict_layers`` >= 1, and a
+  decode role that drafts holds the positions its verify and draft chain write
+  (``workers.scheduler.tokens_to_hold``) in every cache group. Prefill and decode
+  must agree on it (``rules``: the MTP layer's keys are one more layer of the
+  ``swa`` pages both roles store). ``features.mtp_topk_reuse`` (reusing a draft
+  step's top-k in the next) has nothing to apply to: the MTP block selects no
+  top-k.
 * caches: per cache group (``models.v4.cache_spec``), each holding
   ``num_pages`` pages; ``kv_cache_dtype`` ``auto`` (unquantized, model dtype) or
   ``fp8`` (sliding-window keys and compressed entries in the 584-byte V4 token
@@ -37,8 +42,9 @@ def v4_feature_rules(app_cfg: AppConfig, out: list[Violation]) -> None:
     if f.mtp_topk_reuse:
         out.append(Violation(
             "features.mtp_topk_reuse",
-            "DeepSeek-V4 has no MTP drafts to reuse a top-k across (its MTP layer is not built), and each CSA "
-            "layer's indexer selects over its own compressed cache: set mtp_topk_reuse to false",
+            "DeepSeek-V4's MTP layer attends over its sliding window only (no indexer): its draft steps select "
+            "no top-k to reuse, and each CSA layer's indexer selects over its own compressed cache: set "
+            "mtp_topk_reuse to false",
         ))
 
 
@@ -66,12 +72,11 @@ def v4_agreement_rules(app_cfg: AppConfig, m: V4Config, out: list[Violation]) ->
 
 
 def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Config, out: list[Violation]) -> None:
-    if role_cfg.mtp_draft_tokens:
+    if role_cfg.has_mtp and not m.has_mtp:
         out.append(Violation(
             f"{role}.mtp_draft_tokens",
-            f"mtp_draft_tokens {role_cfg.mtp_draft_tokens}: DeepSeek-V4's MTP layer is not built (models/v4 loads "
-            f"the main layers only; the checkpoint's num_nextn_predict_layers {m.num_nextn_predict_layers} "
-            "layer(s) are skipped): set mtp_draft_tokens to 0",
+            f"mtp_draft_tokens {role_cfg.mtp_draft_tokens} needs the model's MTP layer, but the checkpoint has "
+            "num_nextn_predict_layers 0: set mtp_draft_tokens to 0",
         ))
     if role_cfg.backend != "reference":
         out.append(Violation(
@@ -98,8 +103,13 @@ def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Conf
             "V4 roles run on device 'cpu' for now",
         ))
     max_len = app_cfg.model.max_model_len or m.max_position_embeddings
-    tokens = tokens_to_hold(max_len, 0) if (role == "decode" and app_cfg.monolithic) else max_len
-    short = [f"{g.name} {group_pages_for_tokens(g, tokens)}" for g in v4_cache_groups(m, role_cfg.kv_cache_dtype)
+    tokens = max_len
+    if role == "decode" and app_cfg.monolithic:  # what the scheduler holds at admission
+        tokens = tokens_to_hold(max_len, role_cfg.mtp_draft_tokens)
+    elif role == "decode" and role_cfg.mtp_draft_tokens:  # a verify and its draft chain write past the length
+        tokens = tokens_to_hold(max_len - 1, role_cfg.mtp_draft_tokens)
+    groups = v4_cache_groups(m, role_cfg.kv_cache_dtype, with_mtp=role_cfg.has_mtp)
+    short = [f"{g.name} {group_pages_for_tokens(g, tokens)}" for g in groups
              if group_pages_for_tokens(g, tokens) > role_cfg.num_pages]
     if short:
         out.append(Violation(
@@ -112,15 +122,20 @@ def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Conf
 
 def v4_summary(role_cfg: RoleConfig, m: V4Config) -> str:
     """What one replica of ``role_cfg`` holds in host memory: weights and every cache group's pages."""
+    import torch
+
     from attention.group_cache import UNIT_BYTES
     from models.dtypes import torch_dtype
-    from models.registry import count_parameters
     from models.v4.cache_spec import v4_group_layouts
     from deployments.controller.memory import format_bytes
 
+    from models.v4.model import DeepseekV4ForCausalLM
+
     dtype = torch_dtype(role_cfg.dtype)
-    weights = count_parameters(m) * dtype.itemsize
-    layouts = v4_group_layouts(m, dtype, role_cfg.kv_cache_dtype)
+    with torch.device("meta"):  # the MTP layer counts where the role loads it
+        weights = sum(p.numel() for p in DeepseekV4ForCausalLM(m, dtype, with_mtp=role_cfg.has_mtp).parameters())
+    weights *= dtype.itemsize
+    layouts = v4_group_layouts(m, dtype, role_cfg.kv_cache_dtype, with_mtp=role_cfg.has_mtp)
     pages = sum(role_cfg.num_pages * lay.units_per_page * UNIT_BYTES for lay in layouts)
     groups = ", ".join(f"{lay.name} {lay.group.tokens_per_page}/page {lay.describe()}" for lay in layouts)
     return (f"per replica (host memory): weights {format_bytes(weights)} + pages {format_bytes(pages)} "

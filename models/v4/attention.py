@@ -57,8 +57,12 @@ class Compressor(nn.Module):
         """Feed one sequence's new tokens x ``[n, hidden]`` (in order, after
         ``state``'s); appends the entries whose blocks completed to
         ``state.entries`` and returns them ``[k, dim]``."""
-        kv = torch.cat([state.pending_kv, self.wkv(x)])
-        gate = torch.cat([state.pending_gate, self.wgate(x)])
+        new_kv, new_gate = self.wkv(x), self.wgate(x)
+        if state.fed_kv is not None:  # a state from pages: its store writes the raw projections back
+            state.fed_kv = torch.cat([state.fed_kv, new_kv])
+            state.fed_gate = torch.cat([state.fed_gate, new_gate])
+        kv = torch.cat([state.pending_kv, new_kv])
+        gate = torch.cat([state.pending_gate, new_gate])
         usable = kv.shape[0] // self.ratio * self.ratio
         state.pending_kv, state.pending_gate = kv[usable:], gate[usable:]
         if usable == 0:
@@ -120,7 +124,7 @@ class Indexer(nn.Module):
 class V4Attention(nn.Module):
     def __init__(self, cfg: V4Config, layer: int, dtype: torch.dtype):
         super().__init__()
-        self.kind = cfg.layer_types[layer]
+        self.kind = cfg.layer_type(layer)
         self.n_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
         self.groups = cfg.o_groups
         self.scale = cfg.head_dim ** -0.5

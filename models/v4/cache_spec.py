@@ -1,12 +1,15 @@
 """The cache groups a DeepSeek-V4 config needs (``attention.cache_groups.CacheGroup``), and how the
 engine stores them (``attention.group_cache.GroupLayout``).
 
-* ``swa``: every layer's sliding-window keys, 256 a page;
+* ``swa``: every layer's sliding-window keys, 256 a page, the MTP layer's included (layer
+  ``num_hidden_layers``: its block attends over the window only, so it has no other cache);
 * ``csa_kv`` / ``hca_kv``: the compressed entries of the CSA (c4) / HCA (c128) layers, 256 a page;
 * ``csa_index``: the CSA layers' indexer keys over their compressed caches, 256 a page;
 * ``csa_state`` / ``csa_index_state`` / ``hca_state``: per-sequence compressor state, the raw
-  fp32 ``wkv`` and ``wgate`` projections of the last ``2m`` (CSA: overlapping windows) or ``m``
-  (HCA) source tokens: the partially filled block at a prompt's end and the block before it.
+  fp32 ``wkv`` and ``wgate`` projections of the last source tokens in a ring of `state_slots`
+  slots keyed by position: the partially filled block, the block before it (CSA: overlapping
+  windows), and ``STATE_LOOKAHEAD - 1`` more so that a forward that ran past where the next one
+  resumes (an MTP verify's rejected drafts) overwrites nothing the next one reads.
 
 What a position holds, by ``kv_cache_dtype`` (`v4_cache_groups` declares these bytes; the storage
 allocates exactly them and the transfer pushes them, rounded up to 4 KiB units per group page):
@@ -29,7 +32,9 @@ release: it is the un-normed, un-gated sum's input, one page per sequence). With
 rounds every key and compressed entry through the format the moment it is made
 (``DeepseekV4ForCausalLM.set_kv_cache_format``), so what a forward uses equals what pages give back.
 
-The MTP layer's caches are not declared yet (the MTP layer is not built).
+With ``with_mtp`` (the checkpoint's MTP layer loaded) the ``swa`` group holds one more layer per
+MTP layer, ``num_hidden_layers + d``: its pages are allocated, pushed and freed with the main
+layers' (``models.v4.mtp``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,17 @@ from models.v4.config import CSA, HCA, V4Config
 _FP32 = 4
 KV_CACHE_DTYPES = ("auto", "fp8")
 
+STATE_LOOKAHEAD = 3
+"""Positions a forward may write past the length the next forward of its sequence resumes from: an MTP
+verify of ``k`` drafts whose drafts are all rejected (the engine drafts at most 3, `SchedulerConfig`)."""
+
+
+def state_slots(ratio: int, overlap: bool) -> int:
+    """Slots of a compressor state page (a ring keyed by position, ``models.v4.paged_state``): the
+    ``2m - 1`` (overlapping windows) or ``m - 1`` positions a resuming forward reads, plus the
+    `STATE_LOOKAHEAD` positions the forward before it may have written past them."""
+    return (2 if overlap else 1) * ratio + STATE_LOOKAHEAD - 1
+
 
 def v4_kv_format(cfg: V4Config, kv_cache_dtype: str) -> V4CacheFormat | None:
     """The byte format of the sliding-window keys and compressed entries: the V4 fp8 token for
@@ -52,11 +68,12 @@ def v4_kv_format(cfg: V4Config, kv_cache_dtype: str) -> V4CacheFormat | None:
     return V4CacheFormat.for_head(cfg.head_dim, cfg.qk_rope_head_dim) if kv_cache_dtype == "fp8" else None
 
 
-def v4_cache_groups(cfg: V4Config, kv_cache_dtype: str = "fp8",
-                    dtype: torch.dtype = torch.bfloat16) -> tuple[CacheGroup, ...]:
-    """The groups of ``cfg``'s main layers, in a fixed order (swa, then per kind kv, index, state), with
+def v4_cache_groups(cfg: V4Config, kv_cache_dtype: str = "fp8", dtype: torch.dtype = torch.bfloat16,
+                    with_mtp: bool = True) -> tuple[CacheGroup, ...]:
+    """The groups of ``cfg``'s layers, in a fixed order (swa, then per kind kv, index, state), with
     the bytes the engine stores for ``kv_cache_dtype`` and model ``dtype`` (module docstring; the
-    defaults are the serving format)."""
+    defaults are the serving format). ``with_mtp``: the MTP layers (``cfg.num_nextn_predict_layers``,
+    when loaded) get ``swa`` caches too."""
     fmt = v4_kv_format(cfg, kv_cache_dtype)
     item = dtype.itemsize
     if fmt is not None:
@@ -65,7 +82,9 @@ def v4_cache_groups(cfg: V4Config, kv_cache_dtype: str = "fp8",
         kv_token = cfg.head_dim * item
         kv_page = PAGE_TOKENS * kv_token
     n = cfg.num_hidden_layers
-    groups = [CacheGroup("swa", "swa", PAGE_TOKENS, kv_token, kv_page, tuple(range(n)), window=cfg.sliding_window)]
+    swa_layers = cfg.num_layers_with_mtp if with_mtp else n
+    groups = [CacheGroup("swa", "swa", PAGE_TOKENS, kv_token, kv_page, tuple(range(swa_layers)),
+                         window=cfg.sliding_window)]
     for kind, short in ((CSA, "csa"), (HCA, "hca")):
         layers = tuple(i for i in range(n) if cfg.layer_types[i] == kind)
         if not layers:
@@ -76,7 +95,7 @@ def v4_cache_groups(cfg: V4Config, kv_cache_dtype: str = "fp8",
         if overlap:
             ix = cfg.index_head_dim * item
             groups.append(CacheGroup(f"{short}_index", "indexer", PAGE_TOKENS, ix, PAGE_TOKENS * ix, layers, ratio=m))
-        slots = 2 * m if overlap else m
+        slots = state_slots(m, overlap)
         width = (2 if overlap else 1) * cfg.head_dim
         per = 2 * width * _FP32  # kv + gate
         groups.append(CacheGroup(f"{short}_state", "state", slots, per, slots * per, layers, ratio=m))
@@ -86,21 +105,21 @@ def v4_cache_groups(cfg: V4Config, kv_cache_dtype: str = "fp8",
     return tuple(groups)
 
 
-def v4_group_layouts(cfg: V4Config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> tuple:
+def v4_group_layouts(cfg: V4Config, dtype: torch.dtype, kv_cache_dtype: str = "auto", with_mtp: bool = True) -> tuple:
     """How the engine stores each of `v4_cache_groups` (``attention.group_cache.GroupLayout``), same order.
 
     Sliding-window keys and compressed entries: one ``head_dim`` row per position in the model
     ``dtype`` (``"auto"``: exact math, the engine's output equals the standalone model's), or one
     V4 fp8 token (``"fp8"``: ``GroupLayout.fmt``, quantized on write, dequantized on read). Indexer keys:
-    ``index_head_dim`` in ``dtype`` either way. State slots fp32: the compressor's ``wkv`` then
-    ``wgate`` row, ``2 * width`` values (CSA slots ``[0, m)`` the overlap half of the last complete
-    window, ``[m, 2m)`` the pending projections; HCA slots ``[0, m)`` the pending ones:
-    ``models.v4.paged_state``). ``GroupLayout`` checks each group's declared bytes against what it stores."""
+    ``index_head_dim`` in ``dtype`` either way. State slots fp32: the compressor's raw ``wkv`` then
+    ``wgate`` projection of one source position, ``2 * width`` values, position ``p`` in slot
+    ``p % state_slots`` (``models.v4.paged_state``). ``GroupLayout`` checks each group's declared bytes
+    against what it stores."""
     from attention.group_cache import GroupLayout
 
     fmt = v4_kv_format(cfg, kv_cache_dtype)
     out = []
-    for g in v4_cache_groups(cfg, kv_cache_dtype, dtype):
+    for g in v4_cache_groups(cfg, kv_cache_dtype, dtype, with_mtp):
         if g.kind in ("swa", "compressed"):
             out.append(GroupLayout(g, torch.uint8, cfg.head_dim, fmt) if fmt is not None
                        else GroupLayout(g, dtype, cfg.head_dim))

@@ -14,6 +14,10 @@ Per layer ``l`` (``0 .. num_hidden_layers - 1``):
   ``compress_rates[HCA]`` : 1); ``compress_ratio(l)`` is 0 / m / m'.
 * ``mlp_layer_types[l]``: ``hash_moe`` (experts from a frozen token-id table)
   or ``moe`` (learned top-k with a bias).
+
+The MTP (next-n) layers are layers ``num_hidden_layers + d`` (``d <
+num_nextn_predict_layers``): sliding-window attention (ratio 0) and a learned
+``moe`` FFN (`layer_type`, `mlp_layer_type`; ``models.v4.mtp``).
 """
 
 from __future__ import annotations
@@ -82,14 +86,29 @@ class V4Config:
     hf_config: Any = field(default=None, compare=False, hash=False, repr=False)
     identity: str = field(default="", compare=False, hash=False, repr=False)
 
+    def layer_type(self, layer: int) -> str:
+        """Attention kind of ``layer`` (``0 .. num_layers_with_mtp - 1``): ``layer_types[layer]`` for a main
+        layer; an MTP layer attends over the sliding window only (DeepSeek's release builds its block with
+        compress ratio 0: no compressed cache, no indexer)."""
+        if not 0 <= layer < self.num_layers_with_mtp:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers_with_mtp})")
+        return self.layer_types[layer] if layer < self.num_hidden_layers else SLIDING
+
+    def mlp_layer_type(self, layer: int) -> str:
+        """FFN kind of ``layer``: ``mlp_layer_types[layer]`` for a main layer, ``moe`` (learned routing) for an
+        MTP layer (hash routing is for the first layers of the main stack only)."""
+        if not 0 <= layer < self.num_layers_with_mtp:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers_with_mtp})")
+        return self.mlp_layer_types[layer] if layer < self.num_hidden_layers else "moe"
+
     def compress_ratio(self, layer: int) -> int:
-        """Tokens per compressed entry of ``layer``: 0 for a sliding-only layer."""
-        t = self.layer_types[layer]
+        """Tokens per compressed entry of ``layer``: 0 for a sliding-only layer (and the MTP layers)."""
+        t = self.layer_type(layer)
         return 0 if t == SLIDING else dict(self.compress_rates)[t]
 
     def has_indexer(self, layer: int) -> bool:
         """True for CSA layers (they select compressed entries with a lightning indexer)."""
-        return self.layer_types[layer] == CSA
+        return self.layer_type(layer) == CSA
 
     @property
     def has_mtp(self) -> bool:

@@ -81,7 +81,7 @@ class V4MoE(nn.Module):
     def __init__(self, cfg: V4Config, layer: int, dtype: torch.dtype):
         super().__init__()
         self.limit = cfg.swiglu_limit
-        self.gate = V4Gate(cfg, cfg.mlp_layer_types[layer] == "hash_moe", dtype)
+        self.gate = V4Gate(cfg, cfg.mlp_layer_type(layer) == "hash_moe", dtype)
         self.experts = RoutedExperts(cfg.hidden_size, cfg.moe_intermediate_size, 0, cfg.n_routed_experts, dtype)
         self.shared_experts = V4SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, dtype)
 

@@ -12,14 +12,20 @@ mean (groups declared by ``models.v4.cache_spec.v4_cache_groups``):
   within the chunk are never stored); every page of the sequence is kept,
   so a page older than the window holds stale values nobody reads;
 * ``csa_kv`` / ``hca_kv`` / ``csa_index``: position ``e`` = compressed entry ``e``;
-* ``csa_state`` / ``hca_state`` / ``csa_index_state``: one page per sequence,
-  slot rows ``[wkv | wgate]`` fp32 (``2 * w`` values, ``w`` the compressor's
-  projection width): with overlapping windows (CSA) slots ``[0, m)`` hold the
-  first half of the last complete window (gate with its position bias, as the
-  compressor keeps it; ``w / 2`` used) and slots ``[m, 2m)`` the projections
-  after the last complete window (the partially filled block); without (HCA)
-  slots ``[0, m)`` the latter. How many are valid follows from ``seq_len``:
-  ``seq_len % m`` pending rows, the overlap once ``seq_len >= m``.
+* ``csa_state`` / ``hca_state`` / ``csa_index_state``: one page per sequence, a
+  ring: source position ``p``'s raw ``[wkv | wgate]`` projections (fp32, ``2 * w``
+  values, ``w`` the compressor's projection width) in slot ``p % R``
+  (``R = cache_spec.state_slots``). The state of ``seq_len`` tokens reads the
+  positions after the last complete block (the partially filled one, ``seq_len % m``
+  rows) and, with overlapping windows (CSA), the block before it (its first half is
+  the overlap; the gate gets its position bias added on load, as the compressor
+  adds it). A store writes the positions its forward fed (the last ``R``), so a
+  forward may resume from any length up to ``STATE_LOOKAHEAD`` before where the
+  previous one ended: an MTP verify's rejected drafts leave the state of the
+  accepted ones readable (a state page holding only the state *after* the
+  forward could not be rolled back);
+* the MTP layers (``num_hidden_layers + d``): ``swa`` only (`load_mtp_state`,
+  `store_mtp_state`).
 
 So the state moves between replicas with the pages (PD), and a sequence
 continued from pages computes exactly what the standalone model computes.
@@ -50,13 +56,10 @@ def _arange(a: int, b: int, device) -> torch.Tensor:
 
 def load_state(model, cache: GroupedPagedCache, pages: PageMap, seq_len: int) -> SequenceState:
     """The ``SequenceState`` of a sequence of ``seq_len`` tokens whose values are in ``pages``."""
-    dev = cache.device
     layers = []
     for i, block in enumerate(model.layers):
         attn = block.attn
-        dtype = attn.wkv.weight.dtype
-        k = min(attn.window - 1, seq_len)
-        st = LayerState(swa=cache.read("swa", i, pages["swa"], _arange(seq_len - k, seq_len, dev)).to(dtype))
+        st = LayerState(swa=_load_swa(cache, attn, i, pages, seq_len))
         if attn.kind != SLIDING:
             s = _short(attn.kind)
             st.comp = _load_compressor(cache, attn.compressor, f"{s}_kv", f"{s}_state", i, pages, seq_len)
@@ -69,14 +72,9 @@ def load_state(model, cache: GroupedPagedCache, pages: PageMap, seq_len: int) ->
 
 def store_state(model, cache: GroupedPagedCache, pages: PageMap, state: SequenceState, old_len: int) -> None:
     """Write what forwarding ``state`` from ``old_len`` to ``state.seq_len`` tokens added into ``pages``."""
-    dev = cache.device
-    n = state.seq_len
     for i, (block, st) in enumerate(zip(model.layers, state.layers)):
         attn = block.attn
-        first = n - st.swa.shape[0]  # st.swa holds positions [first, n)
-        new = max(old_len, first)
-        if new < n:
-            cache.write("swa", i, pages["swa"], _arange(new, n, dev), st.swa[new - first:])
+        _store_swa(cache, i, pages, st, old_len, state.seq_len)
         if attn.kind != SLIDING:
             s = _short(attn.kind)
             _store_compressor(cache, attn.compressor, f"{s}_kv", f"{s}_state", i, pages, st.comp, old_len)
@@ -85,34 +83,70 @@ def store_state(model, cache: GroupedPagedCache, pages: PageMap, state: Sequence
                                   old_len)
 
 
+def load_mtp_state(model, cache: GroupedPagedCache, pages: PageMap, seq_len: int, depth: int = 0) -> SequenceState:
+    """MTP layer ``depth``'s state (one `LayerState`: its sliding-window keys) after its entries of positions
+    ``0 .. seq_len - 1``, from the ``swa`` pages of cache layer ``num_hidden_layers + depth``."""
+    layer = model.cfg.num_hidden_layers + depth
+    return SequenceState(layers=[LayerState(swa=_load_swa(cache, model.mtp[depth].attn, layer, pages, seq_len))],
+                         seq_len=seq_len)
+
+
+def store_mtp_state(model, cache: GroupedPagedCache, pages: PageMap, state: SequenceState, old_len: int,
+                    depth: int = 0) -> None:
+    """Write MTP layer ``depth``'s keys of positions ``old_len .. state.seq_len - 1`` (`load_mtp_state`)."""
+    _store_swa(cache, model.cfg.num_hidden_layers + depth, pages, state.layers[0], old_len, state.seq_len)
+
+
+def _load_swa(cache, attn, layer: int, pages: PageMap, seq_len: int) -> torch.Tensor:
+    """The last ``window - 1`` keys before ``seq_len`` of cache layer ``layer`` ``[k, head_dim]``."""
+    k = min(attn.window - 1, seq_len)
+    return cache.read("swa", layer, pages["swa"], _arange(seq_len - k, seq_len, cache.device)).to(attn.wkv.weight.dtype)
+
+
+def _store_swa(cache, layer: int, pages: PageMap, st: LayerState, old_len: int, n: int) -> None:
+    """The keys ``st.swa`` holds of positions ``old_len .. n - 1`` (the older ones of a long forward fell out
+    of the window within it: nobody reads them)."""
+    first = n - st.swa.shape[0]  # st.swa holds positions [first, n)
+    new = max(old_len, first)
+    if new < n:
+        cache.write("swa", layer, pages["swa"], _arange(new, n, cache.device), st.swa[new - first:])
+
+
 def _load_compressor(cache, comp: Compressor, kv_group: str, state_group: str, layer: int, pages: PageMap,
                      seq_len: int) -> CompressorState:
     dev, m, w = cache.device, comp.ratio, comp.wkv.out_features
     dtype = comp.wkv.weight.dtype
+    ring = cache.layouts[state_group].group.tokens_per_page
     entries = cache.read(kv_group, layer, pages[kv_group], _arange(0, seq_len // m, dev)).to(dtype)
-    slots = cache.read(state_group, layer, pages[state_group], _arange(0, cache.layouts[state_group].group.tokens_per_page, dev))
-    kv, gate = slots[:, :w], slots[:, w:]
-    base, j = (m if comp.overlap else 0), seq_len % m
-    st = CompressorState(entries, kv[base:base + j].to(dtype), gate[base:base + j].to(dtype))
-    if comp.overlap and seq_len >= m:
+    pending_from = seq_len - seq_len % m
+    overlap = comp.overlap and seq_len >= m
+    first = pending_from - m if overlap else pending_from
+    rows = cache.read(state_group, layer, pages[state_group], _arange(first, seq_len, dev) % ring)
+    kv, gate = rows[:, :w].to(dtype), rows[:, w:].to(dtype)
+    o = pending_from - first
+    st = CompressorState(entries, kv[o:], gate[o:], fed_kv=kv[:0], fed_gate=gate[:0])
+    if overlap:
         d = comp.dim
-        # The compressor keeps this gate as (projection + position bias): the promoted dtype.
-        st.overlap_kv = kv[:m, :d].to(dtype)
-        st.overlap_gate = gate[:m, :d].to(torch.promote_types(dtype, comp.ape.dtype))
+        # As the compressor keeps them: the first half of the last complete block, the gate with its
+        # position bias added (in the promoted dtype, as `Compressor.forward` adds it).
+        st.overlap_kv = kv[:m, :d]
+        st.overlap_gate = gate[:m, :d] + comp.ape[:, :d]
     return st
 
 
 def _store_compressor(cache, comp: Compressor, kv_group: str, state_group: str, layer: int, pages: PageMap,
                       st: CompressorState, old_len: int) -> None:
-    dev, m, w = cache.device, comp.ratio, comp.wkv.out_features
+    dev, m = cache.device, comp.ratio
     old = old_len // m
     if st.num_entries > old:
         cache.write(kv_group, layer, pages[kv_group], _arange(old, st.num_entries, dev), st.entries[old:])
-    n_slots = cache.layouts[state_group].group.tokens_per_page
-    rows = torch.zeros(n_slots, 2 * w, dtype=torch.float32, device=dev)
-    base, j = (m if comp.overlap else 0), st.pending_kv.shape[0]
-    rows[base:base + j, :w], rows[base:base + j, w:] = st.pending_kv, st.pending_gate
-    if st.overlap_kv is not None:
-        d = comp.dim
-        rows[:m, :d], rows[:m, w:w + d] = st.overlap_kv, st.overlap_gate
-    cache.write(state_group, layer, pages[state_group], _arange(0, n_slots, dev), rows)
+    if st.fed_kv is None:
+        raise ValueError("a compressor state not loaded from pages (`load_state`) has no record of its raw projections")
+    # The raw projections of the positions this forward fed (the last `ring` of them), each in its slot.
+    ring = cache.layouts[state_group].group.tokens_per_page
+    fed = st.fed_kv.shape[0]
+    keep = min(fed, ring)
+    if keep:
+        rows = torch.cat([st.fed_kv[fed - keep:], st.fed_gate[fed - keep:]], dim=1).float()
+        end = old_len + fed
+        cache.write(state_group, layer, pages[state_group], _arange(end - keep, end, dev) % ring, rows)

@@ -13,7 +13,11 @@ What one sequence carries between forwards, per layer:
     after the last complete window (the partially filled block), raw;
   - ``overlap_kv`` / ``overlap_gate`` ``[m, d]`` (CSA only): the first half
     ("Ca") of the last complete window, gate with its position bias added;
-    entry ``e`` mixes it with window ``e + 1``'s second half.
+    entry ``e`` mixes it with window ``e + 1``'s second half;
+  - ``fed_kv`` / ``fed_gate`` ``[j, w]``: the raw projections of every token fed
+    since the state was built from pages, when it was (None for a standalone
+    state: nothing records them); the paged store writes them back
+    (``models.v4.paged_state``).
 
 The paged engine keeps the same information in cache groups (see
 ``models.v4.cache_spec``): ``swa`` in sliding-window pages, ``entries`` in the
@@ -34,6 +38,8 @@ class CompressorState:
     pending_gate: torch.Tensor
     overlap_kv: torch.Tensor | None = None
     overlap_gate: torch.Tensor | None = None
+    fed_kv: torch.Tensor | None = None
+    fed_gate: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, entry_dim: int, proj_dim: int, dtype: torch.dtype, device) -> "CompressorState":

@@ -156,7 +156,10 @@ def test_cache_groups_of_deepseek_v4():
     assert sorted(groups) == ["csa_index", "csa_index_state", "csa_kv", "csa_state", "hca_kv", "hca_state", "swa"]
     swa, c4, c128 = groups["swa"], groups["csa_kv"], groups["hca_kv"]
     assert (swa.bytes_per_token, swa.page_bytes, swa.tokens_per_page, swa.window) == (584, 149_760, 256, 128)
-    assert swa.layers == tuple(range(cfg.num_hidden_layers))
+    # The MTP layer (layer num_hidden_layers, sliding window only) has its keys in the swa group.
+    assert cfg.num_nextn_predict_layers == 1 and swa.layers == tuple(range(cfg.num_hidden_layers + 1))
+    main_only = {g.name: g.layers for g in v4_cache_groups(cfg, with_mtp=False)}
+    assert main_only["swa"] == tuple(range(cfg.num_hidden_layers))
     assert (c4.ratio, c128.ratio) == (4, 128) and c4.bytes_per_token == c128.bytes_per_token == 584
     assert set(c4.layers) | set(c128.layers) == set(range(cfg.num_hidden_layers))
     # Indexer keys stay in the model dtype (bf16 x index_head_dim 128), state fp32 (models/v4/cache_spec.py).
@@ -164,7 +167,9 @@ def test_cache_groups_of_deepseek_v4():
     auto = {g.name: g for g in v4_cache_groups(cfg, "auto", torch.bfloat16)}
     assert (auto["swa"].bytes_per_token, auto["swa"].page_bytes) == (1024, 256 * 1024)
     assert auto["csa_index"] == groups["csa_index"] and auto["csa_state"] == groups["csa_state"]
-    assert groups["csa_state"].tokens_per_page == 8 and groups["hca_state"].tokens_per_page == 128
+    # State rings: the 2m (CSA) / m (HCA) source positions a resuming forward reads, and 2 more an MTP verify's
+    # rejected drafts may have written past them (models/v4/cache_spec.py: state_slots).
+    assert groups["csa_state"].tokens_per_page == 10 and groups["hca_state"].tokens_per_page == 130
     # Pages one sequence touches per layer.
     assert swa.pages_for_tokens(100) == 1 and swa.pages_for_tokens(300) == 2 and swa.pages_for_tokens(512) == 1
     assert c4.pages_for_tokens(4 * 256) == 1 and c4.pages_for_tokens(4 * 256 + 4) == 2

@@ -3,9 +3,11 @@ runs today (deployments/controller/v4_rules.py)."""
 
 from __future__ import annotations
 
+from deployments.app_config import AppConfig
 from deployments.controller import check_args
+from deployments.controller.rules import validate
 from models.v4.config import V4Config
-from tests.deployments.app_fixtures import merged, yaml_args
+from tests.deployments.app_fixtures import merged, tiny_model, yaml_args
 
 
 def _paths(args) -> dict[str, str]:
@@ -19,12 +21,34 @@ def test_shipped_v4_configs_pass_with_a_v4_model_config():
         assert isinstance(result.model_cfg, V4Config)
 
 
-def test_mtp_is_refused_naming_the_field():
+def test_mtp_drafts_are_accepted_with_the_models_mtp_layer():
+    """DeepSeek-V4's MTP layer is built (models/v4/mtp.py): drafts pass where the checkpoint has the layer, both
+    roles must agree on it, and a checkpoint without one refuses them naming the field."""
     base = yaml_args("tiny_v4_pd.yaml")
-    errs = _paths(merged(base, prefill={"mtp_draft_tokens": 2}, decode={"mtp_draft_tokens": 2}))
+    both = merged(base, prefill={"mtp_draft_tokens": 2}, decode={"mtp_draft_tokens": 2})
+    result = check_args(both)
+    assert result.ok, result.violations
+    assert result.model_cfg.num_nextn_predict_layers == 1
+    mono = check_args(merged(yaml_args("tiny_v4_mono.yaml"), decode={"mtp_draft_tokens": 3}))
+    assert mono.ok, mono.violations
+    # One role drafting alone: the MTP layer's keys would be in one role's swa pages only.
+    errs = _paths(merged(base, decode={"mtp_draft_tokens": 2}))
+    assert "MTP is on for decode only" in errs["decode.mtp_draft_tokens"]
+    no_mtp = tiny_model("deepseek_v4", num_nextn_predict_layers=0)
+    errs = {v.path: v.message for v in validate(AppConfig.model_validate(both), no_mtp)}
     for role in ("prefill", "decode"):
         msg = errs[f"{role}.mtp_draft_tokens"]
-        assert "mtp_draft_tokens 2" in msg and "MTP layer is not built" in msg and "set mtp_draft_tokens to 0" in msg
+        assert "mtp_draft_tokens 2" in msg and "num_nextn_predict_layers 0" in msg
+        assert "set mtp_draft_tokens to 0" in msg
+
+
+def test_mtp_drafts_hold_their_positions_in_every_cache_group():
+    """A drafting decode role holds what its verify and draft chain write past a request's length
+    (workers.scheduler.tokens_to_hold) in each group: 511 + 2 * 3 + 1 = 518 tokens need 3 swa pages."""
+    base = merged(yaml_args("tiny_v4_mono.yaml"), model={"tiny": {"arch": "deepseek_v4"}, "max_model_len": 511},
+                  decode={"num_pages": 2})
+    assert "decode.num_pages" not in _paths(base)  # 512 tokens: 2 pages of 256 window keys
+    assert "swa 3" in _paths(merged(base, decode={"mtp_draft_tokens": 3}))["decode.num_pages"]
 
 
 def test_what_v4_does_not_run_yet_is_refused_per_field():
@@ -37,7 +61,7 @@ def test_what_v4_does_not_run_yet_is_refused_per_field():
     assert "reference backend only" in errs["decode.backend"]
     assert "memory plan" in errs["decode.device"]
     assert "swa 3" in errs["decode.num_pages"]  # 600 + 1 tokens: 3 pages of 256 window keys
-    assert "no MTP drafts" in errs["features.mtp_topk_reuse"]
+    assert "select no top-k to reuse" in errs["features.mtp_topk_reuse"]
     assert "no top-k sharing" in " ".join(v for k, v in errs.items() if k == "features.two_batch_overlap")
 
 

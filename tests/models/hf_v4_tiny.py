@@ -5,7 +5,9 @@ Dimensions deliberately differ from the real model's (head_dim 512, rope 64,
 window 128, rates 4 / 128, 4 streams) so no shape is silently hard-coded;
 windows and compression rates are small so a 40-token prompt crosses several
 windows and compressed blocks, and ``index_topk`` is below the number of
-compressed entries so the indexer really selects.
+compressed entries so the indexer really selects. ``num_nextn_predict_layers`` is 0:
+transformers builds no MTP layer, so its checkpoint holds none (``models.v4`` would
+refuse a config that declares one whose weights are missing).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ BASE = dict(
     compress_rates={CSA: 4, HCA: 8}, layer_types=[SWA, CSA, HCA, CSA],
     mlp_layer_types=["hash_moe", "moe", "moe", "moe"], hc_mult=3, hc_sinkhorn_iters=6,
     max_position_embeddings=512, initializer_range=0.1, bos_token_id=0, eos_token_id=1,
+    num_nextn_predict_layers=0,
 )
 
 CONFIGS = {

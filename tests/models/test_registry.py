@@ -75,5 +75,13 @@ def test_v4_checkpoint_names():
     assert name("layers.0.ffn.experts.7.w3.weight") == "layers.0.ffn.experts.7.up_proj.weight"
     assert name("layers.0.ffn.experts.7.w2.weight") == "layers.0.ffn.experts.7.down_proj.weight"
     assert name("layers.0.ffn.shared_experts.w2.weight") == "layers.0.ffn.shared_experts.w2.weight"
-    # Not held (yet): the MTP layer and anything past the main stack.
-    assert name("mtp.0.e_proj.weight") is None and name("layers.2.attn.wq_a.weight") is None
+    # Not held: anything past the main stack.
+    assert name("layers.2.attn.wq_a.weight") is None
+    # The MTP layer (num_nextn_predict_layers 1 here): its own tensors, and its block's named as a main layer's.
+    assert name("mtp.0.e_proj.weight") == "mtp.0.e_proj.weight" and name("mtp.0.hnorm.weight") == "mtp.0.hnorm.weight"
+    assert name("mtp.0.hc_head_scale") == "mtp.0.hc_head.scale" and name("mtp.0.hc_attn_fn") == "mtp.0.hc_attn.fn"
+    assert name("mtp.0.ffn.experts.3.w2.weight") == "mtp.0.ffn.experts.3.down_proj.weight"
+    assert name("model.mtp.0.attn.wkv.weight") == "mtp.0.attn.wkv.weight"
+    # Copies of the shared embedding / head, a second MTP layer the config does not declare, MTP off: not read.
+    assert name("mtp.0.head.weight") is None and name("mtp.0.emb.tok_emb.weight") is None
+    assert name("mtp.1.e_proj.weight") is None and v4_module_name("mtp.0.e_proj.weight", cfg, with_mtp=False) is None

@@ -34,7 +34,8 @@ from models.v4.batch import V4Batch
 from models.v4.cache_spec import STATE_LOOKAHEAD
 from models.v4.model import DeepseekV4ForCausalLM
 from models.v4.paged_state import load_state, store_state
-from workers.decode_graphs import patch_tokens, to_device
+from workers.decode_graphs import patch_tokens
+from workers.host_copy import to_device
 from workers.model_runner import DecodeStep, TokenPatch, WorkItem, decode_width
 
 __all__ = ["V4Batch", "V4ModelRunner"]

@@ -129,6 +129,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after the timed cases, profile this many steady decode steps per batch size "
                         "(GPU busy vs wall, top kernels, host cProfile: bench/step_profile.py)")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="after the timed cases, profile one pass of each --prefill case (GPU busy vs wall, "
+                        "top kernels: bench/step_profile.py)")
     return p
 
 
@@ -192,6 +195,14 @@ def _run_cases(args, llm, cases, grammar, startup: float, num_pages: int) -> int
             prof = profile_decode(llm, b, args.input_len, args.output_len, args.profile_steps)
             print_profile(prof)
             out["profiles"].append(prof)
+    if args.profile_prefill:
+        from bench.step_profile import print_prefill_profile, profile_prefill
+
+        out["prefill_profiles"] = []
+        for b, n in cases:
+            prof = profile_prefill(llm, b, n)
+            print_prefill_profile(prof)
+            out["prefill_profiles"].append(prof)
     out["two_batch_forwards"] = llm.stats()["two_batch_forwards"]
     print(f"start-up {startup:.1f} s; pool free {llm.pool.free_count}/{llm.pool.num_pages}; forwards as two "
           f"micro-batches: {out['two_batch_forwards']}")

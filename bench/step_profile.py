@@ -39,6 +39,47 @@ def _busy_union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _gpu_time(prof, top: int) -> tuple[float, float, list[tuple[float, int, str]]]:
+    """(GPU busy us: the union of the kernels' and copies' intervals, their sum, the ``top`` names by
+    total time as ``(us, calls, name)``) of a finished ``torch.profiler`` run."""
+    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = _busy_union_us([(e.time_range.start, e.time_range.end) for e in gpu])
+    by_name: dict[str, list[float]] = {}
+    for e in gpu:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    kernels = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)[:top]
+    return busy_us, sum(e.time_range.end - e.time_range.start for e in gpu), kernels
+
+
+def profile_prefill(llm, batch: int, length: int, seed: int = 11, top: int = 20) -> dict:
+    """One prefill of ``batch`` random prompts of ``length`` tokens (1 output token each) under
+    ``torch.profiler``: wall, GPU busy, the kernel sum and the ``top`` kernels (ms per prefill), so
+    a lease shows where prefill time goes against the peer's in one call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.offline import prefill_case
+
+    cuda = llm.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        case = prefill_case(llm, batch, length, seed)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    busy_us, kernel_sum_us, kernels = _gpu_time(prof, top)
+    return {"case": f"prefill {batch}x{length}", "wall_ms": wall * 1e3, "gpu_busy_ms": busy_us / 1e3,
+            "kernel_sum_ms": kernel_sum_us / 1e3, "tokens_per_s_profiled": case["prefill_tokens_per_s"],
+            "top_kernels": [{"name": k[:120], "calls": n, "ms": t / 1e3} for t, n, k in kernels]}
+
+
+def print_prefill_profile(p: dict) -> None:
+    print(f"profile {p['case']}: wall {p['wall_ms']:.1f} ms, GPU busy {p['gpu_busy_ms']:.1f} ms, kernel sum "
+          f"{p['kernel_sum_ms']:.1f} ms ({p['tokens_per_s_profiled']:,.0f} tokens/s under the profiler)", flush=True)
+    for k in p["top_kernels"]:
+        print(f"  {k['ms']:9.3f} ms  x{k['calls']:5d}  {k['name']}")
+
+
 def _steady(llm, batch: int, input_len: int, output_len: int, seed: int):
     """``batch`` greedy requests of ``input_len`` random tokens, stepped until all decode; returns them."""
     from bench.offline import random_prompts
@@ -79,13 +120,7 @@ def profile_decode(llm, batch: int, input_len: int, output_len: int, steps: int,
         wall = time.perf_counter() - t0
         if cuda:
             torch.cuda.synchronize()
-    gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy_us = _busy_union_us([(e.time_range.start, e.time_range.end) for e in gpu])
-    kernel_sum_us = sum(e.time_range.end - e.time_range.start for e in gpu)
-    by_name: dict[str, list[float]] = {}
-    for e in gpu:
-        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
-    kernels = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)[:top]
+    busy_us, kernel_sum_us, kernels = _gpu_time(prof, top)
 
     host = cProfile.Profile()
     t1 = time.perf_counter()

@@ -13,7 +13,8 @@
 #   vllm-wait           wait longer for a vLLM server still starting (UP_S seconds)
 #   dsa-up NAME MODE    `serve run` of bench/peers/serve_config.py's config (monolithic | pd) on :8000
 #                       (NO_PREFIX_CACHE=1: the prefix cache off)
-#   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results
+#   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results (for dsa-* engines
+#                       also the served engine's mean step time per kind over each run: TAG.steps.json)
 #   prefix ENGINE NAME PORT [CONCURRENCIES]   shared 8k-token prefixes, 256-token suffixes (issue 24's load)
 #   structured ENGINE NAME PORT   1024-in / 256-out at concurrency 32, every request under a JSON schema
 #                       (vLLM's `structured_outputs` field, which both servers take; compare with `bench`'s c32 row)
@@ -128,11 +129,20 @@ case "$step" in
     engine=${1:?}; name=${2:?}; port=${3:?}; ins=${4:-1024 8192}; concs=${5:-1 32 128}
     for inp in $ins; do for c in $concs; do
       n=$(( c == 1 ? 4 : (c == 32 ? 64 : c) ))
+      tag="${engine}__${name}__in${inp}__c${c}"
+      # dsa-pd's own step series around the run (bench/peers/served_steps.py): served step time per kind.
+      [ "${engine#dsa}" != "$engine" ] && env $DSA_ENV python3 -m bench.peers.served_steps snapshot /tmp/steps_before.json
       env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.serve --base-url "http://127.0.0.1:$port" --model peer-model \
           --dataset-name random --random-input-len "$inp" --random-output-len "$OUT_LEN" --random-range-ratio 0 \
           --num-prompts "$n" --max-concurrency "$c" --ignore-eos --num-warmups 2 --seed 1 --disable-tqdm \
           --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$RES" \
-          --result-filename "${engine}__${name}__in${inp}__c${c}.json" 2>&1 | grep -E "Successful|Failed|throughput|Median TTFT|Median TPOT|#" | head -12
+          --result-filename "$tag.json" 2>&1 | grep -E "Successful|Failed|throughput|Median TTFT|Median TPOT|#" | head -12
+      if [ "${engine#dsa}" != "$engine" ]; then
+        sleep "${SETTLE_S:-10}"  # Ray's metrics agent exports what the replicas recorded a few seconds late
+        env $DSA_ENV python3 -m bench.peers.served_steps snapshot /tmp/steps_after.json
+        env $DSA_ENV python3 -m bench.peers.served_steps diff /tmp/steps_before.json /tmp/steps_after.json \
+            --json "$RES/$tag.steps.json" | grep step_seconds
+      fi
       echo "== $engine $name in=$inp c=$c done"
     done; done ;;
   prefix)

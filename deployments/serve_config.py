@@ -117,7 +117,7 @@ def _summary(result: CheckResult, gpu_memory_bytes: int | None) -> list[str]:
     assert app_cfg is not None and m is not None
     plan = plan_placement(app_cfg)
     if isinstance(m, V4Config):
-        return _v4_summary(app_cfg, m, plan)
+        return _v4_summary(app_cfg, m, plan, gpu_memory_bytes)
     plan_ = m.topk_plan
     lines = [
         f"model {app_cfg.model_name!r}: {m.arch}, {m.num_hidden_layers} layers + {m.num_nextn_predict_layers} MTP, "
@@ -147,7 +147,7 @@ def _summary(result: CheckResult, gpu_memory_bytes: int | None) -> list[str]:
     return lines
 
 
-def _v4_summary(app_cfg, m: V4Config, plan) -> list[str]:
+def _v4_summary(app_cfg, m: V4Config, plan, gpu_memory_bytes: int | None) -> list[str]:
     kinds = {k: m.layer_types.count(k) for k in dict.fromkeys(m.layer_types)}
     lines = [f"model {app_cfg.model_name!r}: {m.arch}, {m.num_hidden_layers} layers "
              f"({', '.join(f'{n} {k}' for k, n in kinds.items())}), window {m.sliding_window}, compress rates "
@@ -158,7 +158,7 @@ def _v4_summary(app_cfg, m: V4Config, plan) -> list[str]:
         lo, hi = place.replica_range
         lines.append(f"{role}: {lo if lo == hi else f'{lo}-{hi}'} replica(s), {role_cfg.backend}/{role_cfg.device}/"
                      f"{role_cfg.dtype}, kv {role_cfg.kv_cache_dtype}, MTP drafts {role_cfg.mtp_draft_tokens}")
-        lines.append(f"  {v4_summary(role_cfg, m)}")
+        lines.append(f"  {v4_summary(role_cfg, m, gpu_memory_bytes)}")
         lines.append("  prefix cache: not built for DeepSeek-V4 (its compressor state is per sequence)")
     return lines
 

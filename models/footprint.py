@@ -40,3 +40,13 @@ def weight_bytes(cfg: ModelConfig, tp_size: int, dtype: torch.dtype, fp8_weights
                  hadamard: bool = False) -> int:
     """Bytes one rank's parameters and buffers take once loaded (`models.fp8.weight_bytes` of the shard)."""
     return fp8.weight_bytes(meta_model(cfg, tp_size, dtype, fp8_weights, with_mtp, hadamard))
+
+
+def v4_weight_bytes(cfg, dtype: torch.dtype, with_mtp: bool) -> int:
+    """Bytes a DeepSeek-V4 replica's parameters and buffers take once loaded (one rank, the reference
+    backend: fp8 checkpoints dequantized to ``dtype``), from ``DeepseekV4ForCausalLM`` on the meta device.
+    ``cfg``: a ``models.v4.config.V4Config``."""
+    from models.v4.model import DeepseekV4ForCausalLM
+
+    with torch.device("meta"):
+        return fp8.weight_bytes(DeepseekV4ForCausalLM(cfg, dtype, with_mtp=with_mtp))

@@ -15,6 +15,7 @@ from deployments.app_config import AppConfig, RoleConfig
 from models.config import ModelConfig
 from models import footprint
 from models.dtypes import torch_dtype
+from models.v4.config import V4Config
 from transfer.compat import CompatInfo
 
 
@@ -122,14 +123,18 @@ def _gpu_share(role_cfg: RoleConfig) -> float:
     return 1.0
 
 
-def estimate_memory(role_cfg: RoleConfig, model_cfg: ModelConfig, gpu_memory_bytes: int | None = None) -> MemoryEstimate:
+def estimate_memory(role_cfg: RoleConfig, model_cfg: ModelConfig | V4Config,
+                    gpu_memory_bytes: int | None = None) -> MemoryEstimate:
     """Per-rank memory of a replica of ``role_cfg``; the budget is ``gpu_memory x utilization x GPU share``.
 
     ``gpu_memory_bytes`` overrides the role's ``gpu_memory_gib`` (e.g. the
     memory of the device actually found).
     """
-    per_page = bytes_per_page(role_cfg, model_cfg)
     gpu = gpu_memory_bytes if gpu_memory_bytes is not None else int(role_cfg.gpu_memory_gib * GiB)
+    budget = int(gpu * role_cfg.gpu_memory_utilization * _gpu_share(role_cfg))
+    if isinstance(model_cfg, V4Config):
+        return _estimate_v4(role_cfg, model_cfg, budget)
+    per_page = bytes_per_page(role_cfg, model_cfg)
     spec = role_cfg.rank_spec()
     return MemoryEstimate(
         weights_bytes=weight_bytes_per_rank(
@@ -143,5 +148,29 @@ def estimate_memory(role_cfg: RoleConfig, model_cfg: ModelConfig, gpu_memory_byt
         page_bytes=role_cfg.num_pages * per_page,
         bytes_per_page=per_page,
         workspace_bytes=int(role_cfg.workspace_gib * GiB),
-        budget_bytes=int(gpu * role_cfg.gpu_memory_utilization * _gpu_share(role_cfg)),
+        budget_bytes=budget,
+    )
+
+
+def v4_bytes_per_page(role_cfg: RoleConfig, model_cfg: V4Config) -> int:
+    """Bytes one page id occupies in a DeepSeek-V4 replica: every cache group holds ``num_pages`` pages
+    (`workers.page_tables`), each ``units_per_page`` units of one buffer (``attention.group_cache``)."""
+    from attention.group_cache import UNIT_BYTES
+    from models.v4.cache_spec import v4_group_layouts
+
+    layouts = v4_group_layouts(model_cfg, torch_dtype(role_cfg.dtype), role_cfg.kv_cache_dtype,
+                               with_mtp=role_cfg.has_mtp)
+    return sum(lay.units_per_page for lay in layouts) * UNIT_BYTES
+
+
+def _estimate_v4(role_cfg: RoleConfig, model_cfg: V4Config, budget: int) -> MemoryEstimate:
+    """A DeepSeek-V4 replica (one rank, the reference backend): its weights as built on the meta device,
+    its cache groups' one buffer, the role's workspace allowance."""
+    per_page = v4_bytes_per_page(role_cfg, model_cfg)
+    return MemoryEstimate(
+        weights_bytes=footprint.v4_weight_bytes(model_cfg, torch_dtype(role_cfg.dtype), role_cfg.has_mtp),
+        page_bytes=role_cfg.num_pages * per_page,
+        bytes_per_page=per_page,
+        workspace_bytes=int(role_cfg.workspace_gib * GiB),
+        budget_bytes=budget,
     )

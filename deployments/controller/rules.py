@@ -324,7 +324,7 @@ def validate(app_cfg: AppConfig, model_cfg: ModelConfig | None, gpu_memory_bytes
         _feature_rules(app_cfg, None, out)
         v4_feature_rules(app_cfg, out)
         for role in app_cfg.roles:
-            v4_role_rules(role, app_cfg.for_role(role), app_cfg, model_cfg, out)
+            v4_role_rules(role, app_cfg.for_role(role), app_cfg, model_cfg, out, gpu_memory_bytes)
         return _dedupe(out)
     if not app_cfg.monolithic:
         _agreement_rules(app_cfg, model_cfg, out)

@@ -23,8 +23,10 @@ What the DSA settings mean for V4, and what its engine runs today
   format; indexer keys in the model dtype and compressor state fp32 either way).
   Prefill and decode must agree on it (``rules``, and the transfer handshake's
   per-group formats). The cuda backend is not wired into the engine.
-* memory: ``deployments.controller.memory`` plans DSA caches only; a V4 role on
-  a GPU is refused until it plans V4's groups.
+* memory: on a GPU (``device: cuda``, the reference backend) the role's plan
+  (``deployments.controller.memory.estimate_memory``: weights built on the meta
+  device, ``num_pages`` pages in every cache group, the workspace allowance)
+  must fit the role's share of the GPU, as for the DSA models.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def v4_agreement_rules(app_cfg: AppConfig, m: V4Config, out: list[Violation]) ->
         ))
 
 
-def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Config, out: list[Violation]) -> None:
+def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Config, out: list[Violation],
+                  gpu_memory_bytes: int | None = None) -> None:
     if role_cfg.has_mtp and not m.has_mtp:
         out.append(Violation(
             f"{role}.mtp_draft_tokens",
@@ -97,11 +100,16 @@ def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Conf
             "overlap (tensor-parallel all-reduces behind compute) does not apply; set it to false",
         ))
     if role_cfg.device == "cuda":
-        out.append(Violation(
-            f"{role}.device",
-            "the memory plan (deployments/controller/memory.py) does not size DeepSeek-V4's cache groups yet: "
-            "V4 roles run on device 'cpu' for now",
-        ))
+        from deployments.controller.memory import estimate_memory
+
+        est = estimate_memory(role_cfg, m, gpu_memory_bytes)
+        if not est.fits:
+            if est.weights_bytes + est.workspace_bytes > est.budget_bytes:
+                out.append(Violation(f"{role}.device", f"DeepSeek-V4 does not fit a GPU: {est.describe()}; the "
+                                     "weights alone exceed the budget (one rank per replica so far)"))
+            else:
+                out.append(Violation(f"{role}.num_pages", f"does not fit a GPU: {est.describe()}; at most "
+                                     f"{est.max_pages} pages (in each cache group) fit"))
     max_len = app_cfg.model.max_model_len or m.max_position_embeddings
     tokens = max_len
     if role == "decode" and app_cfg.monolithic:  # what the scheduler holds at admission
@@ -120,23 +128,17 @@ def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Conf
         ))
 
 
-def v4_summary(role_cfg: RoleConfig, m: V4Config) -> str:
-    """What one replica of ``role_cfg`` holds in host memory: weights and every cache group's pages."""
-    import torch
-
-    from attention.group_cache import UNIT_BYTES
+def v4_summary(role_cfg: RoleConfig, m: V4Config, gpu_memory_bytes: int | None = None) -> str:
+    """What one replica of ``role_cfg`` holds: weights and every cache group's pages (the memory plan,
+    ``deployments.controller.memory.estimate_memory``), against the GPU budget on ``device: cuda``."""
+    from deployments.controller.memory import estimate_memory, format_bytes
     from models.dtypes import torch_dtype
     from models.v4.cache_spec import v4_group_layouts
-    from deployments.controller.memory import format_bytes
 
-    from models.v4.model import DeepseekV4ForCausalLM
-
-    dtype = torch_dtype(role_cfg.dtype)
-    with torch.device("meta"):  # the MTP layer counts where the role loads it
-        weights = sum(p.numel() for p in DeepseekV4ForCausalLM(m, dtype, with_mtp=role_cfg.has_mtp).parameters())
-    weights *= dtype.itemsize
-    layouts = v4_group_layouts(m, dtype, role_cfg.kv_cache_dtype, with_mtp=role_cfg.has_mtp)
-    pages = sum(role_cfg.num_pages * lay.units_per_page * UNIT_BYTES for lay in layouts)
+    layouts = v4_group_layouts(m, torch_dtype(role_cfg.dtype), role_cfg.kv_cache_dtype, with_mtp=role_cfg.has_mtp)
     groups = ", ".join(f"{lay.name} {lay.group.tokens_per_page}/page {lay.describe()}" for lay in layouts)
-    return (f"per replica (host memory): weights {format_bytes(weights)} + pages {format_bytes(pages)} "
-            f"({role_cfg.num_pages} pages in each of {len(layouts)} cache groups: {groups})")
+    est = estimate_memory(role_cfg, m, gpu_memory_bytes)
+    where = (f"per GPU: {est.describe()}" if role_cfg.device == "cuda" else
+             f"per replica (host memory): weights {format_bytes(est.weights_bytes)} + pages "
+             f"{format_bytes(est.page_bytes)}")
+    return f"{where} ({role_cfg.num_pages} pages in each of {len(layouts)} cache groups: {groups})"

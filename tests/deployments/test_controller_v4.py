@@ -59,7 +59,7 @@ def test_what_v4_does_not_run_yet_is_refused_per_field():
                          features={"mtp_topk_reuse": True, "two_batch_overlap": True}))
     assert "decode.kv_cache_dtype" not in errs  # fp8 caches run (the 584-byte V4 format)
     assert "reference backend only" in errs["decode.backend"]
-    assert "memory plan" in errs["decode.device"]
+    assert "decode.device" not in errs  # a GPU is planned like the DSA models' (below)
     assert "swa 3" in errs["decode.num_pages"]  # 600 + 1 tokens: 3 pages of 256 window keys
     assert "select no top-k to reuse" in errs["features.mtp_topk_reuse"]
     assert "no top-k sharing" in " ".join(v for k, v in errs.items() if k == "features.two_batch_overlap")
@@ -75,3 +75,42 @@ def test_fp8_caches_are_accepted_and_both_roles_must_store_them_alike():
     # fp8 keeps V4's indexer keys in the model dtype: the dtypes must agree too.
     errs = _paths(merged(fp8, decode={"dtype": "bfloat16"}))
     assert "csa_index float32x" in errs["decode.dtype"] and "indexer keys in the model dtype" in errs["decode.dtype"]
+
+
+def test_a_v4_role_on_a_gpu_is_planned_and_refused_only_when_it_does_not_fit():
+    base = merged(yaml_args("tiny_v4_mono.yaml"), decode={"device": "cuda", "num_gpus": 1, "dtype": "bfloat16",
+                                                          "gpu_memory_gib": 80, "workspace_gib": 1})
+    result = check_args(base)
+    assert result.ok, result.violations
+    from deployments.controller.memory import estimate_memory
+
+    est = estimate_memory(result.app_cfg.decode, result.model_cfg)
+    # One page id across every cache group: the pages-too-many error names how many fit.
+    gib = (est.weights_bytes + est.workspace_bytes + 10 * est.bytes_per_page) / (1 << 30) / 0.9
+    errs = _paths(merged(base, decode={"gpu_memory_gib": gib, "gpu_memory_utilization": 0.9}))
+    assert "at most 10 pages" in errs["decode.num_pages"] or "at most 9 pages" in errs["decode.num_pages"]
+    errs = _paths(merged(base, decode={"gpu_memory_gib": 1.5, "workspace_gib": 2}))
+    assert "weights alone exceed the budget" in errs["decode.device"]
+
+
+def test_v4_memory_plan_is_what_loading_allocates(tmp_path):
+    """`estimate_memory` for a V4 role = the bytes a replica's rank holds once built from the role's
+    `RankSpec` (as serving builds it): the cache groups' one buffer, and the model's parameters and
+    buffers; with and without fp8 caches and the MTP layer (loaded only for a drafting role)."""
+    from deployments.controller.memory import estimate_memory
+    from models import fp8
+    from models.tiny_v4 import make_tiny_v4
+    from workers.rank_build import build_rank
+
+    ckpt = make_tiny_v4(tmp_path / "v4")
+    for kv, drafts in (("auto", 0), ("fp8", 2)):
+        args = merged(yaml_args("tiny_v4_mono.yaml"), model={"path": str(ckpt), "tiny": None},
+                      decode={"num_pages": 24, "kv_cache_dtype": kv, "mtp_draft_tokens": drafts})
+        result = check_args(args)
+        assert result.ok, result.violations
+        role = result.app_cfg.decode
+        est = estimate_memory(role, result.model_cfg)
+        parts = build_rank(role.rank_spec(ckpt))
+        assert (len(parts.model.mtp) > 0) == (drafts > 0)
+        assert est.page_bytes == parts.cache.buffer.numel() * parts.cache.buffer.element_size()
+        assert est.weights_bytes == fp8.weight_bytes(parts.model)

@@ -29,7 +29,6 @@ class DecoderLayer(nn.Module):
                 shared: SelectedTokens | None, reuse: SelectedTokens | None = None) -> tuple[torch.Tensor, SelectedTokens]:
         """x ``[T, hidden]`` -> (``[T, hidden]``, top-k selection of this layer)."""
         h, selected = self.self_attn(self.input_layernorm(x), cos, sin, batch, cache, layer, backend, shared, reuse)
-        x = x + h
-        h = self.post_attention_layernorm(x)
+        x, h = self.post_attention_layernorm.add_and_norm(x, h)
         x = x + (self.mlp(h, batch.static_shapes, backend.name) if self.is_moe else self.mlp(h))
         return x, selected

@@ -16,7 +16,7 @@ from models.batch import ForwardBatch, ForwardMode
 from models.config import ModelConfig
 from models.norms import LayerNorm
 from models.parallel import ReplicatedLinear
-from models.rope import apply_rope
+from models.rope import apply_rope, fused_rope
 
 
 def hadamard_matrix(dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -64,14 +64,18 @@ class Indexer(nn.Module):
             self.rotation = hadamard_matrix(self.head_dim, device=self.rotation.device)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x ``[T, (H,) head_dim]`` -> rope'd, float32 (what the scoring and the cache writes take)."""
         # The indexer's rope dims come first (MLA puts them last).
+        ops = fused_rope(x, cos, self.rope_dim)
+        if ops is not None:  # one kernel: rotate, copy the rest, store fp32
+            return ops.apply_rope(x, cos, sin, self.rope_interleaved, rotate=self.rope_dim, out_dtype=torch.float32)
         rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
-        return torch.cat([apply_rope(rot, cos, sin, self.rope_interleaved), rest], dim=-1)
+        return torch.cat([apply_rope(rot, cos, sin, self.rope_interleaved), rest], dim=-1).float()
 
     def write_keys(self, x, cos, sin, batch: ForwardBatch, cache, layer: int, backend) -> None:
         """Compute and cache this step's indexer keys only (a step that reuses an
         earlier top-k still leaves its keys for later queries)."""
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin).float()
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
         if self.hadamard:
             # Orthonormal: q.k is unchanged, but outliers spread out before fp8.
             k = k @ self.rotation
@@ -82,7 +86,7 @@ class Indexer(nn.Module):
         ``cache`` layer ``layer`` and returns the top-k selection of every token."""
         T = x.shape[0]
         self.write_keys(x, cos, sin, batch, cache, layer, backend)
-        q = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin).float()
+        q = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin)
         weights = self.weights_proj(x.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         if self.hadamard:
             q = q @ self.rotation

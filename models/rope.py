@@ -17,6 +17,8 @@ true interleaved rotation, and cached keys are bit-compatible with it.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 
 import torch
@@ -69,11 +71,33 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
+@functools.cache
+def _fused_ops():
+    """``models.ops.rope_cuda`` where Triton is installed, else None."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from models.ops import rope_cuda
+
+    return rope_cuda
+
+
+def fused_rope(x: torch.Tensor, cos: torch.Tensor, rotate: int):
+    """``models.ops.rope_cuda`` when it takes this CUDA call (one Triton kernel instead of seven), else None."""
+    if not x.is_cuda:
+        return None
+    ops = _fused_ops()
+    return ops if ops is not None and ops.supports(x, cos, rotate) else None
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotate ``x`` ``[T, ..., d]`` by per-token ``cos``/``sin`` ``[T, d/2]``.
 
-    Middle dims (heads) broadcast. Output has ``x``'s shape and dtype.
+    Middle dims (heads) broadcast. Output has ``x``'s shape and dtype. On CUDA one fused Triton
+    kernel (`models.ops.rope_cuda`: the same roundings; this torch code is the spec it is tested against).
     """
+    ops = fused_rope(x, cos, x.shape[-1])
+    if ops is not None:
+        return ops.apply_rope(x, cos, sin, interleaved)
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
     c, s = cos.view(shape), sin.view(shape)
     if interleaved:

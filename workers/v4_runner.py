@@ -9,6 +9,10 @@ batch runs through ``models.v4``'s model (per-sequence attention, batched
 projections and MoE), and what it added goes back into the pages: nothing of
 a request lives in the runner between forwards.
 
+Prefix caching (`workers.v4_prefix`): a table with cut state pages (more than
+one page in a CSA state group) gets the state at every cut a forward crosses
+written into the page for it (``paged_state.store_cut_states``).
+
 Not here yet: CUDA graphs and overlap scheduling (tokens come from the host
 each step), the MTP layer, the cuda backend's sparse kernels.
 """
@@ -21,9 +25,11 @@ import torch
 
 from attention.group_cache import GroupedPagedCache
 from models.batch import ForwardMode
+from models.v4.cache_spec import cut_state_groups
 from models.v4.model import DeepseekV4ForCausalLM
-from models.v4.paged_state import load_state, store_state
+from models.v4.paged_state import load_state, record_fed, store_cut_states, store_state
 from workers.model_runner import DecodeStep, TokenPatch, WorkItem, decode_width
+from workers.v4_prefix import cut_tokens
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,8 @@ class V4ModelRunner:
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.backend = None
         self.decode_graphs: dict = {}
+        self.cut = cut_tokens(cache.groups)
+        self.cut_groups = cut_state_groups(model.cfg)
 
     def enable_decode_graphs(self, *args, **kwargs) -> None:
         raise ValueError("CUDA graphs are not built for DeepSeek-V4 (its runner is eager, reference backend)")
@@ -74,11 +82,26 @@ class V4ModelRunner:
             if not isinstance(it.page_table, dict):
                 raise TypeError("a DeepSeek-V4 work item's page table is its pages per cache group")
         states = [load_state(self.model, self.cache, it.page_table, it.start) for it in items]
+        cuts = [self._cut_pages(it) for it in items]
+        for st, c in zip(states, cuts):
+            if c:
+                record_fed(self.model, st)
         ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64, device=self.device)
         hidden = self.model(ids, list(batch.q_lens), states)
-        for it, st in zip(items, states):
+        for it, st, c in zip(items, states, cuts):
             store_state(self.model, self.cache, it.page_table, st, it.start)
+            if c:
+                store_cut_states(self.model, self.cache, st, it.start, c)
         return batch, hidden
+
+    def _cut_pages(self, item: WorkItem) -> dict[int, dict[str, int]]:
+        """The cuts ``item`` crosses (``start < c <= end``) whose state its table has a page for in every
+        cut state group: cut -> group -> page (index ``c // G``; none without a prefix cache)."""
+        pages = item.page_table
+        n = min((len(pages.get(g, ())) for g in self.cut_groups), default=0)
+        end = item.start + len(item.token_ids)
+        first = item.start // self.cut + 1
+        return {k * self.cut: {g: pages[g][k] for g in self.cut_groups} for k in range(first, min(end // self.cut + 1, n))}
 
     @torch.inference_mode()
     def decode(self, step: DecodeStep, token_patch: TokenPatch | None = None) -> torch.Tensor:

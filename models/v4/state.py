@@ -2,8 +2,11 @@
 
 What one sequence carries between forwards, per layer:
 
-* ``swa``: the last ``sliding_window - 1`` keys (= values) of the uncompressed
-  sliding-window cache, ``[k, head_dim]``, rotated at their positions;
+* ``swa``: the keys (= values) of the uncompressed sliding-window cache,
+  ``[k, head_dim]``, rotated at their positions: before a forward the last
+  ``sliding_window - 1`` (at most: what attention reads), after it those and
+  every key the forward made (so the paged store writes every position's key:
+  a cached prefix's pages hold the window before any cut);
 * for CSA / HCA layers, a ``CompressorState`` of the attention compressor and,
   for CSA layers, one of the indexer's compressor:
 
@@ -13,7 +16,10 @@ What one sequence carries between forwards, per layer:
     after the last complete window (the partially filled block), raw;
   - ``overlap_kv`` / ``overlap_gate`` ``[m, d]`` (CSA only): the first half
     ("Ca") of the last complete window, gate with its position bias added;
-    entry ``e`` mixes it with window ``e + 1``'s second half.
+    entry ``e`` mixes it with window ``e + 1``'s second half;
+  - ``fed_kv`` / ``fed_gate`` ``[j, w]``: the raw projections of every token fed
+    since recording began (None: nothing records them); the paged store writes
+    the cut states of prefix caching from them (``models.v4.paged_state``).
 
 The paged engine keeps the same information in cache groups (see
 ``models.v4.cache_spec``): ``swa`` in sliding-window pages, ``entries`` in the
@@ -34,6 +40,8 @@ class CompressorState:
     pending_gate: torch.Tensor
     overlap_kv: torch.Tensor | None = None
     overlap_gate: torch.Tensor | None = None
+    fed_kv: torch.Tensor | None = None
+    fed_gate: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, entry_dim: int, proj_dim: int, dtype: torch.dtype, device) -> "CompressorState":

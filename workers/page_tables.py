@@ -189,6 +189,14 @@ class GroupPagePools:
                 self._release(g, [table.pages[g][i] for i in idx])
         table.pages = {}
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached cut (a restarted cache; tests): pages only the cache referenced return to
+        their pools, pages requests hold stay theirs."""
+        if self.prefix_cache is not None:
+            for g, p in self.prefix_cache.clear():
+                self._solo[g].discard(p)
+                self.pools[g].free([p])
+
     # -- references ------------------------------------------------------------------------
 
     def _free(self, g: str) -> int:

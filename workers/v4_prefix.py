@@ -86,6 +86,28 @@ def filled(group: CacheGroup, tokens: int) -> int:
     return tokens if group.kind == "swa" else tokens // group.ratio
 
 
+def pages_with_cuts(group: CacheGroup, num_tokens: int, cut: int, cut_groups: Sequence[str]) -> int:
+    """Pages of ``group`` a sequence of ``num_tokens`` tokens holds with a prefix cache of cut interval
+    ``cut``: one more page per cut ``<= num_tokens`` in a cut state group (``cut_groups``), as without a
+    cache otherwise (`workers.page_tables.group_pages_for_tokens`)."""
+    from workers.page_tables import group_pages_for_tokens  # (it imports this module)
+
+    extra = num_tokens // cut if group.name in cut_groups and num_tokens > 0 else 0
+    return group_pages_for_tokens(group, num_tokens) + extra
+
+
+def tokens_with_cuts(group: CacheGroup, pages: int, cut: int, cut_groups: Sequence[str]) -> int | None:
+    """The most tokens a sequence may have while ``pages_with_cuts(group, n, ...) <= pages`` (its inverse;
+    None: any length)."""
+    from workers.page_tables import group_tokens_for_pages
+
+    n = group_tokens_for_pages(group, pages)
+    if group.name not in cut_groups:
+        return n
+    most = max(pages, 0) * cut - 1 if pages > 0 else 0  # 1 + n // cut <= pages
+    return most if n is None else min(n, most)
+
+
 @dataclass(eq=False)
 class _Cut:
     key: bytes
@@ -129,12 +151,8 @@ class V4PrefixCache:
 
     # ------------------------------------------------------------------ geometry
     def pages_for_tokens(self, group: CacheGroup, num_tokens: int) -> int:
-        """Pages of ``group`` a sequence of ``num_tokens`` tokens holds with this cache on: one more page per
-        cut ``<= num_tokens`` in a cut state group; as without it otherwise."""
-        from workers.page_tables import group_pages_for_tokens
-
-        extra = num_tokens // self.cut if group.name in self.cut_groups and num_tokens > 0 else 0
-        return group_pages_for_tokens(group, num_tokens) + extra
+        """`pages_with_cuts` of this cache's groups."""
+        return pages_with_cuts(group, num_tokens, self.cut, self.cut_groups)
 
     def entry_indices(self, group: CacheGroup, cut: int) -> range:
         """Page indices of ``group`` the entry of cut ``cut`` holds: the pages of the positions since the

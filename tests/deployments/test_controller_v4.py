@@ -51,3 +51,12 @@ def test_fp8_caches_are_accepted_and_both_roles_must_store_them_alike():
     # fp8 keeps V4's indexer keys in the model dtype: the dtypes must agree too.
     errs = _paths(merged(fp8, decode={"dtype": "bfloat16"}))
     assert "csa_index float32x" in errs["decode.dtype"] and "indexer keys in the model dtype" in errs["decode.dtype"]
+
+
+def test_the_prefix_cache_pages_per_cut_are_counted():
+    """With features.prefix_caching (the default) the CSA state groups hold a page per 256-token cut
+    (workers.v4_prefix): 512 tokens fit 2 pages of window keys but need 3 csa_state pages."""
+    base = merged(yaml_args("tiny_v4_pd.yaml"), model={"max_model_len": 512}, prefill={"num_pages": 2})
+    errs = _paths(base)
+    assert "csa_state 3" in errs["prefill.num_pages"] and "swa" not in errs["prefill.num_pages"]
+    assert "prefill.num_pages" not in _paths(merged(base, features={"prefix_caching": False}))

@@ -23,7 +23,7 @@ from workers.offline import LLM
 from workers.prefix_cache import chain_keys, routing_key
 from workers.request import Request
 from workers.sample.params import SamplingParams
-from workers.v4_prefix import V4PrefixCache
+from workers.v4_prefix import V4PrefixCache, pages_with_cuts, tokens_with_cuts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -278,6 +278,13 @@ def test_cut_geometry_and_pd_skips(tiny_v4):
     assert [pool.need(n)["csa_state"] for n in (1, 255, 256, 257, 512)] == [1, 1, 2, 2, 3]
     assert [pool.need(n)["swa"] for n in (1, 255, 256, 257, 512)] == [1, 1, 1, 2, 2]
     assert pool.need(600)["hca_state"] == 1
+    # The admission bound is the pools' rule inverted: the most tokens `pages` pages hold in a group.
+    for g in pool.groups.values():
+        for pages in (1, 2, 5):
+            n = tokens_with_cuts(g, pages, cache.cut, cache.cut_groups)
+            if n is not None:
+                assert pages_with_cuts(g, n, cache.cut, cache.cut_groups) <= pages, (g.name, pages)
+                assert pages_with_cuts(g, n + 1, cache.cut, cache.cut_groups) > pages, (g.name, pages)
     for bad in (1, 3, 5, 8):  # not a cut, or not before the prompt's last token (512 tokens)
         with pytest.raises(ValueError):
             pool.check_skip(512, bad)

@@ -256,7 +256,8 @@ class V4PrefixCache:
         return out
 
     # ------------------------------------------------------------------ changes
-    def insert(self, token_ids: Sequence[int], pages: Mapping[str, Sequence[int]], valid_tokens: int) -> list[GroupPage]:
+    def insert(self, token_ids: Sequence[int], pages: Mapping[str, Sequence[int]],
+               valid_tokens: int) -> list[GroupPage]:
         """Cache the cuts ``<= valid_tokens`` of a request holding ``pages`` (its table, group -> page ids
         by index) for ``token_ids``; the caller vouches that every position below ``valid_tokens`` is
         written, and its cut states. Cuts already cached are kept (the chain goes on through them); a key

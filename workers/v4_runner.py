@@ -101,7 +101,8 @@ class V4ModelRunner:
         n = min((len(pages.get(g, ())) for g in self.cut_groups), default=0)
         end = item.start + len(item.token_ids)
         first = item.start // self.cut + 1
-        return {k * self.cut: {g: pages[g][k] for g in self.cut_groups} for k in range(first, min(end // self.cut + 1, n))}
+        return {k * self.cut: {g: pages[g][k] for g in self.cut_groups}
+                for k in range(first, min(end // self.cut + 1, n))}
 
     @torch.inference_mode()
     def decode(self, step: DecodeStep, token_patch: TokenPatch | None = None) -> torch.Tensor:

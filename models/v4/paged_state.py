@@ -112,7 +112,7 @@ def store_cut_states(model, cache: GroupedPagedCache, state: SequenceState, old_
     dev = cache.device
     for i, (block, st) in enumerate(zip(model.layers, state.layers)):
         for comp, group, cs in _overlap_compressors(block.attn, st):
-            m, w, d = comp.ratio, comp.wkv.out_features, comp.dim
+            m, d = comp.ratio, comp.dim
             base = old_len - old_len % m  # position of fed row 0
             n_slots = cache.layouts[group].group.tokens_per_page
             for c, pages in cut_pages.items():

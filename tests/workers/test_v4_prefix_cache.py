@@ -257,7 +257,6 @@ def test_counters_and_routing_keys(cached, reference):
     """The replica's prefix-cache figures (what the metrics and the cache-aware router read) see V4's
     cache: pages held, queries / hits in tokens, and the 64-token page keys of the cached cuts."""
     from deployments.replica_stats import PrefixKeys
-    from workers.prefix_cache import replica_salt  # noqa: F401 (the salt the replica was built with)
 
     llm = cached(False)
     llm.generate([WARM], max_new_tokens=NEW, ignore_eos=True)

@@ -190,3 +190,29 @@ def test_preemption_with_mtp(friendly):
     assert llm.generate(ps, max_new_tokens=12, ignore_eos=True) == alone
     st = llm.stats()
     assert st["preemptions"] >= 1 and st["pool_free_pages"] == st["pool_total_pages"]
+
+
+@pytest.mark.parametrize("pd", [False, True])
+def test_mtp_with_the_prefix_cache_equals_greedy_uncached(friendly, pd):
+    """MTP drafts and the prefix cache together (`workers.v4_prefix`) are lossless: greedy with 3 drafts and the
+    cache on equals greedy without drafts and with the cache off, tokens and logprobs, over three turns of one
+    conversation. Turn 1's verify steps cross the cut at 256 (with drafts rejected before it: their rows
+    reach the cut's state page and are rewritten by the forward that next crosses it); turn 2 reuses that cut
+    and its prefill crosses 512 in a chunk from 510 (the cut's block [508, 512) begins before the forward:
+    its first rows come from the loaded state); turn 3 reuses 512."""
+    turns = [random_prompt(250, 300, 11)]
+    want_llm = LLM(friendly, num_pages=16, chunk_size=256, prefix_caching=False)
+    # Chunks such that turn 2's prefill (monolithic: from the cut 256; PD: prefill from 0) starts one at 510.
+    llm = LLM(friendly, num_pages=16, chunk_size=102 if pd else 127, mtp_draft_tokens=3, pd=pd)
+    hits = []
+    for extra in (270, 40, None):
+        want = _greedy(want_llm, turns[-1:])
+        before = llm.stats()["prefix_cache_hits"]
+        _same(_greedy(llm, turns[-1:]), want)
+        hits.append(llm.stats()["prefix_cache_hits"] - before)
+        if extra is not None:
+            turns.append(turns[-1] + want[0][0] + random_prompt(extra, 300, 12 + extra))
+    assert hits == [0, 256, 512], hits
+    st = llm.stats()
+    assert 0 in st["mtp_accepted_histogram"] and 0 < st["mtp_accepted"] < st["mtp_drafted"]
+    assert st["pool_free_pages"] == st["pool_total_pages"]

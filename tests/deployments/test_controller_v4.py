@@ -106,7 +106,10 @@ def test_v4_memory_plan_is_what_loading_allocates(tmp_path):
     from deployments.controller.memory import estimate_memory
     from models import fp8
     from models.tiny_v4 import make_tiny_v4
+    from models.v4.cache_spec import cut_state_groups
+    from workers.page_tables import GroupPagePools
     from workers.rank_build import build_rank
+    from workers.v4_prefix import V4PrefixCache
 
     ckpt = make_tiny_v4(tmp_path / "v4")
     for kv, drafts in (("auto", 0), ("fp8", 2)):
@@ -120,6 +123,11 @@ def test_v4_memory_plan_is_what_loading_allocates(tmp_path):
         assert (len(parts.model.mtp) > 0) == (drafts > 0)
         assert est.page_bytes == parts.cache.buffer.numel() * parts.cache.buffer.element_size()
         assert est.weights_bytes == fp8.weight_bytes(parts.model)
+        # The prefix cache (on by default) allocates nothing of its own: a cut state is a page of its group's
+        # num_pages, which the pools of a cached replica take from this buffer.
+        assert result.app_cfg.features.prefix_caching
+        pools = GroupPagePools(parts.cache, V4PrefixCache(b"", parts.cache.groups, cut_state_groups(result.model_cfg)))
+        assert {g: p.num_pages for g, p in pools.pools.items()} == {g.name: 24 for g in parts.cache.groups}
 
 
 def test_the_prefix_cache_pages_per_cut_are_counted():

@@ -165,7 +165,8 @@ def test_pd_with_mtp_equals_monolithic(friendly, tiny_v4, prompts, baseline, mon
     _same(_greedy(llm, prompts), baseline)
     assert set(llm.stats()["mtp_accepted_histogram"]) == {0, 1, 2}
     for pools in (llm.pd.prefill.pool, llm.pd.decode.pool):
-        assert {g: p.free_count for g, p in pools.pools.items()} == {g: p.num_pages for g, p in pools.pools.items()}
+        # Free, or held only by the prefix cache (reclaimable).
+        assert pools.free_counts() == {g: p.num_pages for g, p in pools.pools.items()}
     runs = []
     for pd in (False, True):
         logits = _record_draft_logits(monkeypatch)
@@ -183,10 +184,11 @@ def test_fp8_caches_with_mtp(friendly, prompts):
 
 def test_preemption_with_mtp(friendly):
     """Two 250-token prompts with 3 pages per group: the newer one is preempted while drafting (its pages of
-    every group freed, its pending state dropped) and resumes as if alone."""
+    every group freed, its pending state dropped) and resumes as if alone. The prefix cache off: with its cut state
+    pages the pools run short at another point, and this schedule preempts nothing."""
     ps = [random_prompt(250, 300, 7), random_prompt(250, 300, 8)]
     alone = [LLM(friendly, num_pages=8).generate([p], max_new_tokens=12, ignore_eos=True)[0] for p in ps]
-    llm = LLM(friendly, num_pages=3, chunk_size=512, mtp_draft_tokens=2)
+    llm = LLM(friendly, num_pages=3, chunk_size=512, mtp_draft_tokens=2, prefix_caching=False)
     assert llm.generate(ps, max_new_tokens=12, ignore_eos=True) == alone
     st = llm.stats()
     assert st["preemptions"] >= 1 and st["pool_free_pages"] == st["pool_total_pages"]

@@ -35,7 +35,7 @@ from attention.cache_groups import CacheGroup
 from attention.formats import PAGE_SIZE, pages_for_tokens
 from deployments.app_config import AppConfig
 from deployments.openai.errors import ContextLengthExceeded, Overloaded
-from workers.page_tables import group_tokens_for_pages
+from workers.v4_prefix import cut_tokens, tokens_with_cuts
 from workers.scheduler import tokens_to_hold
 
 __all__ = [
@@ -163,6 +163,8 @@ class PoolFit:
     draft_tokens: int
     monolithic: bool
     groups: tuple[CacheGroup, ...] = ()
+    cut_groups: tuple[str, ...] = ()
+    """With DeepSeek-V4's prefix cache: the groups holding a page per 256-token cut too (`workers.v4_prefix`)."""
 
     @classmethod
     def of(cls, cfg: AppConfig, model_cfg=None) -> "PoolFit":
@@ -171,19 +173,24 @@ class PoolFit:
         from models.v4.config import V4Config
 
         mono = cfg.monolithic
-        groups = ()
+        groups, cut_groups = (), ()
         if isinstance(model_cfg, V4Config):
             from models.v4.cache_spec import v4_cache_groups
 
             groups = tuple(v4_cache_groups(model_cfg, cfg.decode.kv_cache_dtype))
+            if cfg.features.prefix_caching:
+                from models.v4.cache_spec import cut_state_groups
+
+                cut_groups = cut_state_groups(model_cfg)
         return cls(cfg.decode.num_pages - (0 if mono else 1), None if mono else cfg.prefill.num_pages,
-                   cfg.decode.mtp_draft_tokens, mono, groups)
+                   cfg.decode.mtp_draft_tokens, mono, groups, cut_groups)
 
     def capacity(self, pages: int) -> int:
         """The most tokens one request's sequence may have in a pool of ``pages`` pages."""
         if not self.groups:
             return pages * PAGE_SIZE
-        bounds = [n for n in (group_tokens_for_pages(g, pages) for g in self.groups) if n is not None]
+        cut = cut_tokens(self.groups)
+        bounds = [n for n in (tokens_with_cuts(g, pages, cut, self.cut_groups) for g in self.groups) if n is not None]
         return min(bounds) if bounds else 1 << 62
 
     def _pool_text(self, pages: int) -> str:

@@ -159,15 +159,19 @@ def _v4_summary(app_cfg, m: V4Config, plan, gpu_memory_bytes: int | None) -> lis
         lines.append(f"{role}: {lo if lo == hi else f'{lo}-{hi}'} replica(s), {role_cfg.backend}/{role_cfg.device}/"
                      f"{role_cfg.dtype}, kv {role_cfg.kv_cache_dtype}, MTP drafts {role_cfg.mtp_draft_tokens}")
         lines.append(f"  {v4_summary(role_cfg, m, gpu_memory_bytes)}")
-        lines.append("  prefix cache: not built for DeepSeek-V4 (its compressor state is per sequence)")
+        lines.append("  " + _prefix_cache_line(app_cfg, role_cfg, v4=True))
     return lines
 
 
-def _prefix_cache_line(app_cfg, role_cfg) -> str:
+def _prefix_cache_line(app_cfg, role_cfg, v4: bool = False) -> str:
     """How `features.prefix_caching` uses the role's pool: no memory of its own (cached pages are pool pages,
-    unreferenced ones counted free), a host-side index of at most every page."""
+    unreferenced ones counted free), a host-side index of at most every page. ``v4``: DeepSeek-V4's cache
+    groups (`workers.v4_prefix`: reused up to 256-token cuts, each cut's CSA state in a page of its own)."""
     if not app_cfg.features.prefix_caching:
         return "prefix cache: off (every prompt is prefilled and pushed whole)"
+    if v4:
+        return ("prefix cache: on, in each group's pool pages, reused up to cuts every 256 tokens (the CSA state "
+                "groups hold a page per cut of every sequence); unreferenced cached pages count as free")
     index = format_bytes(role_cfg.num_pages * HOST_BYTES_PER_CACHED_PAGE)
     route = (f"routed cache_aware (overlap weight {app_cfg.router.overlap_weight:g} requests per page, "
              f"{app_cfg.router.prefix_pages} pages looked up)" if app_cfg.router.policy == "cache_aware"

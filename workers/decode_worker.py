@@ -131,7 +131,7 @@ class DecodeWorker:
         if received:
             self.pool.free(pages)
         elif a.cached:
-            self.pool.free(pages[:a.cached])
+            self.pool.free_cached(pages, a.cached)
         a.request.page_table = []
 
     def _maybe_admit(self, a: _Awaiting) -> list[RequestOutput]:

@@ -161,6 +161,11 @@ class PagePool:
         holds its first ``skip_pages`` pages: ``(page ids, prompt length as the transfer counts it)``."""
         return list(table[skip_pages:]), num_tokens - skip_pages * PAGE_SIZE
 
+    def free_cached(self, pages: list[int], cached: int) -> None:
+        """Drop a request's references to the ``cached`` leading pages it shares from the prefix cache (what
+        `transfer_plan` leaves out: the rest are a receive's to give back)."""
+        self.free(pages[:cached])
+
     def reserve_warmup(self) -> int:
         """A transfer id no request ever uses, for prefill replicas' warm-up WRITE of a new pair (held forever)."""
         return self.allocate(1)[0]
@@ -226,6 +231,10 @@ class PagePool:
         for p in done:
             del self._held[p]
         self._unused(done)
+
+    def refs(self, page: int) -> int:
+        """References to ``page`` (0: free, parked or held back)."""
+        return self._refs.get(page, 0)
 
     @property
     def held_count(self) -> int:

@@ -12,7 +12,12 @@ special case. How many pages a sequence of ``n`` tokens needs in a group:
   kept, not freed (simple, and a request's pages stay one list per group; the
   cost is ``n`` keys' memory instead of ``window``'s; ``models.v4.paged_state``);
 * ``compressed`` / ``indexer``: pages of entries ``[0, n // ratio)``;
-* ``state``: one page.
+* ``state``: one page; with a prefix cache, the CSA state groups one more per
+  256-token cut (each cut's state: `workers.v4_prefix`).
+
+With a prefix cache (`workers.v4_prefix.V4PrefixCache`) a table's leading pages
+may be shared with the cache and other requests (read-only); a cached page only
+the cache references is counted free until an allocation evicts it.
 
 For the transfer a table is one list of unit ids (`transfer_ids`,
 ``attention.group_cache``): the groups' pages in group order.
@@ -20,13 +25,14 @@ For the transfer a table is one list of unit ids (`transfer_ids`,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from attention.cache_groups import CacheGroup
 from attention.formats import PAGE_SIZE
 from attention.group_cache import GroupedPagedCache
 from workers.page_pool import PagePool, PoolExhausted
+from workers.v4_prefix import V4PrefixCache, cut_tokens
 
 
 @dataclass
@@ -78,21 +84,30 @@ def group_tokens_for_pages(group: CacheGroup, pages: int) -> int | None:
 
 
 class GroupPagePools:
-    """One `PagePool` per group of ``cache`` (its page counts). No prefix cache: V4's state pages
-    are per sequence (a cached prefix would need its state at the prefix's end)."""
+    """One `PagePool` per group of ``cache`` (its page counts), and the groups' prefix cache when
+    ``prefix`` is given (`workers.v4_prefix.V4PrefixCache`: cuts every 256 tokens, each cut's state in
+    pages of its own). Pages the cache alone references are reclaimable: counted free, returned to their
+    pool (least recently used cut first) when an allocation needs them."""
 
-    prefix_cache = None
-    cached_count = 0
-
-    def __init__(self, cache: GroupedPagedCache):
+    def __init__(self, cache: GroupedPagedCache, prefix: V4PrefixCache | None = None):
         self.cache = cache
         self.groups = {g.name: g for g in cache.groups}
         self.pools = {name: PagePool(n) for name, n in cache.num_pages.items()}
+        self.prefix_cache = prefix
+        # Per group: the cached pages no request references (the cache's reference is their only one).
+        self._solo: dict[str, set[int]] = {g: set() for g in self.groups}
+
+    @property
+    def cached_count(self) -> int:
+        """Pages the prefix cache holds, over every group (0 without one)."""
+        return len(self.prefix_cache) if self.prefix_cache is not None else 0
 
     # -- what the scheduler asks ---------------------------------------------------------
 
     def need(self, num_tokens: int) -> dict[str, int]:
         """Pages per group of a sequence of ``num_tokens`` tokens."""
+        if self.prefix_cache is not None:
+            return {name: self.prefix_cache.pages_for_tokens(g, num_tokens) for name, g in self.groups.items()}
         return {name: group_pages_for_tokens(g, num_tokens) for name, g in self.groups.items()}
 
     def fits_ever(self, num_tokens: int) -> bool:
@@ -108,29 +123,112 @@ class GroupPagePools:
     def grow(self, table: PageTable, num_tokens: int) -> bool:
         """Give ``table`` the pages of ``num_tokens`` tokens in every group, all or nothing."""
         missing = {g: n - len(table.pages.get(g, ())) for g, n in self.need(num_tokens).items()}
-        if any(k > self.pools[g].free_count for g, k in missing.items() if k > 0):
+        if any(k > self._free(g) for g, k in missing.items() if k > 0):
             return False
         for g, k in missing.items():
             if k > 0:
-                table.pages.setdefault(g, []).extend(self.pools[g].allocate(k))
+                table.pages.setdefault(g, []).extend(self._allocate(g, k))
         return True
 
     def acquire_tokens(self, token_ids: Sequence[int], hold_tokens: int, reuse: bool = True) -> tuple[PageTable, int]:
-        """A fresh table with the pages of ``hold_tokens`` tokens; ``(table, 0)`` (nothing is cached).
+        """A table with the pages of ``hold_tokens`` tokens for a request about to compute ``token_ids``:
+        with a prefix cache (and ``reuse``) the pages of its longest cached prefix ending at a cut before
+        its last token (`workers.v4_prefix`: shared read-only; the pages straddling the cut and the cut's
+        state copied into fresh ones), fresh pages for the rest. Returns ``(table, cached)``, ``cached`` the
+        64-token pages of the prefix reused (the request computes from ``cached * 64``); counts the lookup.
         Raises `PoolExhausted` with nothing taken."""
-        table = PageTable({g: [] for g in self.groups})
-        if not self.grow(table, hold_tokens):
-            raise PoolExhausted(f"{hold_tokens} tokens need {self.need(hold_tokens)} pages; free {self.free_counts()}")
-        return table, 0
+        cache = self.prefix_cache
+        need = self.need(hold_tokens)
+        hit = cache.match(token_ids, len(token_ids) - 1) if cache is not None and reuse else None
+        shared: dict[str, dict[int, int]] = {g: {} for g in self.groups}
+        copies: dict[str, tuple[int, int]] = {}
+        if hit is not None:
+            shared, copies = cache.hit_pages(hit)
+        # Pinned while the fresh pages are taken: what the table shares and what is copied (an eviction
+        # for the fresh pages must not hand a copy's source out before it is read).
+        pinned = {g: list(shared[g].values()) + ([copies[g][1]] if g in copies else []) for g in self.groups}
+        fresh = {g: n - len(shared[g]) for g, n in need.items()}
+        short = {g: k for g, k in fresh.items() if k > self._free(g) - len(self._solo[g].intersection(pinned[g]))}
+        if short:
+            raise PoolExhausted(f"{hold_tokens} tokens need {need} pages ({sum(map(len, shared.values()))} "
+                                f"cached); free {self.free_counts()}")
+        for g, pages in pinned.items():
+            self._share(g, pages)
+        table = PageTable({})
+        for g, n in need.items():
+            new = iter(self._allocate(g, fresh[g]))
+            table.pages[g] = [shared[g][i] if i in shared[g] else next(new) for i in range(n)]
+        view = self.cache.view
+        for g, (i, src) in copies.items():
+            view(g)[table.pages[g][i]] = view(g)[src]
+            self._release(g, [src])  # the pin
+        if cache is not None:
+            cache.counters.queries += len(token_ids)
+            cache.counters.hits += hit.cut if hit is not None else 0
+        return table, (hit.cut // PAGE_SIZE if hit is not None else 0)
 
     def allocate_for_tokens(self, num_tokens: int) -> PageTable:
         """A fresh table for ``num_tokens`` tokens (`PagePool.allocate_for_tokens`' counterpart)."""
-        return self.acquire_tokens((), num_tokens)[0]
+        return self.acquire_tokens((), num_tokens, reuse=False)[0]
 
     def free(self, table: PageTable, token_ids=None, valid_tokens: int = 0) -> None:
+        """Drop ``table``'s references (one per page); with ``token_ids`` and a prefix cache, its cuts
+        ``<= valid_tokens`` (positions written in every group) are cached first."""
+        if token_ids is not None and self.prefix_cache is not None:
+            for g, p in self.prefix_cache.insert(token_ids, table.pages, valid_tokens):
+                self._share(g, [p])  # the cache's reference
         for g, pages in table.pages.items():
-            self.pools[g].free(pages)
+            self._release(g, pages)
         table.pages = {}
+
+    def free_cached(self, table: PageTable, cached: int) -> None:
+        """Drop a request's references to the pages it shares from the prefix cache (a hit of ``cached``
+        64-token pages): what `transfer_plan` leaves out; the rest are a receive's to give back."""
+        if cached:
+            for g, idx in self._shared_indices(cached).items():
+                self._release(g, [table.pages[g][i] for i in idx])
+        table.pages = {}
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached cut (a restarted cache; tests): pages only the cache referenced return to
+        their pools, pages requests hold stay theirs."""
+        if self.prefix_cache is not None:
+            for g, p in self.prefix_cache.clear():
+                self._solo[g].discard(p)
+                self.pools[g].free([p])
+
+    # -- references ------------------------------------------------------------------------
+
+    def _free(self, g: str) -> int:
+        return self.pools[g].free_count + len(self._solo[g])
+
+    def _allocate(self, g: str, n: int) -> list[int]:
+        """``n`` fresh pages of group ``g``, evicting cached cuts (least recently used first) while too few
+        are free."""
+        while self.pools[g].free_count < n and self.prefix_cache is not None and self.prefix_cache.num_cuts:
+            for g2, p in self.prefix_cache.evict():
+                self._solo[g2].discard(p)
+                self.pools[g2].free([p])
+        return self.pools[g].allocate(n)
+
+    def _share(self, g: str, pages: Sequence[int]) -> None:
+        self.pools[g].share(pages)
+        self._solo[g].difference_update(pages)
+
+    def _release(self, g: str, pages: Sequence[int]) -> None:
+        self.pools[g].free(list(pages))
+        cache = self.prefix_cache
+        if cache is not None:
+            pool = self.pools[g]
+            self._solo[g].update(p for p in pages if cache.holds(g, p) and pool.refs(p) == 1)
+
+    def _shared_indices(self, cached: int) -> dict[str, range]:
+        """Per group, the page indices a hit of ``cached`` 64-token pages shares."""
+        cut = cached * PAGE_SIZE
+        if self.prefix_cache is None or cut % self.prefix_cache.cut:
+            raise ValueError(f"{cached} cached pages ({cut} tokens) is not a cut of this cache"
+                             + ("" if self.prefix_cache is not None else " (no prefix cache)"))
+        return {g: self.prefix_cache.shared_indices(grp, cut) for g, grp in self.groups.items()}
 
     # -- the transfer's view ----------------------------------------------------------------
 
@@ -138,15 +236,32 @@ class GroupPagePools:
     """The state pages are final only after a prompt's last chunk: prefill pushes the whole table then."""
 
     def transfer_plan(self, table: PageTable, num_tokens: int, skip_pages: int) -> tuple[list[int], int]:
-        """`transfer_ids` and `transfer_tokens` of ``table`` (``skip_pages`` must be 0: no prefix cache)."""
-        if skip_pages:
-            raise ValueError("a grouped cache has no prefix cache: nothing is skipped")
-        ids = self.transfer_ids(table)
+        """`transfer_ids` and `transfer_tokens` of ``table``, a prompt of ``num_tokens`` tokens, when the
+        receiving side shares ``skip_pages`` 64-token pages of it from its prefix cache (a cut, or 0): the
+        pages such a hit shares (`workers.v4_prefix.V4PrefixCache.shared_indices`) are left out, on both
+        sides alike (their tables have the same shape), so a shared page is never written."""
+        self.check_skip(num_tokens, skip_pages)
+        ids = self.transfer_ids(table, self._shared_indices(skip_pages) if skip_pages else None)
         return ids, self.transfer_tokens(ids)
 
-    def transfer_ids(self, table: PageTable) -> list[int]:
-        """The table as the transfer pushes it: unit ids of every group's pages, groups in cache order."""
-        return [u for g in self.groups for u in self.cache.units(g, table.pages.get(g, ()))]
+    def check_skip(self, num_tokens: int, skip_pages: int) -> None:
+        """Raises ``ValueError`` unless a receiver may share ``skip_pages`` 64-token pages of a prompt of
+        ``num_tokens`` tokens: 0, or a cut (`workers.v4_prefix.cut_tokens`) before its last token."""
+        if skip_pages and (skip_pages < 0 or skip_pages * PAGE_SIZE > num_tokens - 1
+                           or skip_pages * PAGE_SIZE % cut_tokens(self.cache.groups)):
+            raise ValueError(f"{skip_pages} cached pages of a {num_tokens}-token prompt: not a cut of every cache "
+                             f"group ({cut_tokens(self.cache.groups)} tokens) before its last token")
+
+    def transfer_ids(self, table: PageTable, skip: Mapping[str, range] | None = None) -> list[int]:
+        """The table as the transfer pushes it: unit ids of every group's pages (but the indices ``skip``
+        lists per group), groups in cache order."""
+        out: list[int] = []
+        for g in self.groups:
+            pages = table.pages.get(g, ())
+            if skip is not None and skip[g]:
+                pages = [p for i, p in enumerate(pages) if i not in skip[g]]
+            out += self.cache.units(g, pages)
+        return out
 
     @staticmethod
     def transfer_tokens(ids: Sequence[int]) -> int:
@@ -164,17 +279,19 @@ class GroupPagePools:
     def free_transfer_ids(self, ids: Sequence[int]) -> None:
         """Free the pages whose units ``ids`` lists (a receive that ended without its KV)."""
         for g, pages in self.cache.pages_of_units(ids).items():
-            self.pools[g].free(pages)
+            self._release(g, pages)
 
     # -- counts -----------------------------------------------------------------------------
 
     def free_counts(self) -> dict[str, int]:
-        return {g: p.free_count for g, p in self.pools.items()}
+        """Per group, pages an allocation can take: free ones and cached ones only the cache references."""
+        return {g: self._free(g) for g in self.pools}
 
     @property
     def free_count(self) -> int:
-        """Free pages over every group (the pool is whole when this equals `num_pages`)."""
-        return sum(p.free_count for p in self.pools.values())
+        """Free pages over every group, reclaimable cached ones included (the pool is whole when this
+        equals `num_pages`)."""
+        return sum(self.free_counts().values())
 
     @property
     def num_pages(self) -> int:

@@ -136,8 +136,10 @@ class PrefillWorker:
         push of the pages decode does not hold (raises ``PoolExhausted``, ``ValueError``)."""
         if self.pool.pushes_by_chunk:
             task.check()
-        elif task.decode_cached_pages or not task.token_ids:  # a grouped cache (V4): no prefix cache
-            raise ValueError(f"request {task.request_id}: a non-empty prompt and no cached pages expected")
+        elif not task.token_ids:
+            raise ValueError(f"request {task.request_id}: the prompt is empty")
+        else:  # a grouped cache (V4): decode may share a cut of the prompt (`workers.v4_prefix`)
+            self.pool.check_skip(len(task.token_ids), task.decode_cached_pages)
         n, skip = len(task.token_ids), task.decode_cached_pages
         first_mask = self._start_mask(task.params)  # before any page is taken: it raises for a bad grammar
         prompt_logprobs = PromptLogprobs.wanted(task.params, n)

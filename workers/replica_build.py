@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from attention.cache import PagedKVCache
 from attention.group_cache import GroupedPagedCache
 from models.model import DsaForCausalLM
+from models.v4.cache_spec import cut_state_groups
 from models.tokenizer import load_detokenizer
 from workers.decode_graphs import default_graph_context
 from workers.kernel_warmup import warm_up_prefill
@@ -28,6 +29,7 @@ from workers.model_runner import ModelRunner
 from workers.page_pool import PagePool
 from workers.page_tables import GroupPagePools
 from workers.prefix_cache import PrefixCache, replica_salt
+from workers.v4_prefix import V4PrefixCache
 from workers.rank_build import RankSpec, build_rank
 from workers.rank_group import GroupModel, RankGroup
 from workers.scheduler import SchedulerConfig
@@ -60,7 +62,8 @@ def build_replica(spec: RankSpec, tp_size: int = 1, worker_id: str | None = None
 
     worker_id: open a NIXL link under that name (prefill and decode replicas; None: no link).
     actor_options: the rank workers' Ray actor options, one dict per rank (tp_size > 1).
-    prefix_caching: give the pool a prefix cache (`workers.prefix_cache`) keyed with `replica_salt`;
+    prefix_caching: give the pool a prefix cache (`workers.prefix_cache`; DeepSeek-V4's cache groups:
+    `workers.v4_prefix`) keyed with `replica_salt`;
     mtp: the replica writes the MTP layer's pages (MTP drafts on; part of the salt).
     chunk_size: the replica's prefill chunk; on the ``cuda`` backend its prefill kernels are compiled
     now, up to that many tokens (`workers.kernel_warmup`).
@@ -80,8 +83,10 @@ def _build_parts(spec: RankSpec, tp_size: int, worker_id: str | None, actor_opti
         return ReplicaParts(group.model, None, PagePool(spec.num_pages, cache), group.runner, link, group)
     rank = build_rank(spec)
     if isinstance(rank.cache, GroupedPagedCache):
-        # One pool per cache group; no prefix cache (a cached prefix would need its compressor state).
-        pool = GroupPagePools(rank.cache)
+        # One pool per cache group; their prefix cache reuses cuts of 256 tokens with each cut's state.
+        prefix = (V4PrefixCache(replica_salt(spec, mtp), rank.cache.groups, cut_state_groups(rank.model.cfg))
+                  if prefix_caching else None)
+        pool = GroupPagePools(rank.cache, prefix)
     else:
         pool = PagePool(spec.num_pages, PrefixCache(replica_salt(spec, mtp)) if prefix_caching else None)
     link = rank.open_link(worker_id) if worker_id is not None else None

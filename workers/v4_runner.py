@@ -20,6 +20,13 @@ a verify step takes its drafts from the device (``token_patch``). A verify of ``
 drafts writes up to ``k`` positions past where the next step resumes: the state
 pages keep the accepted ones (``models.v4.cache_spec.STATE_LOOKAHEAD``).
 
+Prefix caching (`workers.v4_prefix`): a table with cut state pages (more than
+one page in a CSA state group) gets the state at every cut a forward crosses
+written into the page for it (``paged_state.store_cut_states``). A verify that
+crosses a cut with drafts rejected before it writes their rows there; the
+forward that next crosses the cut rewrites them, and only cuts below the
+accepted length are cached (``workers.scheduler.cacheable_tokens``).
+
 Not here yet: CUDA graphs and overlap scheduling (a step's last tokens come from
 the host), the cuda backend's sparse kernels.
 """
@@ -31,12 +38,13 @@ import torch
 from attention.group_cache import GroupedPagedCache
 from models.batch import ForwardMode
 from models.v4.batch import V4Batch
-from models.v4.cache_spec import STATE_LOOKAHEAD
+from models.v4.cache_spec import STATE_LOOKAHEAD, cut_state_groups
 from models.v4.model import DeepseekV4ForCausalLM
-from models.v4.paged_state import load_state, store_state
+from models.v4.paged_state import load_state, pending_rows, store_cut_states, store_state
 from workers.decode_graphs import patch_tokens
 from workers.host_copy import to_device
 from workers.model_runner import DecodeStep, TokenPatch, WorkItem, decode_width
+from workers.v4_prefix import cut_tokens
 
 __all__ = ["V4Batch", "V4ModelRunner"]
 
@@ -51,6 +59,8 @@ class V4ModelRunner:
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.backend = None
         self.decode_graphs: dict = {}
+        self.cut = cut_tokens(cache.groups)
+        self.cut_groups = cut_state_groups(model.cfg)
 
     def enable_decode_graphs(self, *args, **kwargs) -> None:
         raise ValueError("CUDA graphs are not built for DeepSeek-V4 (its runner is eager, reference backend)")
@@ -83,10 +93,25 @@ class V4ModelRunner:
                                                                              self.device), values)
         states = [load_state(self.model, self.cache, pages, start)
                   for pages, start in zip(batch.page_tables, batch.starts)]
+        cuts = [self._cut_pages(pages, start, n) for pages, start, n in zip(batch.page_tables, batch.starts,
+                                                                            batch.q_lens)]
+        before = [pending_rows(self.model, st) if c else None for st, c in zip(states, cuts)]
         hidden = self.model(batch.input_ids, list(batch.q_lens), states)
-        for pages, start, st in zip(batch.page_tables, batch.starts, states):
+        for pages, start, st, c, b in zip(batch.page_tables, batch.starts, states, cuts, before):
             store_state(self.model, self.cache, pages, st, start)
+            if c:
+                store_cut_states(self.model, self.cache, st, start, c, b)
         return batch, hidden
+
+    def _cut_pages(self, pages, start: int, q_len: int) -> dict[int, dict[str, int]]:
+        """The cuts a forward of ``q_len`` tokens from ``start`` crosses (``start < c <= end``) whose state
+        its table ``pages`` has a page for in every cut state group: cut -> group -> page (index ``c // G``;
+        none without a prefix cache)."""
+        n = min((len(pages.get(g, ())) for g in self.cut_groups), default=0)
+        end = start + q_len
+        first = start // self.cut + 1
+        return {k * self.cut: {g: pages[g][k] for g in self.cut_groups}
+                for k in range(first, min(end // self.cut + 1, n))}
 
     @torch.inference_mode()
     def decode(self, step: DecodeStep, token_patch: TokenPatch | None = None) -> torch.Tensor:

@@ -23,19 +23,31 @@ What the DSA settings mean for V4, and what its engine runs today
   format; indexer keys in the model dtype and compressor state fp32 either way).
   Prefill and decode must agree on it (``rules``, and the transfer handshake's
   per-group formats). The cuda backend is not wired into the engine.
+* prefix caching (``features.prefix_caching``, ``workers.v4_prefix``): exact
+  reuse up to cuts every 256 tokens (a multiple of every compress ratio and of
+  the ``swa`` page, so no compressor has a pending row there); each cut's CSA
+  compressor state is kept in a page of its own, so the CSA state groups hold
+  ``1 + n // 256`` pages of an ``n``-token sequence (at most one more than its
+  ``swa`` pages); the pages-per-request rule below counts them. Both roles
+  share the flag, so their tables have one shape (PD pairs them page by page).
+  With MTP drafts too: the cut pages come out of each group's ``num_pages``, and
+  only cuts below the accepted length are cached, so MTP + cache is exact.
 * memory: on a GPU (``device: cuda``, the reference backend) the role's plan
   (``deployments.controller.memory.estimate_memory``: weights built on the meta
   device, ``num_pages`` pages in every cache group, the workspace allowance)
-  must fit the role's share of the GPU, as for the DSA models.
+  must fit the role's share of the GPU, as for the DSA models. The prefix
+  cache's cut pages are pages of the CSA state groups' pools: the plan (what a
+  rank allocates) does not change, how many tokens the pages hold does.
 """
 
 from __future__ import annotations
 
 from deployments.app_config import AppConfig, RoleConfig
 from deployments.controller.violations import Violation
-from models.v4.cache_spec import v4_cache_groups
+from models.v4.cache_spec import cut_state_groups, v4_cache_groups
 from models.v4.config import V4Config
 from workers.page_tables import group_pages_for_tokens
+from workers.v4_prefix import cut_tokens, pages_with_cuts
 from workers.scheduler import tokens_to_hold
 
 
@@ -117,8 +129,12 @@ def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Conf
     elif role == "decode" and role_cfg.mtp_draft_tokens:  # a verify and its draft chain write past the length
         tokens = tokens_to_hold(max_len - 1, role_cfg.mtp_draft_tokens)
     groups = v4_cache_groups(m, role_cfg.kv_cache_dtype, with_mtp=role_cfg.has_mtp)
-    short = [f"{g.name} {group_pages_for_tokens(g, tokens)}" for g in groups
-             if group_pages_for_tokens(g, tokens) > role_cfg.num_pages]
+    if app_cfg.features.prefix_caching:  # the CSA state groups hold a page per cut too
+        cut, cut_groups = cut_tokens(groups), cut_state_groups(m)
+        need = {g.name: pages_with_cuts(g, tokens, cut, cut_groups) for g in groups}
+    else:
+        need = {g.name: group_pages_for_tokens(g, tokens) for g in groups}
+    short = [f"{g} {n}" for g, n in need.items() if n > role_cfg.num_pages]
     if short:
         out.append(Violation(
             f"{role}.num_pages",

@@ -181,8 +181,10 @@ class V4Attention(nn.Module):
     def _sequence(self, x, q_res, q, kv, positions, cos, sin, st: LayerState, compress_rotary) -> torch.Tensor:
         """One sequence's new tokens -> attention output fp32 ``[S, H, D]``; updates ``st``."""
         S = x.shape[0]
-        window_kv = torch.cat([st.swa, kv])  # positions [p0 - len(swa), p1)
-        first_pos = int(positions[0]) - st.swa.shape[0]
+        # The window before this forward's first token, then its keys: positions [p0 - len(prev), p1).
+        prev = st.swa[max(0, st.swa.shape[0] - (self.window - 1)):]
+        window_kv = torch.cat([prev, kv])
+        first_pos = int(positions[0]) - prev.shape[0]
         # SWA part: positions (p - window, p] as window_kv rows, -1 before position 0.
         offs = torch.arange(self.window - 1, -1, -1, device=x.device)
         swa_pos = positions[:, None] - offs[None, :]
@@ -200,5 +202,7 @@ class V4Attention(nn.Module):
                 comp_idx = torch.where(e[None, :] < ((positions + 1) // self.ratio)[:, None], e[None, :], -1)
         workspace = torch.cat([entries.to(window_kv.dtype), window_kv])
         rows = combined_index_row(comp_idx, swa_idx, 0, entries.shape[0])
-        st.swa = window_kv[max(0, window_kv.shape[0] - (self.window - 1)):]
+        # Every key of this forward stays (not only the last window - 1): the paged store writes them all
+        # (`models.v4.paged_state`); the next forward takes the window it reads.
+        st.swa = window_kv
         return sparse_attention_with_sink(q, workspace, rows, self.attn_sink, self.scale)

@@ -128,3 +128,11 @@ def v4_group_layouts(cfg: V4Config, dtype: torch.dtype, kv_cache_dtype: str = "a
         else:  # state: bytes_per_token = (kv + gate) x width x fp32
             out.append(GroupLayout(g, torch.float32, g.bytes_per_token // _FP32))
     return tuple(out)
+
+
+def cut_state_groups(cfg: V4Config) -> tuple[str, ...]:
+    """The state groups whose compressors overlap windows (CSA: ``csa_state``, ``csa_index_state``): at a
+    block boundary they still hold the overlap, so prefix caching keeps their state at each cut in pages
+    of their own (``models.v4.paged_state.store_cut_states``, ``workers.v4_prefix``); the other
+    compressors' (HCA) state is empty there."""
+    return ("csa_state", "csa_index_state") if CSA in cfg.layer_types[:cfg.num_hidden_layers] else ()

@@ -7,10 +7,9 @@ of each group (``attention.group_cache.GroupedPagedCache``), after it
 `store_state` writes back what the forward added. What each group's positions
 mean (groups declared by ``models.v4.cache_spec.v4_cache_groups``):
 
-* ``swa``: position ``t`` = token ``t``'s key. Only the last ``window - 1`` tokens'
-  keys are read (and written: a chunk's tokens that fall out of the window
-  within the chunk are never stored); every page of the sequence is kept,
-  so a page older than the window holds stale values nobody reads;
+* ``swa``: position ``t`` = token ``t``'s key. Every key is written; only the
+  last ``window - 1`` are read. Every page of the sequence is kept (so a cached
+  prefix holds the window before each of its cuts: ``workers.v4_prefix``);
 * ``csa_kv`` / ``hca_kv`` / ``csa_index``: position ``e`` = compressed entry ``e``;
 * ``csa_state`` / ``hca_state`` / ``csa_index_state``: one page per sequence, a
   ring: source position ``p``'s raw ``[wkv | wgate]`` projections (fp32, ``2 * w``
@@ -29,6 +28,18 @@ mean (groups declared by ``models.v4.cache_spec.v4_cache_groups``):
 
 So the state moves between replicas with the pages (PD), and a sequence
 continued from pages computes exactly what the standalone model computes.
+
+Cut states (prefix caching, ``workers.v4_prefix``): a state page holding what a
+forward resuming at exactly ``c`` tokens reads of the ring, ``c`` a multiple of
+every compress ratio, so that a sequence sharing the first ``c`` tokens continues
+from it. At such a ``c`` no compressor has a pending row and only the overlapping
+(CSA) ones read anything: block ``[c - m, c)``, the overlap, at slots ``p % R``
+(a copy into a sequence's live page is its ring at ``c``). `store_cut_states`
+writes them at each cut a forward crossed, from the rows the load read
+(`pending_rows`: positions before the forward's start) and the ones it fed.
+With MTP a verify crossing a cut may write rejected drafts' rows into its page;
+the forward that next crosses it rewrites them, and the cache takes only cuts
+below the accepted length (``workers.scheduler.cacheable_tokens``).
 """
 
 from __future__ import annotations
@@ -104,12 +115,58 @@ def _load_swa(cache, attn, layer: int, pages: PageMap, seq_len: int) -> torch.Te
 
 
 def _store_swa(cache, layer: int, pages: PageMap, st: LayerState, old_len: int, n: int) -> None:
-    """The keys ``st.swa`` holds of positions ``old_len .. n - 1`` (the older ones of a long forward fell out
-    of the window within it: nobody reads them)."""
+    """The keys ``st.swa`` holds of positions ``old_len .. n - 1`` (a forward keeps every key it makes,
+    ``models.v4.attention``, so every position's key is written: a cached prefix holds each cut's window)."""
     first = n - st.swa.shape[0]  # st.swa holds positions [first, n)
     new = max(old_len, first)
     if new < n:
         cache.write("swa", layer, pages["swa"], _arange(new, n, cache.device), st.swa[new - first:])
+
+
+def pending_rows(model, state: SequenceState) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Before a forward of ``state`` (just loaded) that crosses cuts: per layer, each overlapping (CSA)
+    compressor's raw ``(kv, gate)`` rows of positions ``[seq_len - seq_len % m, seq_len)`` (its pending
+    rows, as the load read them from the ring). `store_cut_states` needs them: a cut's block may begin
+    before the forward's start, and the forward's record (``fed_kv``) begins at its start."""
+    return [[(cs.pending_kv, cs.pending_gate) for _, _, cs in _overlap_compressors(block.attn, st)]
+            for block, st in zip(model.layers, state.layers)]
+
+
+def store_cut_states(model, cache: GroupedPagedCache, state: SequenceState, old_len: int,
+                     cut_pages: Mapping[int, Mapping[str, int]], pending) -> None:
+    """After a forward of ``state`` from ``old_len`` tokens (``pending``: `pending_rows` before it): write
+    the state at each cut ``c`` of ``cut_pages`` (``old_len < c <= state.seq_len``, a multiple of every
+    compress ratio) into ``cut_pages[c][group]`` of each overlapping compressor's state group
+    (``csa_state``, ``csa_index_state``), as the ring of a ``c``-token sequence holds what a forward
+    resuming at ``c`` reads: the raw projections of block ``[c - m, c)`` (the overlap) at slots
+    ``p % R``. Positions before ``old_len`` come from ``pending``, the rest from the forward's record.
+    A hit copies the page into the request's live state page (``workers.v4_prefix``). The other state
+    groups need no page: at ``c`` a non-overlapping compressor reads no row."""
+    dev = cache.device
+    for i, (block, st, before) in enumerate(zip(model.layers, state.layers, pending)):
+        for (comp, group, cs), (p_kv, p_gate) in zip(_overlap_compressors(block.attn, st), before):
+            m = comp.ratio
+            base = old_len - old_len % m  # position of row 0 of kv / gate
+            kv, gate = torch.cat([p_kv, cs.fed_kv]), torch.cat([p_gate, cs.fed_gate])
+            ring = cache.layouts[group].group.tokens_per_page
+            for c, pages in cut_pages.items():
+                if c % m or not old_len < c <= state.seq_len:
+                    raise ValueError(f"cut {c} is not a block boundary crossed by a forward of "
+                                     f"({old_len}, {state.seq_len}] tokens (ratio {m})")
+                rows = torch.cat([kv[c - m - base:c - base], gate[c - m - base:c - base]], dim=1).float()
+                cache.write(group, i, [pages[group]], _arange(c - m, c, dev) % ring, rows)
+
+
+def _overlap_compressors(attn, st: LayerState):
+    """``(compressor, state group, its CompressorState)`` of each overlapping compressor of a layer."""
+    if attn.kind == SLIDING:
+        return []
+    out = []
+    if attn.compressor.overlap:
+        out.append((attn.compressor, f"{_short(attn.kind)}_state", st.comp))
+    if attn.indexer is not None and attn.indexer.compressor.overlap:
+        out.append((attn.indexer.compressor, "csa_index_state", st.index))
+    return out
 
 
 def _load_compressor(cache, comp: Compressor, kv_group: str, state_group: str, layer: int, pages: PageMap,

@@ -2,8 +2,11 @@
 
 What one sequence carries between forwards, per layer:
 
-* ``swa``: the last ``sliding_window - 1`` keys (= values) of the uncompressed
-  sliding-window cache, ``[k, head_dim]``, rotated at their positions;
+* ``swa``: the keys (= values) of the uncompressed sliding-window cache,
+  ``[k, head_dim]``, rotated at their positions: before a forward the last
+  ``sliding_window - 1`` (at most: what attention reads), after it those and
+  every key the forward made (so the paged store writes every position's key:
+  a cached prefix's pages hold the window before any cut);
 * for CSA / HCA layers, a ``CompressorState`` of the attention compressor and,
   for CSA layers, one of the indexer's compressor:
 
@@ -16,8 +19,8 @@ What one sequence carries between forwards, per layer:
     entry ``e`` mixes it with window ``e + 1``'s second half;
   - ``fed_kv`` / ``fed_gate`` ``[j, w]``: the raw projections of every token fed
     since the state was built from pages, when it was (None for a standalone
-    state: nothing records them); the paged store writes them back
-    (``models.v4.paged_state``).
+    state: nothing records them); the paged store writes them back, and the
+    cut states of prefix caching from them (``models.v4.paged_state``).
 
 The paged engine keeps the same information in cache groups (see
 ``models.v4.cache_spec``): ``swa`` in sliding-window pages, ``entries`` in the

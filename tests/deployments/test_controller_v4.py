@@ -44,11 +44,17 @@ def test_mtp_drafts_are_accepted_with_the_models_mtp_layer():
 
 def test_mtp_drafts_hold_their_positions_in_every_cache_group():
     """A drafting decode role holds what its verify and draft chain write past a request's length
-    (workers.scheduler.tokens_to_hold) in each group: 511 + 2 * 3 + 1 = 518 tokens need 3 swa pages."""
+    (workers.scheduler.tokens_to_hold) in each group: 511 + 2 * 3 + 1 = 518 tokens need 3 swa pages (the
+    prefix cache off; with it the cut state pages count too, and drafts add to them alike)."""
     base = merged(yaml_args("tiny_v4_mono.yaml"), model={"tiny": {"arch": "deepseek_v4"}, "max_model_len": 511},
-                  decode={"num_pages": 2})
+                  decode={"num_pages": 2}, features={"prefix_caching": False})
     assert "decode.num_pages" not in _paths(base)  # 512 tokens: 2 pages of 256 window keys
     assert "swa 3" in _paths(merged(base, decode={"mtp_draft_tokens": 3}))["decode.num_pages"]
+    cached = merged(base, features={"prefix_caching": True})
+    errs = _paths(cached)["decode.num_pages"]  # 512 tokens: the live state page and 2 cut pages
+    assert "csa_state 3" in errs and "swa" not in errs
+    errs = _paths(merged(cached, decode={"mtp_draft_tokens": 3}))["decode.num_pages"]
+    assert "csa_state 3" in errs and "swa 3" in errs
 
 
 def test_what_v4_does_not_run_yet_is_refused_per_field():
@@ -100,7 +106,10 @@ def test_v4_memory_plan_is_what_loading_allocates(tmp_path):
     from deployments.controller.memory import estimate_memory
     from models import fp8
     from models.tiny_v4 import make_tiny_v4
+    from models.v4.cache_spec import cut_state_groups
+    from workers.page_tables import GroupPagePools
     from workers.rank_build import build_rank
+    from workers.v4_prefix import V4PrefixCache
 
     ckpt = make_tiny_v4(tmp_path / "v4")
     for kv, drafts in (("auto", 0), ("fp8", 2)):
@@ -114,3 +123,17 @@ def test_v4_memory_plan_is_what_loading_allocates(tmp_path):
         assert (len(parts.model.mtp) > 0) == (drafts > 0)
         assert est.page_bytes == parts.cache.buffer.numel() * parts.cache.buffer.element_size()
         assert est.weights_bytes == fp8.weight_bytes(parts.model)
+        # The prefix cache (on by default) allocates nothing of its own: a cut state is a page of its group's
+        # num_pages, which the pools of a cached replica take from this buffer.
+        assert result.app_cfg.features.prefix_caching
+        pools = GroupPagePools(parts.cache, V4PrefixCache(b"", parts.cache.groups, cut_state_groups(result.model_cfg)))
+        assert {g: p.num_pages for g, p in pools.pools.items()} == {g.name: 24 for g in parts.cache.groups}
+
+
+def test_the_prefix_cache_pages_per_cut_are_counted():
+    """With features.prefix_caching (the default) the CSA state groups hold a page per 256-token cut
+    (workers.v4_prefix): 512 tokens fit 2 pages of window keys but need 3 csa_state pages."""
+    base = merged(yaml_args("tiny_v4_pd.yaml"), model={"max_model_len": 512}, prefill={"num_pages": 2})
+    errs = _paths(base)
+    assert "csa_state 3" in errs["prefill.num_pages"] and "swa" not in errs["prefill.num_pages"]
+    assert "prefill.num_pages" not in _paths(merged(base, features={"prefix_caching": False}))

@@ -258,16 +258,21 @@ def test_overloaded_is_a_429_with_retry_after():
 
 def test_pool_fit_counts_deepseek_v4_cache_groups():
     """DeepSeek-V4: each cache group gets the role's num_pages pages of 256 tokens (the sliding-window
-    keys bound a sequence), not the 64-token pages of the DSA rule."""
-    from workers.page_tables import group_pages_for_tokens
+    keys and, with the prefix cache, the CSA state groups' page per 256-token cut bound a sequence), not
+    the 64-token pages of the DSA rule."""
+    from workers.v4_prefix import cut_tokens, pages_with_cuts
 
     args = AppConfig.model_validate(yaml_args("tiny_v4_pd.yaml"))
     fit = PoolFit.of(args, shipped_model("tiny_v4_pd.yaml"))
     assert {g.kind for g in fit.groups} >= {"swa", "compressed"}
+    assert fit.cut_groups == ("csa_state", "csa_index_state")  # features.prefix_caching: on by default
     cap = fit.capacity(args.prefill.num_pages)
     assert cap > args.prefill.num_pages * 64  # what the DSA rule would have allowed
-    assert all(group_pages_for_tokens(g, cap) <= args.prefill.num_pages for g in fit.groups)
-    assert any(group_pages_for_tokens(g, cap + 1) > args.prefill.num_pages for g in fit.groups)
+
+    def pages(g, n):
+        return pages_with_cuts(g, n, cut_tokens(fit.groups), fit.cut_groups)
+    assert all(pages(g, cap) <= args.prefill.num_pages for g in fit.groups)
+    assert any(pages(g, cap + 1) > args.prefill.num_pages for g in fit.groups)
     assert fit.fit(args.prefill.num_pages * 64 + 300, 8, True, "prompt") == 8
     with pytest.raises(ContextLengthExceeded, match="prefill replica's page pool has 16 pages in each of") as e:
         fit.fit(cap + 1, 1, True, "prompt")

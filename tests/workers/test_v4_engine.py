@@ -59,8 +59,9 @@ def test_engine_equals_standalone_and_transformers(tiny_v4, reference):
 
 def test_pages_per_group_follow_the_sequence(tiny_v4):
     """A request's pages: one per 256 tokens of the window keys (older pages kept), per 256 entries of a
-    compressed cache, one state page per state group."""
-    llm = LLM(tiny_v4, num_pages=8)
+    compressed cache, one state page per state group (without a prefix cache: with one, the CSA state
+    groups hold a page per 256-token cut too, tests/workers/test_v4_prefix_cache.py)."""
+    llm = LLM(tiny_v4, num_pages=8, prefix_caching=False)
     table = PageTable({g: [] for g in llm.pool.groups})
     assert llm.pool.grow(table, 261)
     assert {g: len(p) for g, p in table.pages.items()} == {
@@ -81,7 +82,7 @@ def test_pd_equals_monolithic_and_every_cache_group_counts(tiny_v4, reference, m
     assert st["pool_free_pages"] == st["pool_total_pages"] == st["prefill_pool_free_pages"]
     abort_at_every_phase(llm.pd.prefill, llm.pd.decode)
     for pools in (llm.pd.prefill.pool, llm.pd.decode.pool):  # every group's pool whole, on both sides
-        assert {g: p.free_count for g, p in pools.pools.items()} == {g: p.num_pages for g, p in pools.pools.items()}
+        assert pools.free_counts() == {g: p.num_pages for g, p in pools.pools.items()}
     # The pushed pages are what decode continues from: wipe one state group's pages on arrival and the
     # output changes (the partially filled compressed blocks live there).
     admit = DecodeWorker._maybe_admit

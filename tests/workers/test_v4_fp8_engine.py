@@ -108,7 +108,7 @@ def test_fp8_pages_hold_the_format_bytes(tiny_v4, model_fp8):
             assert torch.equal(row[at:at + 8], scales[i]), (group, layer, first + i)
 
     for layer in range(cfg.num_hidden_layers):
-        swa = st.layers[layer].swa  # positions [n - 7, n): the last window - 1 keys
+        swa = st.layers[layer].swa  # every key of the one forward: positions [0, n)
         check("swa", layer, n - swa.shape[0], swa)
     check("csa_kv", 1, 0, st.layers[1].comp.entries)
     check("hca_kv", 2, 0, st.layers[2].comp.entries)
@@ -128,7 +128,7 @@ def test_fp8_pd_equals_monolithic_and_aborts_leave_every_pool_whole(tiny_v4, ref
     assert "v4fp8[16+16]x56" in dict(llm.pd.decode.pool.cache.formats())["swa"]
     abort_at_every_phase(llm.pd.prefill, llm.pd.decode)
     for pools in (llm.pd.prefill.pool, llm.pd.decode.pool):
-        assert {g: p.free_count for g, p in pools.pools.items()} == {g: p.num_pages for g, p in pools.pools.items()}
+        assert pools.free_counts() == {g: p.num_pages for g, p in pools.pools.items()}
 
 
 def test_group_layout_refuses_a_geometry_it_does_not_store(tiny_v4, model_fp8):

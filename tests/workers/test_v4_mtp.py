@@ -165,7 +165,8 @@ def test_pd_with_mtp_equals_monolithic(friendly, tiny_v4, prompts, baseline, mon
     _same(_greedy(llm, prompts), baseline)
     assert set(llm.stats()["mtp_accepted_histogram"]) == {0, 1, 2}
     for pools in (llm.pd.prefill.pool, llm.pd.decode.pool):
-        assert {g: p.free_count for g, p in pools.pools.items()} == {g: p.num_pages for g, p in pools.pools.items()}
+        # Free, or held only by the prefix cache (reclaimable).
+        assert pools.free_counts() == {g: p.num_pages for g, p in pools.pools.items()}
     runs = []
     for pd in (False, True):
         logits = _record_draft_logits(monkeypatch)
@@ -183,10 +184,37 @@ def test_fp8_caches_with_mtp(friendly, prompts):
 
 def test_preemption_with_mtp(friendly):
     """Two 250-token prompts with 3 pages per group: the newer one is preempted while drafting (its pages of
-    every group freed, its pending state dropped) and resumes as if alone."""
+    every group freed, its pending state dropped) and resumes as if alone. The prefix cache off: with its cut state
+    pages the pools run short at another point, and this schedule preempts nothing."""
     ps = [random_prompt(250, 300, 7), random_prompt(250, 300, 8)]
     alone = [LLM(friendly, num_pages=8).generate([p], max_new_tokens=12, ignore_eos=True)[0] for p in ps]
-    llm = LLM(friendly, num_pages=3, chunk_size=512, mtp_draft_tokens=2)
+    llm = LLM(friendly, num_pages=3, chunk_size=512, mtp_draft_tokens=2, prefix_caching=False)
     assert llm.generate(ps, max_new_tokens=12, ignore_eos=True) == alone
     st = llm.stats()
     assert st["preemptions"] >= 1 and st["pool_free_pages"] == st["pool_total_pages"]
+
+
+@pytest.mark.parametrize("pd", [False, True])
+def test_mtp_with_the_prefix_cache_equals_greedy_uncached(friendly, pd):
+    """MTP drafts and the prefix cache together (`workers.v4_prefix`) are lossless: greedy with 3 drafts and the
+    cache on equals greedy without drafts and with the cache off, tokens and logprobs, over three turns of one
+    conversation. Turn 1's verify steps cross the cut at 256 (with drafts rejected before it: their rows
+    reach the cut's state page and are rewritten by the forward that next crosses it); turn 2 reuses that cut
+    and its prefill crosses 512 in a chunk from 510 (the cut's block [508, 512) begins before the forward:
+    its first rows come from the loaded state); turn 3 reuses 512."""
+    turns = [random_prompt(250, 300, 11)]
+    want_llm = LLM(friendly, num_pages=16, chunk_size=256, prefix_caching=False)
+    # Chunks such that turn 2's prefill (monolithic: from the cut 256; PD: prefill from 0) starts one at 510.
+    llm = LLM(friendly, num_pages=16, chunk_size=102 if pd else 127, mtp_draft_tokens=3, pd=pd)
+    hits = []
+    for extra in (270, 40, None):
+        want = _greedy(want_llm, turns[-1:])
+        before = llm.stats()["prefix_cache_hits"]
+        _same(_greedy(llm, turns[-1:]), want)
+        hits.append(llm.stats()["prefix_cache_hits"] - before)
+        if extra is not None:
+            turns.append(turns[-1] + want[0][0] + random_prompt(extra, 300, 12 + extra))
+    assert hits == [0, 256, 512], hits
+    st = llm.stats()
+    assert 0 in st["mtp_accepted_histogram"] and 0 < st["mtp_accepted"] < st["mtp_drafted"]
+    assert st["pool_free_pages"] == st["pool_total_pages"]

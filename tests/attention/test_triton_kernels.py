@@ -465,9 +465,10 @@ def check_topk_sampled(device, gen, big):
     # and negative, poison past each length, a NaN, -inf holes, a narrow block
     # table with -1 holes; one row whose sampled positions hold the largest
     # logits (the sample overestimates the threshold: fewer than k candidates,
-    # the row falls back).
+    # the row usually falls back; seed 1590438618 gave it 28 candidates), and one row of a single
+    # value (its tie group overflows cap: it always falls back).
     lengths[:8] = torch.tensor([0, k - 7, k, k + 1, cap, cap + 1, L + 5, -3], dtype=torch.int32)
-    lengths[R - 2] = L
+    lengths[R - 3] = lengths[R - 2] = L
     logits = torch.randn(R, L, generator=gen)
     past = torch.arange(L)[None, :] >= lengths.clamp(0, L)[:, None].long()
     logits = torch.where(past, torch.full_like(logits, float("nan")), logits)
@@ -476,6 +477,7 @@ def check_topk_sampled(device, gen, big):
     logits[torch.rand(R, L, generator=gen) < 0.05] = float("-inf")
     sampled_at = (torch.arange(sample) * L) // sample
     logits[R - 2, sampled_at] = 50.0 + torch.rand(sample, generator=gen)
+    logits[R - 3] = 0.5
     max_pages = -(-L // PAGE_SIZE)
     table = torch.randperm(R * max_pages * 2, generator=gen)[: R * (max_pages - 2)].view(R, max_pages - 2).int()
     table[torch.rand(table.shape, generator=gen) < 0.1] = -1

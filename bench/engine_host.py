@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 
 
 def main() -> int:
-    from bench.step_profile import _steady
+    from bench.step_profile import _steady, engine_python_rows
     from workers.offline import LLM
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,9 +41,7 @@ def main() -> int:
     for _ in range(args.steps):
         llm.engine.step()
     prof.disable()
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers") + os.sep
-    rows = [(tt, ct, n, f"{os.path.relpath(path, os.path.dirname(root))}:{line}({fn})")
-            for (path, line, fn), (_, n, tt, ct, _) in pstats.Stats(prof).stats.items() if path.startswith(root)]
+    rows = engine_python_rows(pstats.Stats(prof))
     per = 1e3 / args.steps
     print(f"batch {args.batch}: the engine's own Python {sum(r[0] for r in rows) * per:.3f} ms/step "
           f"(workers/, cProfile tottime, {args.steps} steps)")

@@ -144,22 +144,23 @@ def profile_decode(llm, batch: int, input_len: int, output_len: int, steps: int,
         "kernel_sum_ms_per_step": kernel_sum_us / 1e3 / steps,
         "wall_over_gpu_busy": (wall * 1e6) / busy_us if busy_us else None,
         "cprofile_wall_ms_per_step": host_wall * ms,
-        "host_python_ms_per_step": _own_python_s(stats) * ms,
+        "host_python_ms_per_step": sum(r[0] for r in engine_python_rows(stats)) * ms,
         "top_kernels": [{"name": k[:120], "calls_per_step": n / steps, "ms_per_step": t / 1e3 / steps}
                         for t, n, k in kernels],
         "host_cprofile": text.getvalue(),
     }
 
 
-def _own_python_s(stats: pstats.Stats) -> float:
-    """Seconds spent in the engine's own Python lines (cProfile ``tottime`` of functions in
-    ``workers/``: scheduling, inputs, sampling parameters, stop checks and outputs; not the model's
-    Python, torch's ops or the kernels they wait for). On any device it is host work that overlap
-    scheduling must hide behind the GPU's step, so it can be measured and cut on a CPU too."""
+def engine_python_rows(stats: pstats.Stats) -> list[tuple[float, float, int, str]]:
+    """``(tottime s, cumtime s, calls, "file:line(function)")`` of every function in ``workers/``: the
+    engine's own Python (scheduling, inputs, sampling parameters, stop checks and outputs; not the
+    model's Python, torch's ops or the kernels they wait for). On any device it is host work that
+    overlap scheduling must hide behind the GPU's step, so it can be measured and cut on a CPU too."""
     import os
 
     workers = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers") + os.sep
-    return sum(tt for (path, _, _), (_, _, tt, _, _) in stats.stats.items() if path.startswith(workers))
+    return [(tt, ct, n, f"{os.path.relpath(path, os.path.dirname(workers))}:{line}({fn})")
+            for (path, line, fn), (_, n, tt, ct, _) in stats.stats.items() if path.startswith(workers)]
 
 
 def print_profile(p: dict) -> None:

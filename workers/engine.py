@@ -302,10 +302,6 @@ class Engine:
                 need += short
         return need <= self.pool.free_count
 
-    def _pending(self, req: Request) -> int:
-        """Tokens of ``req`` sampled by the step in flight, not on the host yet (0 or 1)."""
-        return int(self._inflight is not None and req.request_id in self._inflight.index)
-
     def _launch(self, reqs: list[Request], outs: dict) -> _InFlight:
         """Launch one decode step of ``reqs`` and its sampling without waiting for either.
         A request with a token in flight takes it as input from the device.

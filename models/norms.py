@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.ops import triton_importable
+
 
 @functools.cache
 def _fused_ops():
     """``models.ops.rms_norm_cuda`` where Triton is installed, else None."""
-    if importlib.util.find_spec("triton") is None:
+    if not triton_importable():
         return None
     from models.ops import rms_norm_cuda
 

@@ -18,12 +18,13 @@ true interleaved rotation, and cached keys are bit-compatible with it.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 
 import torch
 import torch.nn as nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from models.ops import triton_importable
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -74,7 +75,7 @@ class RotaryEmbedding(nn.Module):
 @functools.cache
 def _fused_ops():
     """``models.ops.rope_cuda`` where Triton is installed, else None."""
-    if importlib.util.find_spec("triton") is None:
+    if not triton_importable():
         return None
     from models.ops import rope_cuda
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 from types import ModuleType
 
 import torch
@@ -15,18 +13,14 @@ from models.moe import dispatch
 from models.moe.experts import RoutedExperts
 from models.moe.router import Router
 from models.ops import grouped_gemm_ref
+from models.ops import triton_importable
 from models.parallel import SINGLE, TPContext
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def grouped_gemm_ops(kernels: str, x: torch.Tensor, experts: RoutedExperts) -> ModuleType:
     """``grouped_gemm_cuda`` (Triton; bf16 or fp8 block-quantized weights) for the ``cuda`` kernels
     on a CUDA device with triton importable; ``grouped_gemm_ref`` otherwise."""
-    if kernels == "cuda" and x.is_cuda and _triton_importable():
+    if kernels == "cuda" and x.is_cuda and triton_importable():
         from models.ops import grouped_gemm_cuda
 
         return grouped_gemm_cuda

@@ -15,18 +15,12 @@ The weight stays as the checkpoint stores it: ``w`` float8_e4m3fn ``[N, K]`` and
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 
 import torch
 import torch.nn.functional as F
 
+from models.ops import triton_importable
 from models.weights import dequantize_fp8_block
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -52,7 +46,7 @@ def reference_w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block:
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """x ``[..., K]`` (bf16 / fp16 / fp32) -> ``[..., N]`` in x's dtype; see the module docstring."""
-    if x.is_cuda and _triton_importable():
+    if x.is_cuda and triton_importable():
         from models.ops import fp8_linear_cuda
 
         return fp8_linear_cuda.linear(x, w, scale, block)

@@ -250,9 +250,15 @@ class PagedKVCache:
             )
         return t
 
-    def _slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(slots int64 [n] on device, valid bool [n])``; raises on out-of-range slots."""
+    def _slots(self, slots: torch.Tensor, checked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slots int64 [n] on device, valid bool [n])``; raises on out-of-range slots.
+
+        ``checked=False``: the caller built ``slots`` from page tables, all in range and valid
+        (`models.batch.PackedContext`): no check, whose ``any()`` reads the device back and stalls
+        the host until every queued kernel has run, and ``valid`` is None."""
         s = torch.as_tensor(slots, device=self.device).reshape(-1).long()
+        if not checked:
+            return s, None
         bad = (s < -1) | (s >= self.spec.num_slots)
         if bool(bad.any()):
             raise IndexError(
@@ -283,10 +289,11 @@ class PagedKVCache:
         else:
             self.mla[layer][page, off] = torch.cat([latent, rope], dim=-1).to(device=self.device, dtype=self.spec.dtype)
 
-    def read_mla(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """float32 ``[n, r + d]`` (latent then rope) of ``slots [n]``, dequantized; slot -1 -> zeros."""
+    def read_mla(self, layer: int, slots: torch.Tensor, checked: bool = True) -> torch.Tensor:
+        """float32 ``[n, r + d]`` (latent then rope) of ``slots [n]``, dequantized; slot -1 -> zeros.
+        ``checked=False``: slots known valid (see `_slots`)."""
         self._check_layer(layer)
-        s, valid = self._slots(slots)
+        s, valid = self._slots(slots, checked)
         sc = s.clamp(min=0)
         rows = self.mla[layer][sc // PAGE_SIZE, sc % PAGE_SIZE]
         if self.spec.is_fp8:
@@ -294,7 +301,7 @@ class PagedKVCache:
             out = torch.cat([latent, rope], dim=-1)
         else:
             out = rows.float()
-        return out.masked_fill(~valid[:, None], 0.0)
+        return out if valid is None else out.masked_fill(~valid[:, None], 0.0)
 
     # ------------------------------------------------------------------ indexer
 
@@ -330,10 +337,11 @@ class PagedKVCache:
         else:
             t[s // PAGE_SIZE, s % PAGE_SIZE] = k.to(device=self.device, dtype=self.spec.dtype)
 
-    def read_index(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """float32 ``[n, D]`` indexer keys of ``slots [n]``, dequantized; slot -1 -> zeros."""
+    def read_index(self, layer: int, slots: torch.Tensor, checked: bool = True) -> torch.Tensor:
+        """float32 ``[n, D]`` indexer keys of ``slots [n]``, dequantized; slot -1 -> zeros.
+        ``checked=False``: slots known valid (see `_slots`)."""
         t = self._index_layer(layer)
-        s, valid = self._slots(slots)
+        s, valid = self._slots(slots, checked)
         sc = s.clamp(min=0)
         if self.spec.is_fp8:
             keys, scales = self._index_parts(t)
@@ -341,7 +349,7 @@ class PagedKVCache:
             out = dequantize_indexer_fp8(keys[page, off], scales[page, off].contiguous().view(torch.float32)[:, 0])
         else:
             out = t[sc // PAGE_SIZE, sc % PAGE_SIZE].float()
-        return out.masked_fill(~valid[:, None], 0.0)
+        return out if valid is None else out.masked_fill(~valid[:, None], 0.0)
 
     # ------------------------------------------------------------------ kernel views
 

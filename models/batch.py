@@ -6,9 +6,10 @@ never allocates pages itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
 import torch
 
 from attention.formats import PAGE_SIZE
@@ -38,6 +39,11 @@ class ForwardBatch:
                   device; a CUDA-graph bucket sets its whole context capacity)
     static_shapes: no op may pick shapes from tensor values (CUDA-graph
                   capture): the MoE uses its masked fixed-shape layout
+    seq_lens_host, q_lens_host: the same lengths on the host, when the builder
+                  has them (an eager batch): a PREFILL forward then never reads
+                  a length back from the device (each read waits for every
+                  kernel queued before it, and the device idles while the host
+                  launches the next ones)
     """
 
     mode: ForwardMode
@@ -49,6 +55,9 @@ class ForwardBatch:
     q_lens: torch.Tensor
     max_seq_len: int | None = None
     static_shapes: bool = False
+    seq_lens_host: tuple[int, ...] | None = None
+    q_lens_host: tuple[int, ...] | None = None
+    _packed: "PackedContext | None" = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_requests(self) -> int:
@@ -74,13 +83,82 @@ class ForwardBatch:
 
     def context_slots(self, request: int) -> torch.Tensor:
         """int64 ``[seq_lens[request]]``: cache slots of positions ``0 .. seq_len - 1``."""
-        return slots_for_positions(self.page_tables[request], torch.arange(int(self.seq_lens[request]), device=self.page_tables.device))
+        n = self.host_lens()[0][request]
+        return slots_for_positions(self.page_tables[request], torch.arange(n, device=self.page_tables.device))
+
+    def host_lens(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(seq_lens, q_lens) on the host: the builder's copies, else one read of the device's."""
+        if self.seq_lens_host is None or self.q_lens_host is None:
+            self.seq_lens_host = tuple(self.seq_lens.tolist())
+            self.q_lens_host = tuple(self.q_lens.tolist())
+        return self.seq_lens_host, self.q_lens_host
 
     def query_ranges(self) -> list[tuple[int, int]]:
         """``[(start, end)]`` token ranges of each request in the flat token dim."""
-        ends = torch.cumsum(self.q_lens, 0).tolist()
+        ends = np.cumsum(self.host_lens()[1]).tolist()
         starts = [0] + ends[:-1]
         return list(zip(starts, ends))
+
+    def packed_context(self) -> "PackedContext":
+        """Every request's context packed request after request (`PackedContext`), built once per
+        forward: it is the same for every layer."""
+        if self._packed is None:
+            self._packed = PackedContext.build(self)
+        return self._packed
+
+
+@dataclass(frozen=True)
+class PackedContext:
+    """The whole context of every request of a PREFILL forward (positions ``0 .. seq_len - 1``),
+    request after request, so that a layer reads its cache for all requests in one gather and runs
+    one indexer and one sparse-attention call (not one per request, each with its own small
+    kernels and host work).
+
+    slots:          int64 ``[N]`` cache slot of each packed position (``N = sum(seq_lens)``)
+    row_start:      int32 ``[T]`` packed index of position 0 of each new token's request
+    row_end:        int32 ``[T]`` end of each new token's causal window: ``row_start + position + 1``
+    row_start_host, row_end_host: int64 numpy ``[T]``, the same on the host (chunk planning)
+
+    A new token of request r sees packed keys ``[row_start, row_end)``; a request-local position
+    p of that token is packed index ``row_start + p``.
+    """
+
+    slots: torch.Tensor
+    row_start: torch.Tensor
+    row_end: torch.Tensor
+    row_start_host: np.ndarray
+    row_end_host: np.ndarray
+
+    @classmethod
+    def build(cls, batch: ForwardBatch) -> "PackedContext":
+        seq, q = batch.host_lens()
+        dev = batch.seq_lens.device
+        n, t = int(sum(seq)), int(sum(q))
+        # Sizes come from the host (output_size), values stay on the device: no read-back.
+        seq_d = batch.seq_lens.long()
+        start_d = torch.cumsum(seq_d, 0) - seq_d
+        req = torch.repeat_interleave(torch.arange(len(seq), device=dev), seq_d, output_size=n)
+        pos = torch.arange(n, device=dev) - start_d[req]
+        pages = batch.page_tables.long()[req, pos // PAGE_SIZE]
+        row_start = torch.repeat_interleave(start_d, batch.q_lens.long(), output_size=t)
+        row_end = row_start + batch.positions.long() + 1
+        seq_h, q_h = np.asarray(seq, dtype=np.int64), np.asarray(q, dtype=np.int64)
+        start_h = np.repeat(np.cumsum(seq_h) - seq_h, q_h)
+        # A request's new tokens are its last q_len positions.
+        pos_h = np.concatenate([np.arange(s - k, s) for s, k in zip(seq_h, q_h)]) if t else np.zeros(0, np.int64)
+        return cls(slots=pages * PAGE_SIZE + pos % PAGE_SIZE, row_start=row_start.to(torch.int32),
+                   row_end=row_end.to(torch.int32), row_start_host=start_h, row_end_host=start_h + pos_h + 1)
+
+    def packed_indices(self, positions: torch.Tensor) -> torch.Tensor:
+        """Request-local positions ``[T, k]`` (``-1`` = none) -> int32 packed indices (``-1`` kept)."""
+        return torch.where(positions >= 0, positions + self.row_start[:, None], -1).to(torch.int32)
+
+    def local(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed indices ``[T, k]`` (``-1`` = none) -> (int64 cache slots, int64 request-local positions)."""
+        valid = packed >= 0
+        p = packed.long()
+        slots = torch.where(valid, self.slots[p.clamp_min(0)], -1)
+        return slots, torch.where(valid, p - self.row_start[:, None], -1)
 
 
 def slots_for_positions(page_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

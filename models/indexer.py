@@ -111,20 +111,14 @@ class Indexer(nn.Module):
         return SelectedTokens(slots.long(), positions.long())
 
     def _select_extend(self, q, weights, batch, cache, layer, backend) -> SelectedTokens:
-        all_pos, all_slots = [], []
-        for r, (s0, s1) in enumerate(batch.query_ranges()):
-            keys = cache.read_index(layer, batch.context_slots(r))
-            ke = (batch.positions[s0:s1] + 1).to(torch.int32)
-            table = batch.page_tables[r : r + 1].expand(s1 - s0, -1)
-            # Logits + top-k in one call: the cuda backend scores row chunks
-            # sized by a memory budget and never holds the [rows, context]
-            # matrix (a 128k-token prompt's would not fit).
-            positions, slots = backend.ragged_topk(
-                q[s0:s1], keys, None, weights[s0:s1], torch.zeros_like(ke), ke, self.topk, table
-            )
-            all_pos.append(positions.long())
-            all_slots.append(slots.long())
-        return SelectedTokens(torch.cat(all_slots), torch.cat(all_pos))
+        # Every request's keys in one gather and one logits + top-k call over the packed rows (each
+        # row sees its own request's window): the cuda backend scores row chunks sized by a memory
+        # budget and never holds the [rows, context] matrix (a 128k-token prompt's would not fit).
+        ctx = batch.packed_context()
+        keys = cache.read_index(layer, ctx.slots, checked=False)
+        packed, _ = backend.ragged_topk(q, keys, None, weights, ctx.row_start, ctx.row_end, self.topk, None,
+                                        windows_host=(ctx.row_start_host, ctx.row_end_host))
+        return SelectedTokens(*ctx.local(packed))
 
 
 def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -81,8 +81,12 @@ class MLAttention(nn.Module):
         # the sparse kernels take a bf16 query anyway, and fp32 copies of W_UK / W_UV cost two
         # weight-sized casts and two fp32 GEMMs per layer per step (H100, 4-layer model: 0.5-0.8
         # ms of a 4-9 ms decode step; docs/perf.md). fp32 models compute in fp32 as before.
-        q_lat = torch.einsum("thn,hnr->thr", q_nope.to(w_uk.dtype), w_uk)
-        q_full = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1)  # [T, h, rank + rope]
+        # [T, h, rank + rope]: the absorbed product written straight into its part of the query
+        # (per head, [T, nope] @ [nope, rank] into a strided view) instead of concatenated after:
+        # a cat copies the whole query, 1.2 GB per layer for an 8192-token chunk (H100 profile).
+        q_full = torch.empty(T, self.n_heads, self.rank + self.rope, dtype=w_uk.dtype, device=x.device)
+        torch.bmm(q_nope.to(w_uk.dtype).transpose(0, 1), w_uk, out=q_full.transpose(0, 1)[..., : self.rank])
+        q_full[..., self.rank:] = q_pe
         if batch.mode is ForwardMode.DECODE:
             n = batch.decode_width()
             B = batch.num_requests
@@ -93,18 +97,17 @@ class MLAttention(nn.Module):
             out = out.reshape(T, self.n_heads, self.rank)
         else:
             out = self._extend_attention(q_full, selected, batch, cache, layer, backend)
-        o = torch.einsum("thr,hvr->thv", out.to(w_uv.dtype), w_uv).to(x.dtype)
-        return self.o_proj(o.reshape(T, self.n_heads * self.v_dim)), selected
+        # [T, h, v], written per head through a strided view so the o_proj input needs no copy.
+        o = torch.empty(T, self.n_heads, self.v_dim, dtype=w_uv.dtype, device=x.device)
+        torch.bmm(out.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        return self.o_proj(o.view(T, self.n_heads * self.v_dim).to(x.dtype)), selected
 
     def _extend_attention(self, q_full, selected, batch, cache, layer, backend) -> torch.Tensor:
-        outs = []
-        for r, (s0, s1) in enumerate(batch.query_ranges()):
-            # The prefill kernel reads a contiguous kv: gather (and dequantize)
-            # the request's context from the paged cache, as chunked prefill does.
-            kv = cache.read_mla(layer, batch.context_slots(r))
-            out, _, _ = backend.sparse_mla_prefill(
-                q_full[s0:s1], kv[:, None, :], selected.positions[s0:s1, None, :].to(torch.int32),
-                self.scale, self.rank,
-            )
-            outs.append(out)
-        return torch.cat(outs)
+        # The prefill kernel reads a contiguous kv: gather (and dequantize) every request's context
+        # from the paged cache at once, and attend over it in one call with each token's top-k
+        # turned into packed indices (a token only ever selects its own request's positions).
+        ctx = batch.packed_context()
+        kv = cache.read_mla(layer, ctx.slots, checked=False)
+        out, _, _ = backend.sparse_mla_prefill(q_full, kv[:, None, :], ctx.packed_indices(selected.positions)[:, None, :],
+                                               self.scale, self.rank)
+        return out

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable
 
+import numpy as np
 import torch
 
 from models.batch import ForwardBatch
@@ -44,7 +45,7 @@ def split_point(batch: ForwardBatch) -> int | None:
     R = batch.num_requests
     if R < 2:
         return None
-    ends = torch.cumsum(batch.q_lens, 0).tolist()  # one host read of R lengths (eager forwards only)
+    ends = np.cumsum(batch.host_lens()[1]).tolist()  # (a read of R lengths if the builder gave none)
     half = ends[-1] / 2
     return min(range(1, R), key=lambda k: abs(ends[k - 1] - half))
 
@@ -52,12 +53,14 @@ def split_point(batch: ForwardBatch) -> int | None:
 def split_batch(batch: ForwardBatch, at: int) -> tuple[ForwardBatch, ForwardBatch]:
     """(requests ``[0, at)``, requests ``[at, R)``) of ``batch``, each with its own tokens ``[T_i]``,
     page-table rows ``[R_i, max_pages]`` and lengths; ``max_seq_len`` stays an upper bound of both."""
-    t = int(batch.q_lens[:at].sum())
+    seq, q = batch.host_lens()
+    t = int(sum(q[:at]))
 
     def part(tokens: slice, reqs: slice) -> ForwardBatch:
         return replace(batch, input_ids=batch.input_ids[tokens], positions=batch.positions[tokens],
                        out_slots=batch.out_slots[tokens], page_tables=batch.page_tables[reqs],
-                       seq_lens=batch.seq_lens[reqs], q_lens=batch.q_lens[reqs])
+                       seq_lens=batch.seq_lens[reqs], q_lens=batch.q_lens[reqs],
+                       seq_lens_host=seq[reqs], q_lens_host=q[reqs])
 
     return part(slice(0, t), slice(0, at)), part(slice(t, None), slice(at, None))
 

@@ -155,6 +155,8 @@ class ModelRunner:
             seq_lens=to_device(hb.seq_lens, dev),
             q_lens=to_device(hb.q_lens, dev),
             max_seq_len=max(it.end for it in items),
+            seq_lens_host=tuple(it.end for it in items),
+            q_lens_host=tuple(len(it.token_ids) for it in items),
         )
 
     @torch.inference_mode()

@@ -375,7 +375,9 @@ def plan_ragged_chunks(
     while :func:`ragged_logits_bytes` of (rows, window) stays within the
     budget, and always holds at least one row (a single row over the budget
     is its own chunk). Rows with an empty window widen nothing; a chunk of
-    only such rows has an empty window (``k0 == k1``).
+    only such rows has an empty window (``k0 == k1``). A row whose window
+    starts at or past the end of every window before it in the chunk (the
+    next request of packed prefill rows) starts a new chunk.
 
     Vectorised over rows (numpy running min / max per chunk): a per-row Python
     loop took ~10 ms for a 4096-row prefill chunk on the H100 host, more than
@@ -407,6 +409,11 @@ def plan_ragged_chunks(
                                                     * _DG_STRIDE_ALIGN) * 4
         over = np.flatnonzero(nbytes[1:] > budget_bytes)
         n = int(over[0]) + 1 if over.size else S - r0
+        # A row whose window starts at or past the end of every window before it in the chunk (the
+        # next request of packed prefill rows) starts a new chunk: one chunk over both would score
+        # every row against both requests' keys.
+        disjoint = np.flatnonzero(has[: n - 1] & nonempty[r0 + 1 : r0 + n] & (ks[r0 + 1 : r0 + n] >= hi[: n - 1]))
+        n = int(disjoint[0]) + 1 if disjoint.size else n
         k0 = int(lo[n - 1]) if has[n - 1] else 0
         k1 = int(hi[n - 1]) if has[n - 1] else k0
         chunks.append(RaggedChunk(r0, r0 + n, k0, k1))
@@ -489,6 +496,7 @@ def ragged_topk(
     *,
     logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET_BYTES,
     topk_config: dict | None = None,
+    windows_host: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged logits + top-k, chunk by chunk: ``ragged_mqa_logits`` then ``topk_slots`` without ``[S, N]``.
 
@@ -497,13 +505,19 @@ def ragged_topk(
     would (positions index the packed keys; ascending, ``-1`` padded; slots
     through ``page_table_rows [S, max_pages]``, or the positions when None).
     ``topk_config``: keyword arguments of ``topk_positions`` (``method``, ...); None: :data:`PREFILL_TOPK`.
+    ``windows_host``: ``(ks, ke)`` on the host, equal to the device ones: the chunks are planned from
+    them instead of reading ``ks`` / ``ke`` back (a read-back stalls the host until the device is idle).
     """
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
     q8, k8, ksc, w, ks_d, ke_d = _ragged_inputs(q, k, k_scale, weights, ks, ke)
     S = q.shape[0]
     positions = torch.full((S, topk), -1, dtype=torch.int32, device=q.device)
-    for c in plan_ragged_chunks(ks_d.cpu().numpy(), ke_d.cpu().numpy(), logits_budget_bytes, q.shape[1]):
+    if windows_host is not None:  # clipped to [0, N) as _ragged_inputs clips the device ones
+        ks_h, ke_h = (np.clip(np.asarray(a, dtype=np.int64).reshape(-1), 0, k.shape[0]) for a in windows_host)
+    else:
+        ks_h, ke_h = ks_d.cpu().numpy(), ke_d.cpu().numpy()
+    for c in plan_ragged_chunks(ks_h, ke_h, logits_budget_bytes, q.shape[1]):
         if c.k1 <= c.k0:
             continue
         logits = _chunk_logits(q8, k8, ksc, w, ks_d, ke_d, c)

@@ -4,7 +4,7 @@
 # Steps (state lives in /tmp between calls while the machine stays warm):
 #   stage DIR...        copy carried folders (.devicewheels/*, .whl, .vllmparts/d_partNN) into /tmp/stage,
 #                       or parts of bench/pack_device_parts.sh (.devparts/pNN) into /tmp/parts
-#   install             dsa-pd's stack -> /tmp/site; vLLM 0.26.0 (reassembled parts) + transformers -> /tmp/vsite
+#   install             (DSA_ONLY=1 after staging only p00-p02: dsa-pd's stack alone) dsa-pd's stack -> /tmp/site; vLLM 0.26.0 (reassembled parts) + transformers -> /tmp/vsite
 #                       (from /tmp/parts when staged so: one tar of .devicewheels/*, .whl, .whl2 and .vllmsel,
 #                       the folder of pack_vllm.sh's wheels plus a transformers >= 5.23 wheel)
 #   ckpt bf16|fp8 [LAYERS EXPERTS]  /tmp/ckpt/bf16 (bench/peers/checkpoint.py) or
@@ -64,12 +64,15 @@ case "$step" in
   install)
     rm -rf /tmp/site /tmp/vsite /tmp/vw
     if [ -d /tmp/parts ]; then  # one tar in parts (bench/pack_device_parts.sh)
-      rm -rf /tmp/w && mkdir -p /tmp/w && cat /tmp/parts/part* | tar xf - -C /tmp/w || exit 1
+      # DSA_ONLY=1: only the first parts were staged (the tar holds dsa-pd's wheels first, then vLLM's):
+      # the truncated tar still yields dsa-pd's stack; vLLM is not installed.
+      rm -rf /tmp/w && mkdir -p /tmp/w && cat /tmp/parts/part* | tar xf - -C /tmp/w 2>/dev/null \
+          || [ -n "${DSA_ONLY:-}" ] || exit 1
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
           /tmp/w/.devicewheels/*/*.whl /tmp/w/.whl/*.whl $(ls /tmp/w/.whl2/*.whl 2>/dev/null) 2>&1 | grep -v WARNING | tail -3
       tar xzf /tmp/w/.whl/tfslim.tgz -C /tmp/site
-      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite /tmp/w/.vllmsel/*.whl \
-          2>&1 | grep -v WARNING | tail -3
+      [ -n "${DSA_ONLY:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite \
+          /tmp/w/.vllmsel/*.whl 2>&1 | grep -v WARNING | tail -3
       mkdir -p /tmp/stage
     fi
     cd /tmp/stage || exit 1

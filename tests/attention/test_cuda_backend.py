@@ -114,8 +114,11 @@ def _check_plan(ks, ke, budget, chunks):
                 assert c.k0 <= ks[r] and ke[r] <= c.k1, (c, r)
         if c.r1 - c.r0 > 1:
             assert ragged_logits_bytes(c.r1 - c.r0, c.k1 - c.k0) <= budget
-    # greedy: the next row would not have fitted
+    # greedy: the next row would not have fitted, or its window starts past every window of the chunk
     for a, b in zip(chunks, chunks[1:]):
+        before = [ke[r] for r in range(a.r0, b.r0) if ke[r] > ks[r]]
+        if before and ke[b.r0] > ks[b.r0] and ks[b.r0] >= max(before):
+            continue
         rows = range(a.r0, b.r0 + 1)
         lo = min([ks[r] for r in rows if ke[r] > ks[r]], default=0)
         hi = max([ke[r] for r in rows if ke[r] > ks[r]], default=0)
@@ -130,7 +133,10 @@ def test_plan_ragged_chunks_causal_prefill():
     for budget in (1, 4096, ragged_logits_bytes(10, 1000), ragged_logits_bytes(333, 1000), 1 << 40):
         chunks = plan_ragged_chunks(ks, ke, budget)
         _check_plan(ks, ke, budget, chunks)
-    assert len(plan_ragged_chunks(ks, ke, 1 << 40)) == 1
+    # one chunk per request at any budget: a row of the second never scores the first's keys
+    assert [(c.r0, c.r1, c.k0, c.k1) for c in plan_ragged_chunks(ks, ke, 1 << 40)] == [(0, 300, 0, 1000),
+                                                                                     (300, 800, 1000, 1500)]
+    assert len(plan_ragged_chunks(ks[:300], ke[:300], 1 << 40)) == 1
     assert len(plan_ragged_chunks(ks, ke, 1)) == len(ks)  # a row over budget is its own chunk
     # random windows, some empty
     S = 200

@@ -1,0 +1,152 @@
+"""Packed prefill contexts (``models.batch.PackedContext``): one cache gather, one indexer call and one
+sparse-attention call per layer for every request of a PREFILL forward.
+
+* the packed slots and windows equal the per-request construction (``ForwardBatch.context_slots``), on
+  random page tables, cached prefixes and chunk lengths; with and without the builder's host lengths;
+* a request's prefill gives the same hidden states and the same top-k selection whether it runs alone or
+  packed with others (one with a cached prefix, one from scratch), on the reference backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from attention.backend import get_backend
+from attention.cache import CacheSpec, PagedKVCache
+from attention.formats import PAGE_SIZE
+from models.batch import ForwardBatch, ForwardMode, PackedContext, slots_for_positions
+from models.loader import load_model
+from models.tiny import make_tiny
+
+SEED = random.randrange(1 << 30)
+
+
+def _batch(reqs, host: bool = True) -> ForwardBatch:
+    """reqs: [(page table, start position, new token count)] -> a PREFILL batch (token ids 3..)."""
+    width = max(len(t) for t, _, _ in reqs)
+    pos, slots, tables = [], [], []
+    for table, start, n in reqs:
+        t = torch.tensor(table + [0] * (width - len(table)), dtype=torch.int32)
+        p = torch.arange(start, start + n)
+        pos.append(p)
+        slots.append(slots_for_positions(t, p))
+        tables.append(t)
+    seq = [s + n for _, s, n in reqs]
+    q = [n for _, _, n in reqs]
+    T = sum(q)
+    return ForwardBatch(ForwardMode.PREFILL, torch.arange(3, 3 + T) % 50 + 3, torch.cat(pos), torch.cat(slots),
+                        torch.stack(tables), torch.tensor(seq), torch.tensor(q), max_seq_len=max(seq),
+                        seq_lens_host=tuple(seq) if host else None, q_lens_host=tuple(q) if host else None)
+
+
+def _random_reqs(rng: random.Random, free_pages: list[int]):
+    reqs = []
+    for _ in range(rng.randint(1, 5)):
+        start = rng.choice([0, 0, rng.randint(1, 200)])  # a cached prefix (or an earlier chunk) or none
+        n = rng.randint(1, 150)
+        table = [free_pages.pop() for _ in range(-(-(start + n) // PAGE_SIZE))]
+        reqs.append((table, start, n))
+    return reqs
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_packed_context_equals_per_request(host):
+    rng = random.Random(SEED)
+    for trial in range(20):
+        pages = list(range(400))
+        rng.shuffle(pages)
+        batch = _batch(_random_reqs(rng, pages), host)
+        ctx = batch.packed_context()
+        assert batch.packed_context() is ctx  # built once per forward
+        want = torch.cat([batch.context_slots(r) for r in range(batch.num_requests)])
+        assert torch.equal(ctx.slots, want), (SEED, trial)
+        starts = np.cumsum([0] + batch.seq_lens.tolist()[:-1])
+        ranges = batch.query_ranges()
+        for r, (s0, s1) in enumerate(ranges):
+            assert (ctx.row_start[s0:s1] == int(starts[r])).all()
+            assert torch.equal(ctx.row_end[s0:s1].long(), int(starts[r]) + batch.positions[s0:s1] + 1)
+        assert np.array_equal(ctx.row_start_host, ctx.row_start.numpy())
+        assert np.array_equal(ctx.row_end_host, ctx.row_end.numpy())
+        # request-local positions -> packed indices -> (slots, positions): the same positions, their slots
+        T = batch.num_tokens
+        local = torch.randint(-1, 1 << 20, (T, 7)) % (ctx.row_end - ctx.row_start).long()[:, None]
+        local[:, 0] = -1
+        packed = ctx.packed_indices(local)
+        slots, back = ctx.local(packed)
+        assert torch.equal(back, local)
+        for i in range(T):
+            r = next(r for r, (s0, s1) in enumerate(ranges) if s0 <= i < s1)
+            for j in range(1, 7):
+                assert int(slots[i, j]) == int(batch.context_slots(r)[local[i, j]])
+        assert (slots[:, 0] == -1).all()
+
+
+def test_host_lens_match_the_device():
+    batch = _batch([([3, 4], 10, 70), ([9], 0, 5)])
+    assert batch.host_lens() == ((80, 5), (70, 5))
+    bare = _batch([([3, 4], 10, 70), ([9], 0, 5)], host=False)
+    assert bare.host_lens() == batch.host_lens()
+    assert bare.query_ranges() == [(0, 70), (70, 75)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = make_tiny("deepseek_v32", tmp_path_factory.mktemp("packed") / "v32", seed=3, index_topk=16,
+                  num_nextn_predict_layers=0)
+    return load_model(d, dtype=torch.float32, with_mtp=False)
+
+
+def _recording(log: list):
+    ref = get_backend("reference")
+
+    def sparse_mla_prefill(q, kv, indices, scale, d_v=None):
+        log.append(indices.clone())
+        return ref.sparse_mla_prefill(q, kv, indices, scale, d_v)
+
+    return dataclasses.replace(ref, sparse_mla_prefill=sparse_mla_prefill)
+
+
+@torch.inference_mode()
+def test_prefill_packed_equals_alone(tiny):
+    """A: 70 new tokens over a cached 60-token prefix (written by an earlier forward), B: 45 from
+    scratch, C: 1 token. Packed in one forward, each request's hidden states and selected positions
+    equal its forward alone (the packed kernel sees other requests' keys but never selects them)."""
+    cfg = tiny.cfg
+    spec = CacheSpec(num_layers=tiny.num_cache_layers, num_pages=16, kv_lora_rank=cfg.kv_lora_rank,
+                     rope_dim=cfg.qk_rope_head_dim, index_head_dim=cfg.index_head_dim, kv_cache_dtype="auto",
+                     dtype=torch.float32, indexer_layers=tuple(cfg.topk_plan.computes))
+    cache = PagedKVCache(spec, "cpu")
+    gen = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(3, cfg.vocab_size, (300,), generator=gen)
+    reqs = {"A": ([0, 1, 2], 60, 70), "B": ([5], 0, 45), "C": ([7], 0, 1)}
+    tiny(_with_tokens(_batch([([0, 1, 2], 0, 60)]), tokens[:60]), cache, get_backend("reference"))  # A's prefix
+
+    def run(names):
+        log: list = []
+        b = _with_tokens(_batch([reqs[n] for n in names]), torch.cat([_tokens_of(n, tokens) for n in names]))
+        hidden = tiny(b, cache, _recording(log))
+        ctx = b.packed_context()
+        picks = [ctx.local(idx[:, 0])[1] for idx in log]  # request-local positions, per layer
+        return hidden, picks, b.query_ranges()
+
+    alone = {n: run([n]) for n in reqs}
+    hidden, picks, ranges = run(["A", "B", "C"])
+    for n, (s0, s1) in zip(["A", "B", "C"], ranges):
+        h, p, _ = alone[n]
+        torch.testing.assert_close(hidden[s0:s1], h, rtol=1e-5, atol=1e-5)
+        for layer, (got, want) in enumerate(zip(picks, p)):
+            assert torch.equal(got[s0:s1], want), (n, layer, SEED)
+    assert any((p[:, 1:] >= 0).any() for p in picks)  # real selections (more than one position)
+
+
+def _tokens_of(name: str, tokens: torch.Tensor) -> torch.Tensor:
+    return {"A": tokens[60:130], "B": tokens[130:175], "C": tokens[175:176]}[name]
+
+
+def _with_tokens(batch: ForwardBatch, ids: torch.Tensor) -> ForwardBatch:
+    return dataclasses.replace(batch, input_ids=ids)

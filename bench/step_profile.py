@@ -68,9 +68,22 @@ def profile_prefill(llm, batch: int, length: int, seed: int = 11, top: int = 20)
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     busy_us, kernel_sum_us, kernels = _gpu_time(prof, top)
+    # The same prefill under cProfile: where the host's time goes (a read-back shows as a wait in
+    # `synchronize`, `item`, `tolist` or `cpu`, and the device idles after it while the host launches).
+    host = cProfile.Profile()
+    t0 = time.perf_counter()
+    host.enable()
+    prefill_case(llm, batch, length, seed)
+    if cuda:
+        torch.cuda.synchronize()
+    host.disable()
+    host_wall = time.perf_counter() - t0
+    buf = io.StringIO()
+    pstats.Stats(host, stream=buf).sort_stats("tottime").print_stats(25)
     return {"case": f"prefill {batch}x{length}", "wall_ms": wall * 1e3, "gpu_busy_ms": busy_us / 1e3,
             "kernel_sum_ms": kernel_sum_us / 1e3, "tokens_per_s_profiled": case["prefill_tokens_per_s"],
-            "top_kernels": [{"name": k[:120], "calls": n, "ms": t / 1e3} for t, n, k in kernels]}
+            "top_kernels": [{"name": k[:120], "calls": n, "ms": t / 1e3} for t, n, k in kernels],
+            "cprofile_wall_ms": host_wall * 1e3, "host_cprofile_tottime": buf.getvalue()}
 
 
 def print_prefill_profile(p: dict) -> None:
@@ -78,6 +91,8 @@ def print_prefill_profile(p: dict) -> None:
           f"{p['kernel_sum_ms']:.1f} ms ({p['tokens_per_s_profiled']:,.0f} tokens/s under the profiler)", flush=True)
     for k in p["top_kernels"]:
         print(f"  {k['ms']:9.3f} ms  x{k['calls']:5d}  {k['name']}")
+    print(f"under cProfile: wall {p['cprofile_wall_ms']:.1f} ms; functions by own time:")
+    print("\n".join(p["host_cprofile_tottime"].splitlines()[:40]), flush=True)
 
 
 def _steady(llm, batch: int, input_len: int, output_len: int, seed: int):

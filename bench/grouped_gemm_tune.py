@@ -24,11 +24,17 @@ def _bandwidth() -> float:
     return next((v for k, v in HBM_BYTES_PER_S.items() if k in name), 3.35e12)
 
 
-def candidates(gate_up: bool):
-    for BM, BN, BK, warps, stages in itertools.product((16, 32, 64, 128), (64, 128), (64, 128, 256), (4, 8), (3, 4)):
-        if BN * BK * (2 if gate_up else 1) * stages * 2 > 200_000:  # shared memory of the weight tiles
+def candidates(gate_up: bool, contiguous: bool = False, quick: bool = False):
+    """Tile configs to time; ``contiguous``: also the launch order (``GROUP_M``, 0 = the 2-D grid);
+    ``quick``: the prefill tiles only (a prefill-sized case takes ~0.1 s per config)."""
+    tiles = ((128,), (128, 256), (64,), (8,), (3, 4)) if quick else \
+        ((16, 32, 64, 128), (64, 128), (64, 128, 256), (4, 8), (3, 4))
+    for BM, BN, BK, warps, stages in itertools.product(*tiles):
+        if (BM + BN * (2 if gate_up else 1)) * BK * stages * 2 > 220_000:  # shared memory of the a and w tiles
             continue
-        yield dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+        for group_m in ((0, 4, 8, 16) if contiguous else (0,)):
+            cfg = dict(BM=BM, BN=BN, BK=BK, num_warps=warps, num_stages=stages)
+            yield dict(cfg, GROUP_M=group_m) if group_m else cfg
 
 
 def experts(E: int, H: int, I: int, gen):
@@ -42,7 +48,7 @@ def experts(E: int, H: int, I: int, gen):
     return w13, w2
 
 
-def run_case(H: int, I: int, E: int, K: int, T: int, masked: bool, gen, top: int, weights) -> None:
+def run_case(H: int, I: int, E: int, K: int, T: int, masked: bool, gen, top: int, weights, quick: bool = False) -> None:
     import triton
 
     from models.moe import dispatch
@@ -65,7 +71,7 @@ def run_case(H: int, I: int, E: int, K: int, T: int, masked: bool, gen, top: int
         cu._launch(a, w, out, layout, N, Kd, a_div, gu, maps, default)
         want = out.clone()
         results = []
-        for cfg in [default] + [c for c in candidates(gu) if c != default]:
+        for cfg in [default] + [c for c in candidates(gu, not masked, quick) if c != default]:
             cfg = dict(cfg, BN=min(cfg["BN"], max(16, triton.next_power_of_2(N))),
                        BK=min(cfg["BK"], max(16, triton.next_power_of_2(Kd))))
             maps = {}
@@ -80,11 +86,14 @@ def run_case(H: int, I: int, E: int, K: int, T: int, masked: bool, gen, top: int
                 continue
             results.append((ms, cfg, "ok" if ok else "WRONG"))
         read = touched * (2 * I * H if gu else H * I) * 2 / bw * 1e3
+        flop = 2 * P * N * Kd * (2 if gu else 1)
         d_ms = results[0][0]
         print(f"E={E} top{K} T={T} {'masked' if masked else 'contiguous'} {name}: {touched} experts touched, "
-              f"weight read {read * 1e3:.1f} us; default {d_ms * 1e3:.1f} us {results[0][1]}", flush=True)
+              f"weight read {read * 1e3:.1f} us; default {d_ms * 1e3:.1f} us ({flop / d_ms / 1e9:.0f} TFLOP/s) "
+              f"{results[0][1]}", flush=True)
         for ms, cfg, status in sorted((r for r in results if r[2] == "ok"), key=lambda r: r[0])[:top]:
-            print(f"    {ms * 1e3:8.1f} us  {ms / d_ms:5.2f}x default  {read / ms:5.2f} of roofline  {cfg}")
+            print(f"    {ms * 1e3:8.1f} us  {ms / d_ms:5.2f}x default  {read / ms:5.2f} of roofline  "
+                  f"{flop / ms / 1e9:4.0f} TFLOP/s  {cfg}")
         bad = [r for r in results if r[2] == "WRONG"]
         if bad:
             print(f"    {len(bad)} configs gave WRONG results, e.g. {bad[0][1]}")
@@ -99,13 +108,15 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 32, 128, 1024])
     p.add_argument("--contiguous-from", type=int, default=512, help="T at and above which the prefill layout is timed")
     p.add_argument("--top", type=int, default=4)
+    p.add_argument("--quick", action="store_true", help="prefill tiles and launch orders only")
     args = p.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__)
     for E in args.experts:
         weights = experts(E, args.hidden, args.inter, gen)
         for T in args.tokens:
-            run_case(args.hidden, args.inter, E, args.top_k, T, T < args.contiguous_from, gen, args.top, weights)
+            run_case(args.hidden, args.inter, E, args.top_k, T, T < args.contiguous_from, gen, args.top, weights,
+                     args.quick)
         del weights
         torch.cuda.empty_cache()
     return 0

@@ -59,14 +59,29 @@ def _grouped_gemm_kernel(
     N: tl.constexpr, K: tl.constexpr, A_DIV: tl.constexpr, GATE_UP: tl.constexpr, TILE_MAP: tl.constexpr,
     W_FP8: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr = 0, num_m_programs=1,
 ):
     """out[pair] = a[pair // A_DIV] @ w[e, :N]^T over expert e's pairs (GATE_UP:
     silu(a @ w[e, :N]^T) * (a @ w[e, N:2N]^T)); w ``[E, *, K]`` with unit K stride.
 
     W_FP8: w is float8_e4m3fn with block scales ``s[e, row // B0, k // B1]``; each
-    weight tile is dequantized in registers to a's dtype (BK divides B1)."""
-    pid = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    weight tile is dequantized in registers to a's dtype (BK divides B1).
+
+    GROUP_M > 0 (contiguous layout): a 1-D grid walked GROUP_M m-programs at a time across every
+    n-tile, so the programs resident together share their activation rows in L2. The 2-D grid
+    (GROUP_M = 0) runs every m-tile of n-tile 0 first, and a prefill's gathered rows then stream
+    from HBM once per n-tile."""
+    if GROUP_M > 0:
+        num_n = tl.cdiv(N, BN)
+        flat = tl.program_id(0)
+        in_group = GROUP_M * num_n
+        first_m = (flat // in_group) * GROUP_M
+        size_m = tl.minimum(num_m_programs - first_m, GROUP_M)
+        pid = first_m + (flat % in_group) % size_m
+        pid_n = (flat % in_group) // size_m
+    else:
+        pid = tl.program_id(0)
+        pid_n = tl.program_id(1)
     if TILE_MAP:  # one (expert, m-tile) per program
         e = tl.load(tile_expert_ptr + pid)
         mt = tl.load(tile_m_ptr + pid)
@@ -198,8 +213,9 @@ def gemm_config(expected_m: int, N: int, K: int) -> dict:
         cfg = dict(BM=64, BN=64, BK=128, num_warps=4, num_stages=4)
     elif expected_m <= 64:  # 16 experts at batch 128: 0.69x (gate_up) / 0.78x (down) the time of BM 64
         cfg = dict(BM=128, BN=64, BK=128, num_warps=8, num_stages=3)
-    else:  # prefill: compute-bound, the large tiles (0.82x the time of BM 64 at 512 rows per expert)
-        cfg = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+    else:  # prefill: compute-bound, the large tiles (0.82x the time of BM 64 at 512 rows per expert),
+        # walked in groups of 8 m-tiles (`_grouped_gemm_kernel`'s GROUP_M)
+        cfg = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, GROUP_M=8)
     cfg["BN"] = min(cfg["BN"], _pow2_at_least_16(N))
     cfg["BK"] = min(cfg["BK"], _pow2_at_least_16(K))
     return cfg
@@ -244,11 +260,15 @@ def _launch(a, w, out, layout: ExpertLayout, N: int, K: int, a_div: int, gate_up
         tile_e, tile_m = maps[BM]
         programs = tile_e.shape[0]
     s, b0, b1 = (scale, block[0], block[1]) if scale is not None else (w, 1, 1)  # s unused without fp8
-    _grouped_gemm_kernel[(programs, triton.cdiv(N, cfg["BN"]))](
+    group_m = cfg.pop("GROUP_M", 0) if not layout.masked else 0
+    cfg.pop("GROUP_M", None)
+    n_tiles = triton.cdiv(N, cfg["BN"])
+    grid = (programs * n_tiles,) if group_m else (programs, n_tiles)
+    _grouped_gemm_kernel[grid](
         a, a.stride(0), w, w.stride(0), w.stride(1), s, s.stride(0), s.stride(1), out, out.stride(0),
         layout.pairs, layout.row_start, layout.counts, tile_e, tile_m,
         N=N, K=K, A_DIV=a_div, GATE_UP=gate_up, TILE_MAP=not layout.masked, W_FP8=scale is not None,
-        B0=b0, B1=b1, PRECISION=_precision(a.dtype), **cfg,
+        B0=b0, B1=b1, PRECISION=_precision(a.dtype), GROUP_M=group_m, num_m_programs=programs, **cfg,
     )
 
 

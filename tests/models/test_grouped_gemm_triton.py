@@ -105,6 +105,31 @@ def check_interpreter_prefill_tiles(gen) -> None:
     check_grouped_gemm(gen, "cpu", dict(H=64, I=32, E=4, K=2), (torch.float32,), [(150, "hot", (2, 2))])
 
 
+def check_grouped_order(gen) -> None:
+    """The contiguous grid walked GROUP_M m-programs at a time (the prefill order): every (program,
+    n-tile) once, a partial last group, several n-tiles; equal to the 2-D grid's order bit for bit and
+    to the reference."""
+    from models.ops import grouped_gemm_cuda as cu
+
+    H, I, E, K, T = 48, 40, 8, 3, 37
+    w13 = torch.randn(E, 2 * I, H, generator=gen) / H**0.5
+    w2 = torch.randn(E, H, I, generator=gen) / I**0.5
+    x = torch.randn(T, H, generator=gen)
+    layout = dispatch.contiguous_layout(routing(T, E, K, gen, "random"), 0, E, E)
+    want = ref.expert_outputs(x, w13, w2, layout)
+    got = {}
+    for group_m in (0, 4):  # 15 m-programs of BM 16: three groups of 4, then one of 3
+        cfg = dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=2, GROUP_M=group_m)
+        act = torch.full((layout.num_pairs, I), float("nan"))
+        y = torch.full((layout.num_pairs, H), float("nan"))
+        maps: dict = {}
+        cu._launch(x, w13, act, layout, I, H, K, True, maps, cfg=cfg)
+        cu._launch(act, w2, y, layout, H, I, 1, False, maps, cfg=cfg)
+        got[group_m] = y
+    assert torch.equal(got[0], got[4])
+    torch.testing.assert_close(got[4], want, rtol=1e-5, atol=1e-5)
+
+
 def check_tile_map(gen) -> None:
     from models.ops.grouped_gemm_cuda import tile_map
 
@@ -137,6 +162,7 @@ CHECKS = {
     "masked_dispatch": check_masked_dispatch,
     "grouped_gemm_small": check_interpreter_small,
     "grouped_gemm_prefill_tiles": check_interpreter_prefill_tiles,
+    "grouped_gemm_grouped_order": check_grouped_order,
     "tile_map": check_tile_map,
 }
 
@@ -179,10 +205,12 @@ def _compile_worker() -> None:
         sig = dict(a_ptr="*bf16", a_stride="i64", w_ptr="*fp8e4nv" if fp8 else "*bf16", w_stride_e="i64",
                    w_stride_n="i64", s_ptr="*fp32", s_stride_e="i64", s_stride_n="i64", out_ptr="*bf16",
                    out_stride="i64", pairs_ptr="*i32", row_start_ptr="*i32", counts_ptr="*i32",
-                   tile_expert_ptr="*i32", tile_m_ptr="*i32")
+                   tile_expert_ptr="*i32", tile_m_ptr="*i32", num_m_programs="i32")
         for expected_m, gate_up, tile_map, (N, K) in ((1, True, False, (2048, 7168)),
                                                       (512, False, True, (7168, 2048))):
             cfg = cu.gemm_config(expected_m, N, K)
+            cfg.setdefault("GROUP_M", 0)
+            assert (cfg["GROUP_M"] > 0) == tile_map  # prefill runs the grouped order
             options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
             k = compile_one(cu._grouped_gemm_kernel, sig,
                             dict(N=N, K=K, A_DIV=8 if gate_up else 1, GATE_UP=gate_up, TILE_MAP=tile_map,

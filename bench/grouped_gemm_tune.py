@@ -66,7 +66,7 @@ def run_case(H: int, I: int, E: int, K: int, T: int, masked: bool, gen, top: int
     for name, a, w, out, N, Kd, a_div, gu in (("gate_up", x, w13, act, I, H, K, True), ("down", None, w2, y, H, I, 1, False)):
         if a is None:
             a = act
-        default = cu.gemm_config(layout.expected_m, N, Kd)
+        default = cu.gemm_config(layout.expected_m, N, Kd, gu)
         maps: dict = {}
         cu._launch(a, w, out, layout, N, Kd, a_div, gu, maps, default)
         want = out.clone()

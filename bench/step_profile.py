@@ -73,7 +73,7 @@ def profile_prefill(llm, batch: int, length: int, seed: int = 11, top: int = 20)
     host = cProfile.Profile()
     t0 = time.perf_counter()
     host.enable()
-    prefill_case(llm, batch, length, seed)
+    prefill_case(llm, batch, length, seed + 1)  # new prompts: the same ones would hit the prefix cache
     if cuda:
         torch.cuda.synchronize()
     host.disable()

@@ -362,6 +362,13 @@ def ragged_logits_bytes(rows: int, width: int, num_heads: int = 64) -> int:
     return aligned_rows * stride * 4
 
 
+KV_START_ALIGN = 16
+"""Keys a ragged chunk starts at are a multiple of this: DeepGEMM's ``fp8_mqa_logits`` builds TMA
+descriptors on the chunk's key and scale slices, and a fp32 scale slice starting at an odd key is not
+16-byte aligned (CUDA_ERROR_INVALID_VALUE; seen on the H100 once packed prefill rows started chunks
+at a request's first key)."""
+
+
 def plan_ragged_chunks(
     ks: Sequence[int],
     ke: Sequence[int],
@@ -377,7 +384,8 @@ def plan_ragged_chunks(
     is its own chunk). Rows with an empty window widen nothing; a chunk of
     only such rows has an empty window (``k0 == k1``). A row whose window
     starts at or past the end of every window before it in the chunk (the
-    next request of packed prefill rows) starts a new chunk.
+    next request of packed prefill rows) starts a new chunk. A chunk's
+    ``k0`` is its lowest window start rounded down to `KV_START_ALIGN`.
 
     Vectorised over rows (numpy running min / max per chunk): a per-row Python
     loop took ~10 ms for a 4096-row prefill chunk on the H100 host, more than
@@ -405,6 +413,8 @@ def plan_ragged_chunks(
         width = np.where(has, hi - lo, 0)
         rows = np.arange(1, S - r0 + 1, dtype=np.int64)
         # ragged_logits_bytes(rows, width, num_heads), row by row
+        # A chunk's keys start at a multiple of KV_START_ALIGN (below its first window, which masks the rest).
+        width = np.where(has, hi - (lo - lo % KV_START_ALIGN), 0)
         nbytes = (-(-rows // block_q) * block_q) * (-(-(width + _DG_BLOCK_KV) // _DG_STRIDE_ALIGN)
                                                     * _DG_STRIDE_ALIGN) * 4
         over = np.flatnonzero(nbytes[1:] > budget_bytes)
@@ -414,7 +424,7 @@ def plan_ragged_chunks(
         # every row against both requests' keys.
         disjoint = np.flatnonzero(has[: n - 1] & nonempty[r0 + 1 : r0 + n] & (ks[r0 + 1 : r0 + n] >= hi[: n - 1]))
         n = int(disjoint[0]) + 1 if disjoint.size else n
-        k0 = int(lo[n - 1]) if has[n - 1] else 0
+        k0 = int(lo[n - 1]) - int(lo[n - 1]) % KV_START_ALIGN if has[n - 1] else 0
         k1 = int(hi[n - 1]) if has[n - 1] else k0
         chunks.append(RaggedChunk(r0, r0 + n, k0, k1))
         r0 += n

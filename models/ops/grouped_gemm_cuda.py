@@ -196,7 +196,7 @@ def _pow2_at_least_16(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def gemm_config(expected_m: int, N: int, K: int) -> dict:
+def gemm_config(expected_m: int, N: int, K: int, gate_up: bool = False) -> dict:
     """Tile sizes and launch options for a grouped GEMM of ``expected_m`` rows per expert.
 
     Every m-tile of an expert reads that expert's weight tile again, so BM is chosen to
@@ -214,8 +214,10 @@ def gemm_config(expected_m: int, N: int, K: int) -> dict:
     elif expected_m <= 64:  # 16 experts at batch 128: 0.69x (gate_up) / 0.78x (down) the time of BM 64
         cfg = dict(BM=128, BN=64, BK=128, num_warps=8, num_stages=3)
     else:  # prefill: compute-bound, the large tiles (0.82x the time of BM 64 at 512 rows per expert),
-        # walked in groups of 8 m-tiles (`_grouped_gemm_kernel`'s GROUP_M)
-        cfg = dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, GROUP_M=8)
+        # walked in groups of 16 m-tiles (`_grouped_gemm_kernel`'s GROUP_M). H100, 16 experts, 8192
+        # tokens (docs/perf.md, session 19): gate_up 6.42 ms (599 TFLOP/s); down with BN 256 3.12 ms
+        # (617 TFLOP/s) against 4.37 with BN 128 (gate_up's two weight tiles leave no room for BN 256)
+        cfg = dict(BM=128, BN=128 if gate_up else 256, BK=64, num_warps=8, num_stages=3, GROUP_M=16)
     cfg["BN"] = min(cfg["BN"], _pow2_at_least_16(N))
     cfg["BK"] = min(cfg["BK"], _pow2_at_least_16(K))
     return cfg
@@ -244,7 +246,7 @@ def _launch(a, w, out, layout: ExpertLayout, N: int, K: int, a_div: int, gate_up
             cfg: dict | None = None, scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> None:
     """One grouped GEMM (``cfg``: tile sizes and launch options, default `gemm_config`'s; the tuning
     bench, bench/grouped_gemm_tune.py, passes its candidates). ``scale`` / ``block``: fp8 ``w``."""
-    cfg = dict(cfg or gemm_config(layout.expected_m, N, K))
+    cfg = dict(cfg or gemm_config(layout.expected_m, N, K, gate_up))
     if scale is not None:
         # One scale column per K tile: BK must divide the block's width.
         cfg["BK"] = min(cfg["BK"], block[1])

@@ -106,6 +106,10 @@ def fp8_mqa_logits(q, kv, weights, ks, ke, clean_logits=False, max_seqlen_k=0):
     for t in (ks, ke):
         assert t.dtype == torch.int32 and t.is_contiguous() and t.shape == (S,)
     assert clean_logits and max_seqlen_k == 0
+    # The real kernel builds TMA descriptors on these: their starts must be 16-byte aligned (a key
+    # slice starting at an odd key misaligns the fp32 scales: CUDA_ERROR_INVALID_VALUE on the H100).
+    for t in (q, k, k_scale, weights):
+        assert t.data_ptr() % 16 == 0, f"{tuple(t.shape)} {t.dtype} starts {t.data_ptr() % 16} bytes off 16"
     ref = ref_indexer.ragged_mqa_logits(q, k, k_scale, weights, ks, ke)
     out = _padded_logits(S, k.shape[0])
     out.copy_(ref)

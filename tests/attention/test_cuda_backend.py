@@ -42,6 +42,7 @@ from attention import indexer as ref_indexer  # noqa: E402
 from attention import sparse_mla as ref_mla  # noqa: E402
 from attention.cache import CacheSpec, PagedKVCache  # noqa: E402
 from attention.cuda.logits import (  # noqa: E402
+    KV_START_ALIGN,
     RaggedChunk,
     indexer_context_lens,
     paged_logits_layout,
@@ -109,6 +110,7 @@ def _check_plan(ks, ke, budget, chunks):
         assert a.r1 == b.r0
     for c in chunks:
         assert c.r1 > c.r0
+        assert c.k0 % KV_START_ALIGN == 0, c
         for r in range(c.r0, c.r1):
             if ke[r] > ks[r]:
                 assert c.k0 <= ks[r] and ke[r] <= c.k1, (c, r)
@@ -121,6 +123,7 @@ def _check_plan(ks, ke, budget, chunks):
             continue
         rows = range(a.r0, b.r0 + 1)
         lo = min([ks[r] for r in rows if ke[r] > ks[r]], default=0)
+        lo -= lo % KV_START_ALIGN
         hi = max([ke[r] for r in rows if ke[r] > ks[r]], default=0)
         assert ragged_logits_bytes(b.r0 + 1 - a.r0, max(hi - lo, 0)) > budget
 
@@ -135,7 +138,7 @@ def test_plan_ragged_chunks_causal_prefill():
         _check_plan(ks, ke, budget, chunks)
     # one chunk per request at any budget: a row of the second never scores the first's keys
     assert [(c.r0, c.r1, c.k0, c.k1) for c in plan_ragged_chunks(ks, ke, 1 << 40)] == [(0, 300, 0, 1000),
-                                                                                     (300, 800, 1000, 1500)]
+                                                                                     (300, 800, 992, 1500)]
     assert len(plan_ragged_chunks(ks[:300], ke[:300], 1 << 40)) == 1
     assert len(plan_ragged_chunks(ks, ke, 1)) == len(ks)  # a row over budget is its own chunk
     # random windows, some empty

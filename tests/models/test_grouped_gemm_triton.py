@@ -208,7 +208,7 @@ def _compile_worker() -> None:
                    tile_expert_ptr="*i32", tile_m_ptr="*i32", num_m_programs="i32")
         for expected_m, gate_up, tile_map, (N, K) in ((1, True, False, (2048, 7168)),
                                                       (512, False, True, (7168, 2048))):
-            cfg = cu.gemm_config(expected_m, N, K)
+            cfg = cu.gemm_config(expected_m, N, K, gate_up)
             cfg.setdefault("GROUP_M", 0)
             assert (cfg["GROUP_M"] > 0) == tile_map  # prefill runs the grouped order
             options = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))

@@ -2,7 +2,7 @@
 # One GPU-machine call for the fp8 weights (issue 18): install the carried kernels, run the fp8 GPU
 # tests, then the graphed decode step at real dims against its HBM roofline, fp8 and bf16.
 # Usage (device run, repo root; carry .devicewheels/kernels and .whl/tfslim.tgz):
-#   bash bench/gpu_fp8.sh [tests|engine|memory|offline|all]
+#   bash bench/gpu_fp8.sh [tests|engine|memory|offline|all]     (TESTS="files...", TESTS_S=seconds)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 what=${1:-all}
@@ -13,7 +13,9 @@ fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -q -rf -p no:cacheprovider ${TESTS:-tests/models/test_fp8_kernels.py \
+  # TESTS_S bounds the tests here: a `timeout` around this script kills the shell, not pytest, which
+  # then keeps the GPU busy under whatever the next call measures (session 19).
+  timeout -k 10 "${TESTS_S:-420}" python3 -m pytest -q -rf -p no:cacheprovider ${TESTS:-tests/models/test_fp8_kernels.py \
       tests/models/test_moe_gpu.py tests/models/test_fp8_model_gpu.py} -s 2>&1 | tee "$OUT/fp8_tests.txt" | \
       grep -E "passed|failed|FAILED|Error|E2E" | tail -30
 fi

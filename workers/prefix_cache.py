@@ -104,6 +104,13 @@ def routing_key(key: bytes) -> int:
     return int.from_bytes(key[:8], "big")
 
 
+def continues(entry, parent, tokens: bytes) -> bool:
+    """Whether the entry found under a chain key is ``parent``'s continuation by ``tokens``: keys are
+    compared in full, so a key equal by collision (another prefix's entry) is not a match. One rule for
+    both caches (this one and ``workers.v4_prefix``), their lookups and their inserts."""
+    return entry.parent is parent and entry.tokens == tokens
+
+
 @dataclass(eq=False)
 class _Entry:
     key: bytes
@@ -147,8 +154,7 @@ class PrefixCache:
             toks = page_token_bytes(token_ids, i)
             key = self.digest(key, toks)
             e = self._by_key.get(key)
-            # Compared in full: a key equal by collision is a miss.
-            if e is None or e.parent is not parent or e.tokens != toks:
+            if e is None or not continues(e, parent, toks):
                 break
             pages.append(e.page)
             parent = e
@@ -190,7 +196,7 @@ class PrefixCache:
             key = self.digest(key, toks)
             e = self._by_key.get(key)
             if e is not None:
-                if e.parent is not parent or e.tokens != toks:
+                if not continues(e, parent, toks):
                     break  # a collision: this chain cannot be cached past here
                 parent = e
                 continue

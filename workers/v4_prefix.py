@@ -63,7 +63,8 @@ from dataclasses import dataclass, field
 
 from attention.cache_groups import CacheGroup
 from attention.formats import PAGE_SIZE
-from workers.prefix_cache import LOOKAHEAD, CacheCounters, Digest, page_token_bytes, routing_key, sha256_digest
+from workers.prefix_cache import (LOOKAHEAD, CacheCounters, Digest, continues, page_token_bytes, routing_key,
+                                  sha256_digest)
 
 GroupPage = tuple[str, int]
 """``(group name, page id)``."""
@@ -204,8 +205,7 @@ class V4PrefixCache:
         parent: _Cut | None = None
         for _, key, _, toks in self._walk(token_ids, max_tokens):
             e = self._by_key.get(key)
-            # Compared in full: a key equal by collision is a miss.
-            if e is None or e.parent is not parent or e.tokens != toks:
+            if e is None or not continues(e, parent, toks):
                 break
             parent = e
         self._touch(parent)
@@ -268,7 +268,7 @@ class V4PrefixCache:
         for c, key, keys, toks in self._walk(token_ids, valid_tokens):
             e = self._by_key.get(key)
             if e is not None:
-                if e.parent is not parent or e.tokens != toks:
+                if not continues(e, parent, toks):
                     break  # a collision: this chain cannot be cached past here
                 parent = e
                 continue

@@ -57,7 +57,7 @@ class ForwardBatch:
     static_shapes: bool = False
     seq_lens_host: tuple[int, ...] | None = None
     q_lens_host: tuple[int, ...] | None = None
-    _packed: "PackedContext | None" = field(default=None, init=False, repr=False, compare=False)
+    _packed: "list[PackedContext] | None" = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_requests(self) -> int:
@@ -99,30 +99,48 @@ class ForwardBatch:
         starts = [0] + ends[:-1]
         return list(zip(starts, ends))
 
-    def packed_context(self) -> "PackedContext":
-        """Every request's context packed request after request (`PackedContext`), built once per
-        forward: it is the same for every layer."""
+    def packed_contexts(self) -> "list[PackedContext]":
+        """The requests' contexts packed request after request (`PackedContext`), in groups of
+        consecutive requests holding at most `PACK_MAX_POSITIONS` positions together (a request over
+        it alone), built once per forward: they are the same for every layer."""
         if self._packed is None:
-            self._packed = PackedContext.build(self)
+            seq, q = self.host_lens()
+            groups, r0, held = [], 0, 0
+            for r, n in enumerate(seq):
+                if r > r0 and held + n > PACK_MAX_POSITIONS:
+                    groups.append((r0, r))
+                    r0, held = r, 0
+                held += n
+            groups.append((r0, len(seq)))
+            self._packed = [PackedContext.build(self, a, b) for a, b in groups]
         return self._packed
+
+
+PACK_MAX_POSITIONS = 1 << 17
+"""Context positions one `PackedContext` holds at most (unless one request alone has more): a layer
+gathers them as fp32 latents (2.3 KiB a position) plus a bf16 copy and the indexer keys, about
+0.5 GiB at this bound. Requests with long cached prefixes in one chunk would otherwise add up (16
+of 128k positions: 8 GiB), where one request at a time held one context."""
 
 
 @dataclass(frozen=True)
 class PackedContext:
-    """The whole context of every request of a PREFILL forward (positions ``0 .. seq_len - 1``),
-    request after request, so that a layer reads its cache for all requests in one gather and runs
-    one indexer and one sparse-attention call (not one per request, each with its own small
-    kernels and host work).
+    """The whole context (positions ``0 .. seq_len - 1``) of consecutive requests of a PREFILL forward,
+    request after request, so that a layer reads its cache for them in one gather and runs one
+    indexer and one sparse-attention call (not one per request, each with its own small kernels and
+    host work).
 
-    slots:          int64 ``[N]`` cache slot of each packed position (``N = sum(seq_lens)``)
-    row_start:      int32 ``[T]`` packed index of position 0 of each new token's request
-    row_end:        int32 ``[T]`` end of each new token's causal window: ``row_start + position + 1``
-    row_start_host, row_end_host: int64 numpy ``[T]``, the same on the host (chunk planning)
+    tokens:         the new tokens of these requests (a slice of the forward's ``[T]``)
+    slots:          int64 ``[N]`` cache slot of each packed position (``N`` = their ``sum(seq_lens)``)
+    row_start:      int32 ``[t]`` packed index of position 0 of each new token's request
+    row_end:        int32 ``[t]`` end of each new token's causal window: ``row_start + position + 1``
+    row_start_host, row_end_host: int64 numpy ``[t]``, the same on the host (chunk planning)
 
     A new token of request r sees packed keys ``[row_start, row_end)``; a request-local position
     p of that token is packed index ``row_start + p``.
     """
 
+    tokens: slice
     slots: torch.Tensor
     row_start: torch.Tensor
     row_end: torch.Tensor
@@ -130,23 +148,28 @@ class PackedContext:
     row_end_host: np.ndarray
 
     @classmethod
-    def build(cls, batch: ForwardBatch) -> "PackedContext":
-        seq, q = batch.host_lens()
+    def build(cls, batch: ForwardBatch, r0: int = 0, r1: int | None = None) -> "PackedContext":
+        """Requests ``[r0, r1)`` of ``batch`` (default all)."""
+        seq_all, q_all = batch.host_lens()
+        r1 = len(seq_all) if r1 is None else r1
+        seq, q = seq_all[r0:r1], q_all[r0:r1]
+        t0 = int(sum(q_all[:r0]))
+        tokens = slice(t0, t0 + int(sum(q)))
         dev = batch.seq_lens.device
         n, t = int(sum(seq)), int(sum(q))
         # Sizes come from the host (output_size), values stay on the device: no read-back.
-        seq_d = batch.seq_lens.long()
+        seq_d = batch.seq_lens[r0:r1].long()
         start_d = torch.cumsum(seq_d, 0) - seq_d
         req = torch.repeat_interleave(torch.arange(len(seq), device=dev), seq_d, output_size=n)
         pos = torch.arange(n, device=dev) - start_d[req]
-        pages = batch.page_tables.long()[req, pos // PAGE_SIZE]
-        row_start = torch.repeat_interleave(start_d, batch.q_lens.long(), output_size=t)
-        row_end = row_start + batch.positions.long() + 1
+        pages = batch.page_tables[r0:r1].long()[req, pos // PAGE_SIZE]
+        row_start = torch.repeat_interleave(start_d, batch.q_lens[r0:r1].long(), output_size=t)
+        row_end = row_start + batch.positions[tokens].long() + 1
         seq_h, q_h = np.asarray(seq, dtype=np.int64), np.asarray(q, dtype=np.int64)
         start_h = np.repeat(np.cumsum(seq_h) - seq_h, q_h)
         # A request's new tokens are its last q_len positions.
         pos_h = np.concatenate([np.arange(s - k, s) for s, k in zip(seq_h, q_h)]) if t else np.zeros(0, np.int64)
-        return cls(slots=pages * PAGE_SIZE + pos % PAGE_SIZE, row_start=row_start.to(torch.int32),
+        return cls(tokens=tokens, slots=pages * PAGE_SIZE + pos % PAGE_SIZE, row_start=row_start.to(torch.int32),
                    row_end=row_end.to(torch.int32), row_start_host=start_h, row_end_host=start_h + pos_h + 1)
 
     def packed_indices(self, positions: torch.Tensor) -> torch.Tensor:

@@ -111,14 +111,21 @@ class Indexer(nn.Module):
         return SelectedTokens(slots.long(), positions.long())
 
     def _select_extend(self, q, weights, batch, cache, layer, backend) -> SelectedTokens:
-        # Every request's keys in one gather and one logits + top-k call over the packed rows (each
-        # row sees its own request's window): the cuda backend scores row chunks sized by a memory
-        # budget and never holds the [rows, context] matrix (a 128k-token prompt's would not fit).
-        ctx = batch.packed_context()
-        keys = cache.read_index(layer, ctx.slots, checked=False)
-        packed, _ = backend.ragged_topk(q, keys, None, weights, ctx.row_start, ctx.row_end, self.topk, None,
-                                        windows_host=(ctx.row_start_host, ctx.row_end_host))
-        return SelectedTokens(*ctx.local(packed))
+        # The keys of a group of requests in one gather and one logits + top-k call over their packed
+        # rows (each row sees its own request's window): the cuda backend scores row chunks sized by
+        # a memory budget and never holds the [rows, context] matrix (a 128k-token prompt's would not fit).
+        slots, positions = [], []
+        for ctx in batch.packed_contexts():
+            keys = cache.read_index(layer, ctx.slots, checked=False)
+            t = ctx.tokens
+            packed, _ = backend.ragged_topk(q[t], keys, None, weights[t], ctx.row_start, ctx.row_end, self.topk,
+                                            None, windows_host=(ctx.row_start_host, ctx.row_end_host))
+            s, p = ctx.local(packed)
+            slots.append(s)
+            positions.append(p)
+        if len(slots) == 1:
+            return SelectedTokens(slots[0], positions[0])
+        return SelectedTokens(torch.cat(slots), torch.cat(positions))
 
 
 def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

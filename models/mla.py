@@ -103,11 +103,15 @@ class MLAttention(nn.Module):
         return self.o_proj(o.view(T, self.n_heads * self.v_dim).to(x.dtype)), selected
 
     def _extend_attention(self, q_full, selected, batch, cache, layer, backend) -> torch.Tensor:
-        # The prefill kernel reads a contiguous kv: gather (and dequantize) every request's context
-        # from the paged cache at once, and attend over it in one call with each token's top-k
-        # turned into packed indices (a token only ever selects its own request's positions).
-        ctx = batch.packed_context()
-        kv = cache.read_mla(layer, ctx.slots, checked=False)
-        out, _, _ = backend.sparse_mla_prefill(q_full, kv[:, None, :], ctx.packed_indices(selected.positions)[:, None, :],
-                                               self.scale, self.rank)
-        return out
+        # The prefill kernel reads a contiguous kv: gather (and dequantize) the contexts of a group of
+        # requests from the paged cache at once, and attend over them in one call with each token's
+        # top-k turned into packed indices (a token only ever selects its own request's positions).
+        outs = []
+        for ctx in batch.packed_contexts():
+            kv = cache.read_mla(layer, ctx.slots, checked=False)
+            t = ctx.tokens
+            out, _, _ = backend.sparse_mla_prefill(q_full[t], kv[:, None, :],
+                                                   ctx.packed_indices(selected.positions[t])[:, None, :],
+                                                   self.scale, self.rank)
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -15,7 +15,8 @@
 #                       (NO_PREFIX_CACHE=1: the prefix cache off)
 #   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results (for dsa-* engines
 #                       also the served engine's mean step time per kind over each run: TAG.steps.json)
-#   prefix ENGINE NAME PORT [CONCURRENCIES]   shared 8k-token prefixes, 256-token suffixes (issue 24's load)
+#   prefix ENGINE NAME PORT [CONCURRENCIES]   shared 8k-token prefixes, 256-token suffixes (issue 24's load; for
+#                       dsa-* engines also TAG.steps.json: the KV bytes pushed and prefix-cache hits over the run)
 #   structured ENGINE NAME PORT   1024-in / 256-out at concurrency 32, every request under a JSON schema
 #                       (vLLM's `structured_outputs` field, which both servers take; compare with `bench`'s c32 row)
 #   vllmbench ENGINE NAME PORT    `vllm bench serve` from the packed vLLM against PORT (random 1024 / 256, c 32)
@@ -41,6 +42,20 @@ wait_health() {  # URL SECONDS PIDFILE
     sleep 3
   done
   echo "not up after $secs s"; return 1
+}
+
+steps_before() {  # ENGINE: dsa-pd's own series before a run (bench/peers/served_steps.py)
+  [ "${1#dsa}" != "$1" ] && env $DSA_ENV python3 -m bench.peers.served_steps snapshot /tmp/steps_before.json
+}
+
+steps_after() {  # ENGINE TAG: what the served engine did over the run -> $RES/TAG.steps.json (step time per
+  # kind; counters such as the KV bytes pushed)
+  if [ "${1#dsa}" != "$1" ]; then
+    sleep "${SETTLE_S:-10}"  # Ray's metrics agent exports what the replicas recorded a few seconds late
+    env $DSA_ENV python3 -m bench.peers.served_steps snapshot /tmp/steps_after.json
+    env $DSA_ENV python3 -m bench.peers.served_steps diff /tmp/steps_before.json /tmp/steps_after.json \
+        --json "$RES/$2.steps.json" | grep -E "step_seconds|kv_push_bytes|prefix_cache_hits"
+  fi
 }
 
 collect() {
@@ -133,31 +148,27 @@ case "$step" in
     for inp in $ins; do for c in $concs; do
       n=$(( c == 1 ? 4 : (c == 32 ? 64 : c) ))
       tag="${engine}__${name}__in${inp}__c${c}"
-      # dsa-pd's own step series around the run (bench/peers/served_steps.py): served step time per kind.
-      [ "${engine#dsa}" != "$engine" ] && env $DSA_ENV python3 -m bench.peers.served_steps snapshot /tmp/steps_before.json
+      steps_before "$engine"
       env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.serve --base-url "http://127.0.0.1:$port" --model peer-model \
           --dataset-name random --random-input-len "$inp" --random-output-len "$OUT_LEN" --random-range-ratio 0 \
           --num-prompts "$n" --max-concurrency "$c" --ignore-eos --num-warmups 2 --seed 1 --disable-tqdm \
           --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$RES" \
           --result-filename "$tag.json" 2>&1 | grep -E "Successful|Failed|throughput|Median TTFT|Median TPOT|#" | head -12
-      if [ "${engine#dsa}" != "$engine" ]; then
-        sleep "${SETTLE_S:-10}"  # Ray's metrics agent exports what the replicas recorded a few seconds late
-        env $DSA_ENV python3 -m bench.peers.served_steps snapshot /tmp/steps_after.json
-        env $DSA_ENV python3 -m bench.peers.served_steps diff /tmp/steps_before.json /tmp/steps_after.json \
-            --json "$RES/$tag.steps.json" | grep step_seconds
-      fi
+      steps_after "$engine" "$tag"
       echo "== $engine $name in=$inp c=$c done"
     done; done ;;
   prefix)
     engine=${1:?}; name=${2:?}; port=${3:?}; concs=${4:-1 32}
     for c in $concs; do
       n=$(( c == 1 ? 8 : 2 * c ))
+      steps_before "$engine"
       env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.serve --base-url "http://127.0.0.1:$port" --model peer-model \
           --dataset-name prefix_repetition --prefix-repetition-prefix-len 8192 --prefix-repetition-suffix-len 256 \
           --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 64 --num-prompts "$n" --max-concurrency "$c" \
           --ignore-eos --num-warmups 2 --seed 1 --disable-tqdm --percentile-metrics ttft,tpot,e2el \
           --metric-percentiles 50,90,99 --save-result --result-dir "$RES" \
           --result-filename "${engine}__${name}__prefix8192__c${c}.json" 2>&1 | grep -E "Successful|Failed|Median TTFT|#" | head -6
+      steps_after "$engine" "${engine}__${name}__prefix8192__c${c}"  # PD: the KV bytes pushed, per the cache's hits
       echo "== $engine $name prefix c=$c done"
     done ;;
   structured)

@@ -3,8 +3,10 @@ sparse-attention call per layer for every request of a PREFILL forward.
 
 * the packed slots and windows equal the per-request construction (``ForwardBatch.context_slots``), on
   random page tables, cached prefixes and chunk lengths; with and without the builder's host lengths;
+  in one group and split into groups of at most ``PACK_MAX_POSITIONS`` positions;
 * a request's prefill gives the same hidden states and the same top-k selection whether it runs alone or
-  packed with others (one with a cached prefix, one from scratch), on the reference backend.
+  packed with others (one with a cached prefix, one from scratch), on the reference backend, in one
+  group or two.
 """
 
 from __future__ import annotations
@@ -55,35 +57,48 @@ def _random_reqs(rng: random.Random, free_pages: list[int]):
 
 
 @pytest.mark.parametrize("host", [True, False])
-def test_packed_context_equals_per_request(host):
+@pytest.mark.parametrize("limit", [1 << 17, 150])
+def test_packed_context_equals_per_request(host, limit, monkeypatch):
+    import models.batch
+
+    monkeypatch.setattr(models.batch, "PACK_MAX_POSITIONS", limit)
     rng = random.Random(SEED)
     for trial in range(20):
         pages = list(range(400))
         rng.shuffle(pages)
         batch = _batch(_random_reqs(rng, pages), host)
-        ctx = batch.packed_context()
-        assert batch.packed_context() is ctx  # built once per forward
-        want = torch.cat([batch.context_slots(r) for r in range(batch.num_requests)])
-        assert torch.equal(ctx.slots, want), (SEED, trial)
-        starts = np.cumsum([0] + batch.seq_lens.tolist()[:-1])
+        groups = batch.packed_contexts()
+        assert batch.packed_contexts() is groups  # built once per forward
         ranges = batch.query_ranges()
-        for r, (s0, s1) in enumerate(ranges):
-            assert (ctx.row_start[s0:s1] == int(starts[r])).all()
-            assert torch.equal(ctx.row_end[s0:s1].long(), int(starts[r]) + batch.positions[s0:s1] + 1)
-        assert np.array_equal(ctx.row_start_host, ctx.row_start.numpy())
-        assert np.array_equal(ctx.row_end_host, ctx.row_end.numpy())
-        # request-local positions -> packed indices -> (slots, positions): the same positions, their slots
-        T = batch.num_tokens
-        local = torch.randint(-1, 1 << 20, (T, 7)) % (ctx.row_end - ctx.row_start).long()[:, None]
-        local[:, 0] = -1
-        packed = ctx.packed_indices(local)
-        slots, back = ctx.local(packed)
-        assert torch.equal(back, local)
-        for i in range(T):
-            r = next(r for r, (s0, s1) in enumerate(ranges) if s0 <= i < s1)
-            for j in range(1, 7):
-                assert int(slots[i, j]) == int(batch.context_slots(r)[local[i, j]])
-        assert (slots[:, 0] == -1).all()
+        seq = batch.seq_lens.tolist()
+        assert groups[0].tokens.start == 0 and groups[-1].tokens.stop == batch.num_tokens
+        for a, b in zip(groups, groups[1:]):
+            assert a.tokens.stop == b.tokens.start
+        for ctx in groups:
+            reqs = [r for r, (s0, s1) in enumerate(ranges) if ctx.tokens.start <= s0 and s1 <= ctx.tokens.stop]
+            assert sum(ranges[r][1] - ranges[r][0] for r in reqs) == ctx.tokens.stop - ctx.tokens.start
+            assert len(reqs) == 1 or sum(seq[r] for r in reqs) <= limit, (SEED, trial)
+            want = torch.cat([batch.context_slots(r) for r in reqs])
+            assert torch.equal(ctx.slots, want), (SEED, trial)
+            starts = np.cumsum([0] + [seq[r] for r in reqs][:-1])
+            for i, r in enumerate(reqs):
+                s0, s1 = (x - ctx.tokens.start for x in ranges[r])
+                assert (ctx.row_start[s0:s1] == int(starts[i])).all()
+                got_end = ctx.row_end[s0:s1].long()
+                assert torch.equal(got_end, int(starts[i]) + batch.positions[ranges[r][0]:ranges[r][1]] + 1)
+            assert np.array_equal(ctx.row_start_host, ctx.row_start.numpy())
+            assert np.array_equal(ctx.row_end_host, ctx.row_end.numpy())
+            # request-local positions -> packed indices -> (slots, positions): the same positions, their slots
+            t = ctx.tokens.stop - ctx.tokens.start
+            local = torch.randint(-1, 1 << 20, (t, 7)) % (ctx.row_end - ctx.row_start).long()[:, None]
+            local[:, 0] = -1
+            slots, back = ctx.local(ctx.packed_indices(local))
+            assert torch.equal(back, local)
+            for i in range(t):
+                r = next(r for r in reqs if ranges[r][0] <= ctx.tokens.start + i < ranges[r][1])
+                for j in range(1, 7):
+                    assert int(slots[i, j]) == int(batch.context_slots(r)[local[i, j]])
+            assert (slots[:, 0] == -1).all()
 
 
 def test_host_lens_match_the_device():
@@ -111,11 +126,15 @@ def _recording(log: list):
     return dataclasses.replace(ref, sparse_mla_prefill=sparse_mla_prefill)
 
 
+@pytest.mark.parametrize("limit", [1 << 17, 100])  # one group; A alone, then B and C (55 positions)
 @torch.inference_mode()
-def test_prefill_packed_equals_alone(tiny):
+def test_prefill_packed_equals_alone(tiny, limit, monkeypatch):
     """A: 70 new tokens over a cached 60-token prefix (written by an earlier forward), B: 45 from
     scratch, C: 1 token. Packed in one forward, each request's hidden states and selected positions
     equal its forward alone (the packed kernel sees other requests' keys but never selects them)."""
+    import models.batch
+
+    monkeypatch.setattr(models.batch, "PACK_MAX_POSITIONS", limit)
     cfg = tiny.cfg
     spec = CacheSpec(num_layers=tiny.num_cache_layers, num_pages=16, kv_lora_rank=cfg.kv_lora_rank,
                      rope_dim=cfg.qk_rope_head_dim, index_head_dim=cfg.index_head_dim, kv_cache_dtype="auto",
@@ -130,8 +149,12 @@ def test_prefill_packed_equals_alone(tiny):
         log: list = []
         b = _with_tokens(_batch([reqs[n] for n in names]), torch.cat([_tokens_of(n, tokens) for n in names]))
         hidden = tiny(b, cache, _recording(log))
-        ctx = b.packed_context()
-        picks = [ctx.local(idx[:, 0])[1] for idx in log]  # request-local positions, per layer
+        groups = b.packed_contexts()
+        # request-local positions per layer: one logged call per group, in order
+        picks = [torch.cat([ctx.local(idx[:, 0])[1] for ctx, idx in zip(groups, log[i:i + len(groups)])])
+                 for i in range(0, len(log), len(groups))]
+        if names == ["A", "B", "C"]:
+            assert len(groups) == (1 if limit > 1000 else 2)
         return hidden, picks, b.query_ranges()
 
     alone = {n: run([n]) for n in reqs}

@@ -70,10 +70,33 @@ def _accept_any_spec(spec) -> None:
 
 
 def _reference_ragged_topk(q, k, k_scale, weights, ks, ke, topk, page_table_rows=None, **_):
-    """``topk_slots(ragged_mqa_logits(q, k, k_scale, weights, ks, ke), ke, topk, page_table_rows)``."""
-    logits = indexer.ragged_mqa_logits(q, k, k_scale, weights, ks, ke)
-    lengths = torch.as_tensor(ke, device=logits.device).reshape(-1).long().clamp(0, logits.shape[1])
-    return indexer.topk_slots(logits, lengths, topk, page_table_rows)
+    """``topk_slots(ragged_mqa_logits(q, k, k_scale, weights, ks, ke), ke, topk, page_table_rows)``.
+
+    Without page tables (positions are the slots: packed prefill rows), computed run by run of rows
+    sharing a window start (one packed request's rows) over that run's keys only: the same result
+    (each row's selection depends on its own window alone), holding one request's logits at a time
+    instead of ``[all rows, all packed keys]``."""
+    if page_table_rows is not None:
+        logits = indexer.ragged_mqa_logits(q, k, k_scale, weights, ks, ke)
+        lengths = torch.as_tensor(ke, device=logits.device).reshape(-1).long().clamp(0, logits.shape[1])
+        return indexer.topk_slots(logits, lengths, topk, page_table_rows)
+    ks_l = torch.as_tensor(ks).reshape(-1).tolist()
+    ke_t = torch.as_tensor(ke, device=q.device).reshape(-1).long()
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
+    r0 = 0
+    while r0 < len(ks_l):
+        r1 = r0 + 1
+        while r1 < len(ks_l) and ks_l[r1] == ks_l[r0]:
+            r1 += 1
+        k0 = max(0, min(ks_l[r0], k.shape[0]))
+        k1 = max(k0, min(int(ke_t[r0:r1].max()), k.shape[0]))
+        logits = indexer.ragged_mqa_logits(q[r0:r1], k[k0:k1], None if k_scale is None else k_scale[k0:k1],
+                                           weights[r0:r1], torch.zeros(r1 - r0, dtype=torch.long),
+                                           (ke_t[r0:r1] - k0).clamp(0, k1 - k0))
+        pos, _ = indexer.topk_slots(logits, (ke_t[r0:r1] - k0).clamp(0, k1 - k0), topk, None)
+        out[r0:r1] = torch.where(pos >= 0, pos + k0, -1)
+        r0 = r1
+    return out, out.clone()
 
 
 _REFERENCE = AttentionBackend(

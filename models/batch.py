@@ -162,15 +162,15 @@ class PackedContext:
         start_d = torch.cumsum(seq_d, 0) - seq_d
         req = torch.repeat_interleave(torch.arange(len(seq), device=dev), seq_d, output_size=n)
         pos = torch.arange(n, device=dev) - start_d[req]
-        pages = batch.page_tables[r0:r1].long()[req, pos // PAGE_SIZE]
         row_start = torch.repeat_interleave(start_d, batch.q_lens[r0:r1].long(), output_size=t)
         row_end = row_start + batch.positions[tokens].long() + 1
         seq_h, q_h = np.asarray(seq, dtype=np.int64), np.asarray(q, dtype=np.int64)
         start_h = np.repeat(np.cumsum(seq_h) - seq_h, q_h)
         # A request's new tokens are its last q_len positions.
         pos_h = np.concatenate([np.arange(s - k, s) for s, k in zip(seq_h, q_h)]) if t else np.zeros(0, np.int64)
-        return cls(tokens=tokens, slots=pages * PAGE_SIZE + pos % PAGE_SIZE, row_start=row_start.to(torch.int32),
-                   row_end=row_end.to(torch.int32), row_start_host=start_h, row_end_host=start_h + pos_h + 1)
+        return cls(tokens=tokens, slots=slots_for_positions(batch.page_tables[r0:r1], pos, req),
+                   row_start=row_start.to(torch.int32), row_end=row_end.to(torch.int32),
+                   row_start_host=start_h, row_end_host=start_h + pos_h + 1)
 
     def packed_indices(self, positions: torch.Tensor) -> torch.Tensor:
         """Request-local positions ``[T, k]`` (``-1`` = none) -> int32 packed indices (``-1`` kept)."""
@@ -184,10 +184,14 @@ class PackedContext:
         return slots, torch.where(valid, p - self.row_start[:, None], -1)
 
 
-def slots_for_positions(page_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def slots_for_positions(page_table: torch.Tensor, positions: torch.Tensor,
+                        rows: torch.Tensor | None = None) -> torch.Tensor:
     """Map token positions to cache slots through one request's page table.
 
     page_table: int ``[max_pages]``; positions: int64 ``[...]`` -> int64 ``[...]``.
+    ``rows``: int64 like ``positions``, with ``page_table [R, max_pages]``: each position through
+    its own request's row.
     """
-    pages = page_table.long()[positions // PAGE_SIZE]
+    table = page_table.long()
+    pages = table[positions // PAGE_SIZE] if rows is None else table[rows, positions // PAGE_SIZE]
     return pages * PAGE_SIZE + positions % PAGE_SIZE

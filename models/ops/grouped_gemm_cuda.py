@@ -262,8 +262,9 @@ def _launch(a, w, out, layout: ExpertLayout, N: int, K: int, a_div: int, gate_up
         tile_e, tile_m = maps[BM]
         programs = tile_e.shape[0]
     s, b0, b1 = (scale, block[0], block[1]) if scale is not None else (w, 1, 1)  # s unused without fp8
-    group_m = cfg.pop("GROUP_M", 0) if not layout.masked else 0
-    cfg.pop("GROUP_M", None)
+    group_m = cfg.pop("GROUP_M", 0)
+    if layout.masked:
+        group_m = 0  # the masked grid is one program per expert
     n_tiles = triton.cdiv(N, cfg["BN"])
     grid = (programs * n_tiles,) if group_m else (programs, n_tiles)
     _grouped_gemm_kernel[grid](

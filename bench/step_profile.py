@@ -68,6 +68,9 @@ def profile_prefill(llm, batch: int, length: int, seed: int = 11, top: int = 20)
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     busy_us, kernel_sum_us, kernels = _gpu_time(prof, top)
+    runtime = _runtime_calls(prof)
+    idle = _gpu_idle(prof)
+    syncs = _sync_points(lambda: prefill_case(llm, batch, length, seed + 2)) if cuda else []
     # The same prefill under cProfile: where the host's time goes (a read-back shows as a wait in
     # `synchronize`, `item`, `tolist` or `cpu`, and the device idles after it while the host launches).
     host = cProfile.Profile()
@@ -79,11 +82,81 @@ def profile_prefill(llm, batch: int, length: int, seed: int = 11, top: int = 20)
     host.disable()
     host_wall = time.perf_counter() - t0
     buf = io.StringIO()
-    pstats.Stats(host, stream=buf).sort_stats("tottime").print_stats(25)
+    stats = pstats.Stats(host, stream=buf)
+    stats.sort_stats("tottime").print_stats(25)
     return {"case": f"prefill {batch}x{length}", "wall_ms": wall * 1e3, "gpu_busy_ms": busy_us / 1e3,
             "kernel_sum_ms": kernel_sum_us / 1e3, "tokens_per_s_profiled": case["prefill_tokens_per_s"],
             "top_kernels": [{"name": k[:120], "calls": n, "ms": t / 1e3} for t, n, k in kernels],
+            "runtime_calls": runtime, "gpu_idle": idle, "sync_points": syncs,
+            "repo_cumulative": _repo_rows(stats, 30),
             "cprofile_wall_ms": host_wall * 1e3, "host_cprofile_tottime": buf.getvalue()}
+
+
+def _runtime_calls(prof) -> list[dict]:
+    """The host's CUDA runtime / driver calls under ``prof`` (launches, copies, syncs): name, count,
+    total ms. A synchronize or a device-to-host copy here is a stall the GPU idles after."""
+    rows: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(("cuda", "cu")):
+            rows.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    return [{"name": k, "calls": len(v), "ms": sum(v) / 1e3}
+            for k, v in sorted(rows.items(), key=lambda kv: -sum(kv[1]))][:15]
+
+
+def _gpu_idle(prof, min_gap_us: float = 20.0) -> dict:
+    """GPU idle time between the first and the last kernel of ``prof``: gaps longer than ``min_gap_us``
+    (host-bound launch stretches and stalls), their count and total, and the kernel count."""
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps, end = [], None
+    for s, e in gpu:
+        if end is not None and s - end > min_gap_us:
+            gaps.append(s - end)
+        end = e if end is None else max(end, e)
+    span = (end - gpu[0][0]) if gpu else 0.0
+    return {"kernels": len(gpu), "span_ms": span / 1e3, "gaps": len(gaps), "gap_ms": sum(gaps) / 1e3,
+            "largest_gaps_ms": [round(g / 1e3, 3) for g in sorted(gaps, reverse=True)[:8]]}
+
+
+def _sync_points(run) -> list[dict]:
+    """Run ``run()`` under ``torch.cuda.set_sync_debug_mode("warn")``: every synchronizing call, grouped
+    by the innermost frame in this repository (file:line), with its count."""
+    import os
+    import traceback
+    import warnings
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    found: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(root)
+                  and not f.filename.endswith("step_profile.py")]
+        where = (f"{os.path.relpath(frames[-1].filename, root)}:{frames[-1].lineno} ({frames[-1].name})"
+                 if frames else f"{filename}:{lineno}")
+        found[where] = found.get(where, 0) + 1
+
+    old = warnings.showwarning
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = old
+    return [{"where": k, "count": v} for k, v in sorted(found.items(), key=lambda kv: -kv[1])]
+
+
+def _repo_rows(stats: pstats.Stats, top: int) -> list[str]:
+    """This repository's functions by cumulative time: ``"cum ms  own ms  calls  file:line(function)"``."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    rows = [(ct, tt, n, f"{os.path.relpath(path, root)}:{line}({fn})")
+            for (path, line, fn), (_, n, tt, ct, _) in stats.stats.items() if path.startswith(root)]
+    return [f"{ct * 1e3:8.2f} {tt * 1e3:8.2f} {n:6d}  {name}" for ct, tt, n, name in sorted(rows, reverse=True)[:top]]
 
 
 def print_prefill_profile(p: dict) -> None:
@@ -91,6 +164,15 @@ def print_prefill_profile(p: dict) -> None:
           f"{p['kernel_sum_ms']:.1f} ms ({p['tokens_per_s_profiled']:,.0f} tokens/s under the profiler)", flush=True)
     for k in p["top_kernels"]:
         print(f"  {k['ms']:9.3f} ms  x{k['calls']:5d}  {k['name']}")
+    i = p["gpu_idle"]
+    print(f"  {i['kernels']} GPU kernels / copies over {i['span_ms']:.1f} ms; GPU idle in {i['gaps']} gaps > 20 us: "
+          f"{i['gap_ms']:.1f} ms (largest {i['largest_gaps_ms']})")
+    print("  host CUDA runtime calls: " + "; ".join(f"{r['name']} x{r['calls']} {r['ms']:.2f} ms"
+                                                   for r in p["runtime_calls"][:8]))
+    print("  synchronizing calls (torch sync debug mode): " + ("; ".join(
+        f"{r['where']} x{r['count']}" for r in p["sync_points"]) or "none"))
+    print("under cProfile, this repository's functions by cumulative time (cum ms, own ms, calls):")
+    print("\n".join("  " + r for r in p["repo_cumulative"]))
     print(f"under cProfile: wall {p['cprofile_wall_ms']:.1f} ms; functions by own time:")
     print("\n".join(p["host_cprofile_tottime"].splitlines()[:40]), flush=True)
 

@@ -36,7 +36,7 @@ def test_engine_host_reports_the_engines_own_python(tiny):
 
 
 def test_profile_prefill_runs_one_prefill_and_frees_its_pages(tiny):
-    from bench.step_profile import profile_prefill
+    from bench.step_profile import print_prefill_profile, profile_prefill
     from workers.offline import LLM
 
     llm = LLM(tiny, num_pages=64)
@@ -45,3 +45,8 @@ def test_profile_prefill_runs_one_prefill_and_frees_its_pages(tiny):
     assert p["case"] == "prefill 2x70" and p["wall_ms"] > 0 and p["tokens_per_s_profiled"] > 0
     assert p["gpu_busy_ms"] == 0 and p["top_kernels"] == []  # no CUDA kernels on the CPU
     assert llm.pool.free_count == free
+    # The host side is reported on any device: the repository's functions by cumulative time (the
+    # model's forward among them); no kernels, gaps or sync points without a GPU.
+    assert any("models/model.py" in r for r in p["repo_cumulative"]), p["repo_cumulative"]
+    assert p["gpu_idle"]["kernels"] == 0 and p["sync_points"] == []
+    print_prefill_profile(p)

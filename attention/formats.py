@@ -158,8 +158,11 @@ def _tile_amax(latent: torch.Tensor, fmt: MlaFp8Format) -> torch.Tensor:
 
 def _per_element(tile_values: torch.Tensor, fmt: MlaFp8Format) -> torch.Tensor:
     """Expand ``[n, n_tiles]`` to ``[n, kv_lora_rank]`` (each tile's value on its elements)."""
-    widths = torch.tensor([e - s for s, e in fmt.tile_bounds], device=tile_values.device)
-    return tile_values.repeat_interleave(widths, dim=1)
+    # Every tile is FP8_TILE wide but the last, which is cut: expand, then cut. (Per-tile widths as a
+    # tensor made this a host-to-device copy and a length read-back, two stalls per call on a GPU.)
+    n = tile_values.shape[0]
+    full = tile_values[:, :, None].expand(n, fmt.n_tiles, FP8_TILE).reshape(n, fmt.n_tiles * FP8_TILE)
+    return full[:, : fmt.kv_lora_rank]
 
 
 def quantize_mla_fp8(

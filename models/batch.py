@@ -172,6 +172,21 @@ class PackedContext:
                    row_start=row_start.to(torch.int32), row_end=row_end.to(torch.int32),
                    row_start_host=start_h, row_end_host=start_h + pos_h + 1)
 
+    @property
+    def max_window(self) -> int:
+        """The widest causal window of these new tokens (0 when there are none), from the host."""
+        return int((self.row_end_host - self.row_start_host).max()) if len(self.row_end_host) else 0
+
+    def whole_windows(self, width: int) -> torch.Tensor:
+        """int32 ``[t, width]`` packed indices of each new token's whole window in ascending order,
+        ``-1`` padded: the top-k selection of a token whose window holds at most ``width`` keys,
+        whatever their scores (``width >= max_window``)."""
+        if width < self.max_window:
+            raise ValueError(f"a window of {self.max_window} keys does not fit in {width}")
+        cols = torch.arange(width, device=self.row_start.device, dtype=torch.int32)
+        win = (self.row_end - self.row_start)[:, None]
+        return torch.where(cols[None, :] < win, cols[None, :] + self.row_start[:, None], -1).to(torch.int32)
+
     def packed_indices(self, positions: torch.Tensor) -> torch.Tensor:
         """Request-local positions ``[T, k]`` (``-1`` = none) -> int32 packed indices (``-1`` kept)."""
         return torch.where(positions >= 0, positions + self.row_start[:, None], -1).to(torch.int32)

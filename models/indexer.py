@@ -86,6 +86,12 @@ class Indexer(nn.Module):
         ``cache`` layer ``layer`` and returns the top-k selection of every token."""
         T = x.shape[0]
         self.write_keys(x, cos, sin, batch, cache, layer, backend)
+        if batch.mode is not ForwardMode.DECODE and all(c.max_window <= self.topk for c in batch.packed_contexts()):
+            # Every token's causal window holds at most top-k keys, so the selection is the whole
+            # window whatever the scores (both backends' top-k keep every candidate of such a row):
+            # no query, logits or top-k to compute. Prompts up to index_topk tokens (2048 in
+            # DeepSeek-V3.2) take this path in every layer.
+            return self._whole_windows(batch)
         q = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin)
         weights = self.weights_proj(x.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
         if self.hadamard:
@@ -109,6 +115,16 @@ class Indexer(nn.Module):
             logits, ctx.view(-1), self.topk, batch.page_tables.repeat_interleave(n, 0)
         )
         return SelectedTokens(slots.long(), positions.long())
+
+    def _whole_windows(self, batch: ForwardBatch) -> SelectedTokens:
+        slots, positions = [], []
+        for ctx in batch.packed_contexts():
+            s, p = ctx.local(ctx.whole_windows(self.topk))
+            slots.append(s)
+            positions.append(p)
+        if len(slots) == 1:
+            return SelectedTokens(slots[0], positions[0])
+        return SelectedTokens(torch.cat(slots), torch.cat(positions))
 
     def _select_extend(self, q, weights, batch, cache, layer, backend) -> SelectedTokens:
         # The keys of a group of requests in one gather and one logits + top-k call over their packed

@@ -106,12 +106,16 @@ class MLAttention(nn.Module):
         # The prefill kernel reads a contiguous kv: gather (and dequantize) the contexts of a group of
         # requests from the paged cache at once, and attend over them in one call with each token's
         # top-k turned into packed indices (a token only ever selects its own request's positions).
+        # A token lists at most min(top-k, its window) positions, valid ones first, then -1 (both
+        # backends' top-k): columns past the group's widest window hold only -1, and the kernel would
+        # still attend over them (a 1024-token prompt with top-k 2048: half the kernel's work).
         outs = []
         for ctx in batch.packed_contexts():
             kv = cache.read_mla(layer, ctx.slots, checked=False)
             t = ctx.tokens
+            positions = selected.positions[t][:, : max(1, ctx.max_window)]
             out, _, _ = backend.sparse_mla_prefill(q_full[t], kv[:, None, :],
-                                                   ctx.packed_indices(selected.positions[t])[:, None, :],
+                                                   ctx.packed_indices(positions)[:, None, :],
                                                    self.scale, self.rank)
             outs.append(out)
         return outs[0] if len(outs) == 1 else torch.cat(outs)

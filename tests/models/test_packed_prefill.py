@@ -163,8 +163,14 @@ def test_prefill_packed_equals_alone(tiny, limit, monkeypatch):
         h, p, _ = alone[n]
         torch.testing.assert_close(hidden[s0:s1], h, rtol=1e-5, atol=1e-5)
         for layer, (got, want) in enumerate(zip(picks, p)):
-            assert torch.equal(got[s0:s1], want), (n, layer, SEED)
+            # The kernel gets columns up to its group's widest window (past it a row holds only -1).
+            w = max(got.shape[1], want.shape[1])
+            assert torch.equal(_pad_cols(got[s0:s1], w), _pad_cols(want, w)), (n, layer, SEED)
     assert any((p[:, 1:] >= 0).any() for p in picks)  # real selections (more than one position)
+
+
+def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-1)
 
 
 def _tokens_of(name: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -173,3 +179,42 @@ def _tokens_of(name: str, tokens: torch.Tensor) -> torch.Tensor:
 
 def _with_tokens(batch: ForwardBatch, ids: torch.Tensor) -> ForwardBatch:
     return dataclasses.replace(batch, input_ids=ids)
+
+
+@torch.inference_mode()
+def test_whole_window_selection_equals_scored(tiny, monkeypatch):
+    """When every new token's causal window holds at most ``index_topk`` keys, the indexer selects the
+    whole windows without scoring them, and attention reads only the group's widest window: the hidden
+    states and each token's selected set equal the scored path's (forced here by pretending the windows
+    are wider than top-k), over a cached prefix, from scratch and for a lone token."""
+    cfg = tiny.cfg
+    k = cfg.index_topk
+    spec = CacheSpec(num_layers=tiny.num_cache_layers, num_pages=16, kv_lora_rank=cfg.kv_lora_rank,
+                     rope_dim=cfg.qk_rope_head_dim, index_head_dim=cfg.index_head_dim, kv_cache_dtype="auto",
+                     dtype=torch.float32, indexer_layers=tuple(cfg.topk_plan.computes))
+    cache = PagedKVCache(spec, "cpu")
+    gen = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(3, cfg.vocab_size, (64,), generator=gen)
+    prefix = k // 2 - 1
+    tiny(_with_tokens(_batch([([0], 0, prefix)]), tokens[:prefix]), cache, get_backend("reference"))
+    # A: k // 2 new tokens over the cached prefix (windows up to k - 1), B: k - 2 from scratch, C: one.
+    reqs = [([0], prefix, k // 2), ([3], 0, k - 2), ([6], 0, 1)]
+    ids = torch.cat([tokens[prefix:prefix + k // 2], tokens[20:20 + k - 2], tokens[40:41]])
+
+    def run():
+        log: list = []
+        b = _with_tokens(_batch(reqs), ids)
+        hidden = tiny(b, cache, _recording(log))
+        sets = [ctx.local(idx[:, 0])[1].sort(dim=1).values for ctx, idx in zip(b.packed_contexts() * len(log), log)]
+        return hidden, sets, [idx.shape[-1] for idx in log]
+
+    hidden, sets, widths = run()
+    assert set(widths) == {k - 1}  # the widest window (A's last token), not top-k
+    monkeypatch.setattr(PackedContext, "max_window", property(lambda self: 1 << 30))
+    hidden_scored, sets_scored, widths_scored = run()
+    assert set(widths_scored) == {k}
+    torch.testing.assert_close(hidden, hidden_scored, rtol=1e-5, atol=1e-5)
+    for got, want in zip(sets, sets_scored):
+        w = max(got.shape[1], want.shape[1])
+        # -1 pads sort first; compare the sets as the last columns of the sorted rows
+        assert torch.equal(_pad_cols(got, w).sort(dim=1).values, _pad_cols(want, w).sort(dim=1).values), SEED

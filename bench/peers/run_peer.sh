@@ -58,6 +58,12 @@ steps_after() {  # ENGINE TAG: what the served engine did over the run -> $RES/T
   fi
 }
 
+run_seed() {  # INPUT_LEN CONCURRENCY: the prompts' seed. The same run gets the same prompts on every engine;
+  # runs differ, so no run starts with a prefix cache warmed by an earlier one (session 20: with one
+  # seed for all, the c128 run's first 64 prompts were the c32 run's, 48% of its prompt tokens cached).
+  echo $(( ${SEED:-1} + 100000 * $2 + $1 ))
+}
+
 collect() {
   (cd "$RES" && tar czf "$OUT/results.tgz" . 2>/dev/null)
   for f in /tmp/logs/*.log; do [ -f "$f" ] && tail -c 200000 "$f" > "$OUT/$(basename "$f")"; done 2>/dev/null
@@ -151,8 +157,8 @@ case "$step" in
       steps_before "$engine"
       env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.serve --base-url "http://127.0.0.1:$port" --model peer-model \
           --dataset-name random --random-input-len "$inp" --random-output-len "$OUT_LEN" --random-range-ratio 0 \
-          --num-prompts "$n" --max-concurrency "$c" --ignore-eos --num-warmups 2 --seed 1 --disable-tqdm \
-          --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$RES" \
+          --num-prompts "$n" --max-concurrency "$c" --ignore-eos --num-warmups 2 --seed "$(run_seed "$inp" "$c")" \
+          --disable-tqdm --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$RES" \
           --result-filename "$tag.json" 2>&1 | grep -E "Successful|Failed|throughput|Median TTFT|Median TPOT|#" | head -12
       steps_after "$engine" "$tag"
       echo "== $engine $name in=$inp c=$c done"
@@ -165,7 +171,7 @@ case "$step" in
       env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.serve --base-url "http://127.0.0.1:$port" --model peer-model \
           --dataset-name prefix_repetition --prefix-repetition-prefix-len 8192 --prefix-repetition-suffix-len 256 \
           --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 64 --num-prompts "$n" --max-concurrency "$c" \
-          --ignore-eos --num-warmups 2 --seed 1 --disable-tqdm --percentile-metrics ttft,tpot,e2el \
+          --ignore-eos --num-warmups 2 --seed "$(run_seed 8192 "$c")" --disable-tqdm --percentile-metrics ttft,tpot,e2el \
           --metric-percentiles 50,90,99 --save-result --result-dir "$RES" \
           --result-filename "${engine}__${name}__prefix8192__c${c}.json" 2>&1 | grep -E "Successful|Failed|Median TTFT|#" | head -6
       steps_after "$engine" "${engine}__${name}__prefix8192__c${c}"  # PD: the KV bytes pushed, per the cache's hits

@@ -166,30 +166,52 @@ def flash_mla_with_kvcache(q, k_cache, page_table, cache_seqlens, head_dim_v, ti
 
 def flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
                          use_legacy=False, return_log2_lse=None):
+    """d_qk 576 (V3.2: values are the first 512 dims) or 512 (V4: key = value); ``attn_sink`` f32 [h] scales
+    the output by exp(lse) / (exp(lse) + exp(sink)); ``topk_length`` int32 [s_q]: row i reads only its first
+    topk_length[i] indices (the installed legacy kernels' contract, attention/API.md)."""
     _count("flash_mla_sparse_fwd")
     assert use_legacy and d_v == 512
-    assert q.dtype == torch.bfloat16 and q.dim() == 3 and q.shape[-1] == 576 and q.stride(-1) == 1
-    _check_heads(q.shape[1])
-    assert kv.dtype == torch.bfloat16 and kv.dim() == 3 and kv.shape[1:] == (1, 576) and kv.stride(-1) == 1
-    assert indices.dtype == torch.int32 and indices.shape[:2] == (q.shape[0], 1) and indices.stride(-1) == 1
+    d = q.shape[-1]
+    assert q.dtype == torch.bfloat16 and q.dim() == 3 and d in (576, 512) and q.stride(-1) == 1
+    s_q, h = q.shape[0], q.shape[1]
+    _check_heads(h)
+    assert kv.dtype == torch.bfloat16 and kv.dim() == 3 and kv.shape[1:] == (1, d) and kv.stride(-1) == 1
+    assert indices.dtype == torch.int32 and indices.shape[:2] == (s_q, 1) and indices.stride(-1) == 1
     assert indices.shape[2] % 64 == 0, f"top-k {indices.shape[2]} is not a multiple of 64"
-    out, mx, lse = ref_mla.sparse_mla_prefill(q, kv, indices, sm_scale, d_v)
+    if attn_sink is not None:
+        assert attn_sink.dtype == torch.float32 and attn_sink.shape == (h,) and attn_sink.is_contiguous()
+    if d == 576 and attn_sink is None and topk_length is None:  # V3.2 as before (the reference chunks long rows)
+        out, mx, lse = ref_mla.sparse_mla_prefill(q, kv, indices, sm_scale, d_v)
+        return out.to(torch.bfloat16), mx, lse
+    idx = indices[:, 0].long()
+    valid = (idx >= 0) & (idx < kv.shape[0])
+    if topk_length is not None:
+        assert topk_length.dtype == torch.int32 and topk_length.shape == (s_q,) and topk_length.is_contiguous()
+        valid &= torch.arange(idx.shape[1])[None, :] < topk_length.long()[:, None]
+    k = kv[:, 0].float()[idx.clamp(0, kv.shape[0] - 1)]
+    out, mx, lse = ref_mla._attend(q.float(), k, valid, sm_scale, d_v)
+    if attn_sink is not None:  # exp(lse) / (exp(lse) + exp(sink)), = sigmoid(lse - sink); empty rows stay 0
+        out = out * torch.sigmoid(lse - attn_sink[None, :]).nan_to_num(0.0)[..., None]
     return out.to(torch.bfloat16), mx, lse
 
 
 # ----------------------------------------------------------------------------- install
 
 
-def install() -> None:
-    """Register the fakes as ``deep_gemm`` and ``flash_mla`` (and reset the backend's caches)."""
+def modules() -> dict[str, types.ModuleType]:
+    """The fakes as modules named ``deep_gemm`` and ``flash_mla`` (for ``sys.modules``)."""
     dg = types.ModuleType("deep_gemm")
     for name in ("get_num_sms", "get_paged_mqa_logits_metadata", "fp8_paged_mqa_logits", "fp8_mqa_logits"):
         setattr(dg, name, globals()[name])
     fm = types.ModuleType("flash_mla")
     for name in ("get_mla_metadata", "flash_mla_with_kvcache", "flash_mla_sparse_fwd", "FlashMLASchedMeta"):
         setattr(fm, name, globals()[name])
-    sys.modules["deep_gemm"] = dg
-    sys.modules["flash_mla"] = fm
+    return {"deep_gemm": dg, "flash_mla": fm}
+
+
+def install() -> None:
+    """Register the fakes as ``deep_gemm`` and ``flash_mla`` (and reset the backend's caches)."""
+    sys.modules.update(modules())
     from attention.cuda import _ext, mla
 
     _ext.clear_caches()

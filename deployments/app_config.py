@@ -65,6 +65,10 @@ class _Strict(BaseModel):
 # The attention dims of the real models (and of the only shapes FlashMLA and
 # DeepGEMM run): a tiny model with these runs on the cuda backend.
 SERVING_ATTENTION_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 128, "index_n_heads": 64}
+# DeepSeek-V4's: one 512-wide key = value head (64 rope channels), 64 query heads (FlashMLA's d_qk 512), its
+# indexer's 64 x 128.
+SERVING_ATTENTION_DIMS_V4 = {"head_dim": 512, "num_attention_heads": 64, "partial_rotary_factor": 0.125,
+                            "index_head_dim": 128, "index_n_heads": 64}
 
 
 class TinyModelSpec(_Strict):
@@ -83,13 +87,16 @@ class TinyModelSpec(_Strict):
     attention: Literal["tiny", "serving"] = Field(
         "tiny",
         description="Attention dims: 'tiny' (small, CPU), or 'serving' — the real models' 512 latent + 64 rope "
-        "and 64 x 128 indexer, which the cuda backend's FlashMLA / DeepGEMM kernels require.",
+        "and 64 x 128 indexer (DeepSeek-V4: 64 heads of one 512-wide key = value head), which the cuda "
+        "backend's FlashMLA / DeepGEMM kernels require.",
     )
 
     @property
     def overrides(self) -> dict[str, Any]:
         """``make_tiny`` overrides for the attention dims."""
-        return dict(SERVING_ATTENTION_DIMS) if self.attention == "serving" else {}
+        if self.attention != "serving":
+            return {}
+        return dict(SERVING_ATTENTION_DIMS_V4 if self.arch == "deepseek_v4" else SERVING_ATTENTION_DIMS)
 
     @property
     def dir_name(self) -> str:

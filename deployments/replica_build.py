@@ -22,6 +22,7 @@ from workers.decode_graphs import graphs_wanted
 from workers.decode_worker import DecodeWorker
 from workers.prefill_worker import PrefillWorker
 from workers.push_tuning import PushTuning
+from workers.rank_build import uses_cache_groups
 from workers.replica_build import ReplicaParts, build_engine, build_replica
 from workers.scheduler import SchedulerConfig
 from workers.structured import GrammarCompiler
@@ -83,6 +84,6 @@ def build_decode_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: st
     sched = SchedulerConfig(max_batch_size=role_cfg.max_batch_size, chunk_size=role_cfg.chunk_size,
                             mtp_draft_tokens=role_cfg.mtp_draft_tokens, overlap=role_cfg.overlap_scheduling)
     graphs = graphs_wanted(role_cfg.cuda_graphs, role_cfg.backend, role_cfg.device, role_cfg.tensor_parallel_size,
-                           mtp=role_cfg.mtp_draft_tokens > 0)
+                           mtp=role_cfg.mtp_draft_tokens > 0, cache_groups=uses_cache_groups(str(model_dir)))
     engine = build_engine(p, model_dir, sched, app_cfg.features.mtp_topk_reuse, graphs, role_cfg.cuda_graph_max_context)
     return DecodeWorker(engine, p.link, deadline_s=app_cfg.transfer.deadline_s)

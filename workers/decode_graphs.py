@@ -54,13 +54,18 @@ def graph_batch_sizes(max_batch_size: int) -> tuple[int, ...]:
 
 
 def graphs_wanted(setting: bool | None, backend: str, device: str | torch.device, tp_size: int = 1,
-                  mtp: bool = False) -> bool:
+                  mtp: bool = False, cache_groups: bool = False) -> bool:
     """Whether decode steps are captured: ``setting`` when given (True on a
     non-CUDA device is an error), else on for the cuda backend on a GPU (the
     reference backend reads values back to the host and cannot be captured).
     With ``tp_size > 1`` every rank captures its own graphs (`workers.rank_group`),
     except with MTP (``mtp``: the drafts are made between the ranks' forwards;
-    True is then an error)."""
+    True is then an error). ``cache_groups``: a DeepSeek-V4 model (`workers.v4_runner`
+    is eager: off by default, True an error)."""
+    if cache_groups:
+        if setting:
+            raise ValueError("cuda_graphs are not built for DeepSeek-V4 (its runner is eager)")
+        return False
     if tp_size > 1 and mtp:
         if setting:
             raise ValueError("cuda_graphs with tp_size > 1 and MTP drafts are not built yet")

@@ -18,7 +18,7 @@ from workers.model_runner import WorkItem
 from workers.page_pool import PoolExhausted
 from workers.page_tables import frozen_pages
 from workers.prefill_worker import PrefillTask, PrefillWorker
-from workers.rank_build import RankSpec
+from workers.rank_build import RankSpec, uses_cache_groups
 from workers.rank_group import RankGroup
 from workers.replica_build import build_engine, build_replica
 from workers.request import FinishReason, Request, RequestState
@@ -59,7 +59,8 @@ class LLM:
         spec = RankSpec(str(self.model_dir), backend, device, dtype, kv_cache_dtype, num_pages, hadamard,
                         two_batch_overlap=two_batch_overlap)
         # Before any rank worker starts: a refusal costs nothing.
-        want_graphs = graphs_wanted(cuda_graphs, backend, device, tp_size, mtp=mtp_draft_tokens > 0)
+        want_graphs = graphs_wanted(cuda_graphs, backend, device, tp_size, mtp=mtp_draft_tokens > 0,
+                                    cache_groups=uses_cache_groups(str(self.model_dir)))
         if pd and tp_size == 1 and torch.device(device).type == "cuda":
             # Measured on the H100 (nixl 1.5.1): a VRAM push between two agents of
             # one process fails with NIXL_ERR_REMOTE_DISCONNECT; across processes

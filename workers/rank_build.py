@@ -126,18 +126,24 @@ def uses_cache_groups(model_dir: str) -> bool:
 def _build_grouped_rank(spec: RankSpec, tp: TPContext, device: str) -> RankParts:
     """A DeepSeek-V4 rank: the ``models.v4`` model (its MTP layer with ``spec.with_mtp``), its cache groups
     (``spec.num_pages`` pages each) in one ``GroupedPagedCache``, the `workers.v4_runner.V4ModelRunner`.
-    Reference backend, one rank."""
+    One rank; on the cuda backend its sparse attention runs on FlashMLA (`attention.cuda.v4_attention`)."""
     from attention.group_cache import GroupedPagedCache
     from models.registry import load_any_model
     from models.v4.cache_spec import v4_group_layouts, v4_kv_format
     from workers.v4_runner import V4ModelRunner
 
-    limits = {"backend": (spec.backend, "reference"), "tensor parallel size": (tp.size, 1),
-              "two_batch_overlap": (spec.two_batch_overlap, False)}
+    limits = {"tensor parallel size": (tp.size, 1), "two_batch_overlap": (spec.two_batch_overlap, False)}
     for what, (got, want) in limits.items():
         if got != want:
             raise ValueError(f"DeepSeek-V4 runs with {what} {want!r} only for now, got {got!r}")
+    if spec.backend not in ("reference", "cuda"):
+        raise ValueError(f"DeepSeek-V4 runs on the reference or the cuda backend, got {spec.backend!r}")
     model = load_any_model(spec.model_dir, dtype=torch_dtype(spec.dtype), device=device, with_mtp=spec.with_mtp)
+    if spec.backend == "cuda":  # sparse attention on FlashMLA; the rest of V4 as torch ops on the device
+        from attention.cuda.v4_attention import check_v4_dims, sparse_attention_with_sink
+
+        check_v4_dims(model.cfg.head_dim, model.cfg.num_attention_heads)
+        model.set_attention_kernel(sparse_attention_with_sink)
     # fp8 caches: the model rounds keys and entries through the pages' format as it makes them.
     model.set_kv_cache_format(v4_kv_format(model.cfg, spec.kv_cache_dtype))
     # The MTP layer's keys (when loaded) are one more layer of the swa group.

@@ -30,7 +30,7 @@ from workers.page_pool import PagePool
 from workers.page_tables import GroupPagePools
 from workers.prefix_cache import PrefixCache, replica_salt
 from workers.v4_prefix import V4PrefixCache
-from workers.rank_build import RankSpec, build_rank
+from workers.rank_build import RankSpec, build_rank, uses_cache_groups
 from workers.rank_group import GroupModel, RankGroup
 from workers.scheduler import SchedulerConfig
 from workers.structured import GrammarCompiler
@@ -69,7 +69,8 @@ def build_replica(spec: RankSpec, tp_size: int = 1, worker_id: str | None = None
     now, up to that many tokens (`workers.kernel_warmup`).
     """
     parts = _build_parts(spec, tp_size, worker_id, actor_options, prefix_caching, mtp)
-    if chunk_size and spec.backend == "cuda":
+    # DeepSeek-V4's cuda path compiles nothing on first use (FlashMLA is built ahead of time; the rest is torch).
+    if chunk_size and spec.backend == "cuda" and not uses_cache_groups(spec.model_dir):
         warm_up_prefill(parts.runner, parts.pool, chunk_size, parts.model.cfg.max_position_embeddings)
     return parts
 

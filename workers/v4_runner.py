@@ -1,4 +1,4 @@
-"""The model runner of DeepSeek-V4 (reference backend): forwards over paged cache groups.
+"""The model runner of DeepSeek-V4 (reference and cuda backends): forwards over paged cache groups.
 
 Same calls as ``workers.model_runner.ModelRunner`` (``forward``, ``decode``,
 ``build_batch``), so the engine, the prefill worker and the offline ``LLM``
@@ -28,7 +28,8 @@ forward that next crosses the cut rewrites them, and only cuts below the
 accepted length are cached (``workers.scheduler.cacheable_tokens``).
 
 Not here yet: CUDA graphs and overlap scheduling (a step's last tokens come from
-the host), the cuda backend's sparse kernels.
+the host). On the cuda backend the model's sparse attention runs on FlashMLA
+(`workers.rank_build`, ``attention.cuda.v4_attention``); the runner is the same.
 """
 
 from __future__ import annotations

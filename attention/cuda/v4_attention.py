@@ -16,7 +16,8 @@ sgl-flash-mla 1.0.0 takes ``d_qk`` 512 (V4) besides 576 (V3.2), and a per-head `
 ``topk_length`` (int32 ``[S]``, optional): query ``s`` reads only ``indices[s, :topk_length[s]]``, the
 kernel's own way to skip a row's padding (the reference masks the same entries).
 
-Not yet wired into the V4 model (which still runs on the reference backend only); its GPU test is
+The V4 model calls it on the cuda backend (`workers.rank_build`: ``DeepseekV4ForCausalLM.set_attention_kernel``);
+everything else of V4 runs as torch ops on the device. Its GPU test is
 ``tests/attention/test_cuda_v4_attention.py``'s ``gpu`` case.
 """
 
@@ -29,6 +30,13 @@ from .mla import _pad_heads, _pad_indices, padded_heads, padded_topk
 
 D_V4 = 512
 """V4's key = value width through the kernel (``head_dim``: 448 nope + 64 rope)."""
+
+
+def check_v4_dims(head_dim: int, num_heads: int) -> None:
+    """Raise unless a V4 model's attention runs on the kernel: ``head_dim`` 512, at most 128 heads."""
+    if head_dim != D_V4 or num_heads > 128:
+        raise ValueError(f"DeepSeek-V4 on the cuda backend needs head_dim {D_V4} and at most 128 attention heads "
+                         f"(FlashMLA's sparse kernel), got head_dim {head_dim} and {num_heads} heads")
 
 
 def sparse_attention_with_sink(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sink: torch.Tensor,

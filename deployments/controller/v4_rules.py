@@ -22,7 +22,11 @@ What the DSA settings mean for V4, and what its engine runs today
   ``fp8`` (sliding-window keys and compressed entries in the 584-byte V4 token
   format; indexer keys in the model dtype and compressor state fp32 either way).
   Prefill and decode must agree on it (``rules``, and the transfer handshake's
-  per-group formats). The cuda backend is not wired into the engine.
+  per-group formats).
+* backend: ``reference``, or ``cuda`` when the attention has FlashMLA's shape
+  (head_dim 512, at most 128 heads): its sparse attention then runs on
+  FlashMLA's SM90 prefill kernel (``attention.cuda.v4_attention``), everything
+  else as torch ops on the device, eager (``cuda_graphs`` is refused).
 * prefix caching (``features.prefix_caching``, ``workers.v4_prefix``): exact
   reuse up to cuts every 256 tokens (a multiple of every compress ratio and of
   the ``swa`` page, so no compressor has a pending row there); each cut's CSA
@@ -93,11 +97,17 @@ def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Conf
             f"mtp_draft_tokens {role_cfg.mtp_draft_tokens} needs the model's MTP layer, but the checkpoint has "
             "num_nextn_predict_layers 0: set mtp_draft_tokens to 0",
         ))
-    if role_cfg.backend != "reference":
+    if role_cfg.backend == "cuda" and (m.head_dim != 512 or m.num_attention_heads > 128):
         out.append(Violation(
             f"{role}.backend",
-            f"DeepSeek-V4 runs on the reference backend only (its FlashMLA sparse prefill / decode path is not "
-            f"wired into the engine), got {role_cfg.backend!r}",
+            f"DeepSeek-V4 on the cuda backend runs its sparse attention on FlashMLA, which needs head_dim 512 and "
+            f"at most 128 attention heads; this checkpoint has head_dim {m.head_dim} and {m.num_attention_heads} "
+            "heads: use backend 'reference'",
+        ))
+    if role_cfg.cuda_graphs:
+        out.append(Violation(
+            f"{role}.cuda_graphs",
+            "CUDA graphs are not built for DeepSeek-V4 (its runner is eager): leave cuda_graphs unset or false",
         ))
     if role_cfg.tensor_parallel_size != 1:
         out.append(Violation(

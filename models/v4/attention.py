@@ -144,6 +144,8 @@ class V4Attention(nn.Module):
         self.indexer = Indexer(cfg, self.ratio, dtype) if self.kind == CSA else None
         # The sliding-window keys' cache format (None: unquantized); set by the model's set_kv_cache_format.
         self.kv_format: V4CacheFormat | None = None
+        # The sparse attention call (the reference's signature); the model's set_attention_kernel swaps it.
+        self.attend = sparse_attention_with_sink
 
     @property
     def rope_label(self) -> str:
@@ -205,4 +207,4 @@ class V4Attention(nn.Module):
         # Every key of this forward stays (not only the last window - 1): the paged store writes them all
         # (`models.v4.paged_state`); the next forward takes the window it reads.
         st.swa = window_kv
-        return sparse_attention_with_sink(q, workspace, rows, self.attn_sink, self.scale)
+        return self.attend(q, workspace, rows, self.attn_sink, self.scale)

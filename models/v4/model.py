@@ -66,6 +66,13 @@ class DeepseekV4ForCausalLM(nn.Module):
             if block.attn.compressor is not None:
                 block.attn.compressor.kv_format = fmt
 
+    def set_attention_kernel(self, attend) -> None:
+        """Run every block's sparse attention through ``attend`` (the signature of
+        ``attention.v4_attention.sparse_attention_with_sink``; the cuda backend's is
+        ``attention.cuda.v4_attention.sparse_attention_with_sink``)."""
+        for block in [*self.layers, *self.mtp]:
+            block.attn.attend = attend
+
     def new_state(self, device=None) -> SequenceState:
         """An empty sequence (no tokens forwarded yet)."""
         device = device if device is not None else self.embed.weight.device

@@ -3,6 +3,8 @@ runs today (deployments/controller/v4_rules.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from deployments.app_config import AppConfig
 from deployments.controller import check_args
 from deployments.controller.rules import validate
@@ -64,7 +66,8 @@ def test_what_v4_does_not_run_yet_is_refused_per_field():
                          model={"tiny": {"arch": "deepseek_v4"}, "max_model_len": 600},
                          features={"mtp_topk_reuse": True, "two_batch_overlap": True}))
     assert "decode.kv_cache_dtype" not in errs  # fp8 caches run (the 584-byte V4 format)
-    assert "reference backend only" in errs["decode.backend"]
+    # The tiny model's attention (head_dim 32) does not have FlashMLA's shape: the cuda backend is refused.
+    assert "needs head_dim 512" in errs["decode.backend"] and "head_dim 32" in errs["decode.backend"]
     assert "decode.device" not in errs  # a GPU is planned like the DSA models' (below)
     assert "swa 3" in errs["decode.num_pages"]  # 600 + 1 tokens: 3 pages of 256 window keys
     assert "select no top-k to reuse" in errs["features.mtp_topk_reuse"]
@@ -137,3 +140,20 @@ def test_the_prefix_cache_pages_per_cut_are_counted():
     errs = _paths(base)
     assert "csa_state 3" in errs["prefill.num_pages"] and "swa" not in errs["prefill.num_pages"]
     assert "prefill.num_pages" not in _paths(merged(base, features={"prefix_caching": False}))
+
+
+def test_v4_on_the_cuda_backend_needs_flashmla_shapes_and_no_graphs():
+    """backend 'cuda' takes a V4 checkpoint whose attention FlashMLA runs (head_dim 512, <= 128 heads); CUDA
+    graphs are refused (the V4 runner is eager)."""
+    base = merged(yaml_args("tiny_v4_mono.yaml"), decode={"backend": "cuda", "device": "cuda", "num_gpus": 1,
+                                                          "dtype": "bfloat16", "gpu_memory_gib": 80, "workspace_gib": 1},
+                  model={"tiny": {"arch": "deepseek_v4", "attention": "serving"}})
+    result = check_args(base)
+    assert result.ok, result.violations
+    errs = _paths(merged(base, decode={"cuda_graphs": True}))
+    assert "not built for DeepSeek-V4" in errs["decode.cuda_graphs"]
+    from attention.cuda.v4_attention import check_v4_dims
+
+    check_v4_dims(512, 128)
+    with pytest.raises(ValueError, match="at most 128 attention heads"):
+        check_v4_dims(512, 256)

@@ -129,3 +129,18 @@ def _free_lingering_nixl_agents():
         import gc
 
         gc.collect()
+
+
+@pytest.fixture
+def cuda_fake_kernels(monkeypatch):
+    """``tests/attention/cuda_fakes``' stand-ins as the ``deep_gemm`` / ``flash_mla`` packages for one test
+    (the cuda backend's glue on CPU); returns the module (its ``CALLS`` counts the kernel calls)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "attention"))
+    try:
+        import cuda_fakes
+    finally:
+        sys.path.pop(0)
+    for name, module in cuda_fakes.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    cuda_fakes.CALLS.clear()
+    return cuda_fakes

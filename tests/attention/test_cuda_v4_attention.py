@@ -11,8 +11,6 @@ reference (``attention.v4_attention.sparse_attention_with_sink``), on fresh rand
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,19 +18,6 @@ import torch
 from attention.v4_attention import sparse_attention_with_sink as reference
 
 SEED = random.randrange(1 << 30)
-
-
-@pytest.fixture
-def fake_kernels(monkeypatch):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    try:
-        import cuda_fakes
-    finally:
-        sys.path.pop(0)
-    for name, module in cuda_fakes.modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    cuda_fakes.CALLS.clear()
-    return cuda_fakes
 
 
 def _case(gen, S, H, N, K, device, invalid=0.3):
@@ -66,16 +51,16 @@ def _check(S, H, N, K, device, lengths=False):
 
 
 @pytest.mark.parametrize("H", [16, 64, 128])  # 16: a tensor-parallel shard, padded to 64 heads
-def test_v4_sparse_attention_matches_reference_on_fakes(fake_kernels, H):
+def test_v4_sparse_attention_matches_reference_on_fakes(cuda_fake_kernels, H):
     _check(S=19, H=H, N=300, K=200, device="cpu")  # K 200: the index width is padded to 256
-    assert fake_kernels.CALLS["flash_mla_sparse_fwd"] == 1
+    assert cuda_fake_kernels.CALLS["flash_mla_sparse_fwd"] == 1
 
 
-def test_v4_sparse_attention_topk_length_on_fakes(fake_kernels):
+def test_v4_sparse_attention_topk_length_on_fakes(cuda_fake_kernels):
     _check(S=23, H=64, N=257, K=130, device="cpu", lengths=True)
 
 
-def test_v4_sparse_attention_out_of_range_index_is_invalid(fake_kernels):
+def test_v4_sparse_attention_out_of_range_index_is_invalid(cuda_fake_kernels):
     """An index >= N reads nothing (turned into -1 on the device, no read-back), as -1 does."""
     from attention.cuda.v4_attention import sparse_attention_with_sink
 
@@ -87,7 +72,7 @@ def test_v4_sparse_attention_out_of_range_index_is_invalid(fake_kernels):
     torch.testing.assert_close(got.float(), reference(q, kv, idx, sink, 0.05), rtol=2e-2, atol=2e-2)
 
 
-def test_v4_sparse_attention_refuses_other_shapes(fake_kernels):
+def test_v4_sparse_attention_refuses_other_shapes(cuda_fake_kernels):
     from attention.cuda.v4_attention import sparse_attention_with_sink
 
     q, kv, idx, sink = torch.zeros(3, 64, 576), torch.zeros(9, 576), torch.zeros(3, 8, dtype=torch.long), torch.zeros(64)
@@ -97,7 +82,7 @@ def test_v4_sparse_attention_refuses_other_shapes(fake_kernels):
         sparse_attention_with_sink(torch.zeros(3, 256, 512), torch.zeros(9, 512), idx, torch.zeros(256), 1.0)
     with pytest.raises(ValueError, match="sink must be"):
         sparse_attention_with_sink(torch.zeros(3, 64, 512), torch.zeros(9, 512), idx, torch.zeros(32), 1.0)
-    assert "flash_mla_sparse_fwd" not in fake_kernels.CALLS
+    assert "flash_mla_sparse_fwd" not in cuda_fake_kernels.CALLS
 
 
 @pytest.mark.gpu

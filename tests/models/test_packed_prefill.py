@@ -136,10 +136,7 @@ def test_prefill_packed_equals_alone(tiny, limit, monkeypatch):
 
     monkeypatch.setattr(models.batch, "PACK_MAX_POSITIONS", limit)
     cfg = tiny.cfg
-    spec = CacheSpec(num_layers=tiny.num_cache_layers, num_pages=16, kv_lora_rank=cfg.kv_lora_rank,
-                     rope_dim=cfg.qk_rope_head_dim, index_head_dim=cfg.index_head_dim, kv_cache_dtype="auto",
-                     dtype=torch.float32, indexer_layers=tuple(cfg.topk_plan.computes))
-    cache = PagedKVCache(spec, "cpu")
+    cache = _cache(tiny)
     gen = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(3, cfg.vocab_size, (300,), generator=gen)
     reqs = {"A": ([0, 1, 2], 60, 70), "B": ([5], 0, 45), "C": ([7], 0, 1)}
@@ -169,6 +166,15 @@ def test_prefill_packed_equals_alone(tiny, limit, monkeypatch):
     assert any((p[:, 1:] >= 0).any() for p in picks)  # real selections (more than one position)
 
 
+def _cache(tiny) -> PagedKVCache:
+    """16 pages of unquantized fp32 cache for the tiny model's layers (CPU)."""
+    cfg = tiny.cfg
+    spec = CacheSpec(num_layers=tiny.num_cache_layers, num_pages=16, kv_lora_rank=cfg.kv_lora_rank,
+                     rope_dim=cfg.qk_rope_head_dim, index_head_dim=cfg.index_head_dim, kv_cache_dtype="auto",
+                     dtype=torch.float32, indexer_layers=tuple(cfg.topk_plan.computes))
+    return PagedKVCache(spec, "cpu")
+
+
 def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-1)
 
@@ -189,10 +195,7 @@ def test_whole_window_selection_equals_scored(tiny, monkeypatch):
     are wider than top-k), over a cached prefix, from scratch and for a lone token."""
     cfg = tiny.cfg
     k = cfg.index_topk
-    spec = CacheSpec(num_layers=tiny.num_cache_layers, num_pages=16, kv_lora_rank=cfg.kv_lora_rank,
-                     rope_dim=cfg.qk_rope_head_dim, index_head_dim=cfg.index_head_dim, kv_cache_dtype="auto",
-                     dtype=torch.float32, indexer_layers=tuple(cfg.topk_plan.computes))
-    cache = PagedKVCache(spec, "cpu")
+    cache = _cache(tiny)
     gen = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(3, cfg.vocab_size, (64,), generator=gen)
     prefix = k // 2 - 1

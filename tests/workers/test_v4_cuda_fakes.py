@@ -8,9 +8,6 @@ selection cannot flip, and its greedy output equals the reference's there. The r
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -27,20 +24,7 @@ def serving_v4(tmp_path_factory):
     return make_tiny_v4(tmp_path_factory.mktemp("v4-serving"), seed=1, **SERVING_ATTENTION_DIMS_V4)
 
 
-@pytest.fixture
-def fake_kernels(monkeypatch):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "attention"))
-    try:
-        import cuda_fakes
-    finally:
-        sys.path.pop(0)
-    for name, module in cuda_fakes.modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    cuda_fakes.CALLS.clear()
-    return cuda_fakes
-
-
-def test_v4_on_the_cuda_backend_matches_the_reference(serving_v4, fake_kernels):
+def test_v4_on_the_cuda_backend_matches_the_reference(serving_v4, cuda_fake_kernels):
     ref = LLM(serving_v4, num_pages=8, chunk_size=64)
     cuda = LLM(serving_v4, backend="cuda", device="cpu", num_pages=8, chunk_size=64)
     # Up to 40 tokens the CSA indexer (top-3 here) has few entries to choose from: the logits differ only
@@ -51,7 +35,7 @@ def test_v4_on_the_cuda_backend_matches_the_reference(serving_v4, fake_kernels):
         got, want = cuda.prompt_logits(p), ref.prompt_logits(p)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-1, msg=f"prompt of {len(p)} tokens")
         assert float((got - want).abs().mean()) < 1e-2, f"prompt of {len(p)} tokens"
-    assert fake_kernels.CALLS["flash_mla_sparse_fwd"] > 0
+    assert cuda_fake_kernels.CALLS["flash_mla_sparse_fwd"] > 0
     assert cuda.generate(short, max_new_tokens=6, ignore_eos=True) == \
         ref.generate(short, max_new_tokens=6, ignore_eos=True)
     # 261 tokens (past a 256-token page, mid compressed blocks): bf16 differences flip some of the top-3
@@ -64,7 +48,7 @@ def test_v4_on_the_cuda_backend_matches_the_reference(serving_v4, fake_kernels):
     assert cuda.pool.free_counts() == ref.pool.free_counts()
 
 
-def test_v4_cuda_backend_refuses_attention_it_cannot_run(tmp_path, fake_kernels):
+def test_v4_cuda_backend_refuses_attention_it_cannot_run(tmp_path, cuda_fake_kernels):
     """The tiny dims (head_dim 32) have no FlashMLA kernel: refused at build, naming the dims."""
     small = make_tiny_v4(tmp_path / "v4")
     with pytest.raises(ValueError, match="needs head_dim 512 .* got head_dim 32"):

@@ -18,10 +18,15 @@ from __future__ import annotations
 
 import cProfile
 import io
+import os
 import pstats
 import time
 
 import torch
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+"""This repository's root (the functions and sync points reported are the ones under it)."""
 
 
 def _busy_union_us(intervals: list[tuple[float, float]]) -> float:
@@ -121,11 +126,10 @@ def _gpu_idle(prof, min_gap_us: float = 20.0) -> dict:
 def _sync_points(run) -> list[dict]:
     """Run ``run()`` under ``torch.cuda.set_sync_debug_mode("warn")``: every synchronizing call, grouped
     by the innermost frame in this repository (file:line), with its count."""
-    import os
     import traceback
     import warnings
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    root = _ROOT
     found: dict[str, int] = {}
 
     def record(message, category, filename, lineno, file=None, line=None):
@@ -151,9 +155,7 @@ def _sync_points(run) -> list[dict]:
 
 def _repo_rows(stats: pstats.Stats, top: int) -> list[str]:
     """This repository's functions by cumulative time: ``"cum ms  own ms  calls  file:line(function)"``."""
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    root = _ROOT
     rows = [(ct, tt, n, f"{os.path.relpath(path, root)}:{line}({fn})")
             for (path, line, fn), (_, n, tt, ct, _) in stats.stats.items() if path.startswith(root)]
     return [f"{ct * 1e3:8.2f} {tt * 1e3:8.2f} {n:6d}  {name}" for ct, tt, n, name in sorted(rows, reverse=True)[:top]]
@@ -253,9 +255,7 @@ def engine_python_rows(stats: pstats.Stats) -> list[tuple[float, float, int, str
     engine's own Python (scheduling, inputs, sampling parameters, stop checks and outputs; not the
     model's Python, torch's ops or the kernels they wait for). On any device it is host work that
     overlap scheduling must hide behind the GPU's step, so it can be measured and cut on a CPU too."""
-    import os
-
-    workers = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "workers") + os.sep
+    workers = os.path.join(_ROOT, "workers") + os.sep
     return [(tt, ct, n, f"{os.path.relpath(path, os.path.dirname(workers))}:{line}({fn})")
             for (path, line, fn), (_, n, tt, ct, _) in stats.stats.items() if path.startswith(workers)]
 

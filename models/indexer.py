@@ -117,31 +117,27 @@ class Indexer(nn.Module):
         return SelectedTokens(slots.long(), positions.long())
 
     def _whole_windows(self, batch: ForwardBatch) -> SelectedTokens:
-        slots, positions = [], []
-        for ctx in batch.packed_contexts():
-            s, p = ctx.local(ctx.whole_windows(self.topk))
-            slots.append(s)
-            positions.append(p)
-        if len(slots) == 1:
-            return SelectedTokens(slots[0], positions[0])
-        return SelectedTokens(torch.cat(slots), torch.cat(positions))
+        return _joined([ctx.local(ctx.whole_windows(self.topk)) for ctx in batch.packed_contexts()])
 
     def _select_extend(self, q, weights, batch, cache, layer, backend) -> SelectedTokens:
         # The keys of a group of requests in one gather and one logits + top-k call over their packed
         # rows (each row sees its own request's window): the cuda backend scores row chunks sized by
         # a memory budget and never holds the [rows, context] matrix (a 128k-token prompt's would not fit).
-        slots, positions = [], []
+        groups = []
         for ctx in batch.packed_contexts():
             keys = cache.read_index(layer, ctx.slots, checked=False)
             t = ctx.tokens
             packed, _ = backend.ragged_topk(q[t], keys, None, weights[t], ctx.row_start, ctx.row_end, self.topk,
                                             None, windows_host=(ctx.row_start_host, ctx.row_end_host))
-            s, p = ctx.local(packed)
-            slots.append(s)
-            positions.append(p)
-        if len(slots) == 1:
-            return SelectedTokens(slots[0], positions[0])
-        return SelectedTokens(torch.cat(slots), torch.cat(positions))
+            groups.append(ctx.local(packed))
+        return _joined(groups)
+
+
+def _joined(groups: list[tuple[torch.Tensor, torch.Tensor]]) -> SelectedTokens:
+    """The per-group ``(slots, positions)`` of a PREFILL forward's packed contexts, in token order."""
+    if len(groups) == 1:
+        return SelectedTokens(*groups[0])
+    return SelectedTokens(torch.cat([s for s, _ in groups]), torch.cat([p for _, p in groups]))
 
 
 def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

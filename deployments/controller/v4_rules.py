@@ -97,13 +97,13 @@ def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Conf
             f"mtp_draft_tokens {role_cfg.mtp_draft_tokens} needs the model's MTP layer, but the checkpoint has "
             "num_nextn_predict_layers 0: set mtp_draft_tokens to 0",
         ))
-    if role_cfg.backend == "cuda" and (m.head_dim != 512 or m.num_attention_heads > 128):
-        out.append(Violation(
-            f"{role}.backend",
-            f"DeepSeek-V4 on the cuda backend runs its sparse attention on FlashMLA, which needs head_dim 512 and "
-            f"at most 128 attention heads; this checkpoint has head_dim {m.head_dim} and {m.num_attention_heads} "
-            "heads: use backend 'reference'",
-        ))
+    if role_cfg.backend == "cuda":
+        from attention.cuda.v4_attention import check_v4_dims  # the rank build's rule, host-only (no kernels)
+
+        try:
+            check_v4_dims(m.head_dim, m.num_attention_heads)
+        except ValueError as e:
+            out.append(Violation(f"{role}.backend", f"{e}: use backend 'reference'"))
     if role_cfg.cuda_graphs:
         out.append(Violation(
             f"{role}.cuda_graphs",

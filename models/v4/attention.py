@@ -91,6 +91,25 @@ class Compressor(nn.Module):
         return entries
 
 
+SCORE_BLOCK_BYTES = 1 << 30
+"""Most bytes of per-head indexer scores ``[rows, H, N]`` held at once: a chunk of 8k queries over the
+8k compressed entries of a 32k prompt would otherwise hold 8k x H x 8k fp32 (64 GiB at 256 heads)."""
+
+
+def weighted_relu_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 ``[S, N]``: ``sum_h w[s, h] * relu(q[s, h] . keys[n]) * scale`` for q fp32 ``[S, H, d]``,
+    keys fp32 ``[N, d]``, w fp32 ``[S, H]``, in blocks of query rows (`SCORE_BLOCK_BYTES`); every row
+    is computed by the same ops whatever the block."""
+    S, H, _ = q.shape
+    N = keys.shape[0]
+    out = torch.empty(S, N, dtype=torch.float32, device=q.device)
+    rows = max(1, SCORE_BLOCK_BYTES // max(1, H * N * 4))
+    for s0 in range(0, S, rows):
+        blk = torch.relu(torch.einsum("shd,nd->shn", q[s0:s0 + rows], keys)) * scale
+        out[s0:s0 + rows] = (blk * w[s0:s0 + rows, :, None]).sum(dim=1)
+    return out
+
+
 class Indexer(nn.Module):
     """Lightning indexer of a CSA layer over its own compressed keys."""
 
@@ -111,8 +130,7 @@ class Indexer(nn.Module):
         S = x.shape[0]
         q = rope_tail(self.wq_b(q_res).view(S, self.n_heads, self.dim), cos, sin)
         w = self.weights_proj(x).float() * self.n_heads ** -0.5
-        scores = torch.relu(torch.einsum("shd,nd->shn", q.float(), keys.float())) * self.dim ** -0.5
-        scores = (scores * w[..., None]).sum(dim=1)  # [S, N]
+        scores = weighted_relu_scores(q.float(), keys.float(), w, self.dim ** -0.5)  # [S, N]
         limit = (positions + 1) // self.ratio  # entries e < limit are complete at the query
         future = torch.arange(keys.shape[0], device=x.device)[None, :] >= limit[:, None]
         scores = scores.masked_fill(future, float("-inf"))

@@ -284,6 +284,12 @@ class RoleConfig(_Strict):
         "concurrency. TPOT is unchanged; ITL rises to that interval. 0: send every step's tokens at once "
         "(deployments.stream_pacing).",
     )
+    gil_switch_interval_ms: float = Field(
+        0.2, gt=0, le=100, description="Python's thread switch interval in this role's replicas (sys.setswitchinterval; "
+        "Python's default is 5 ms). The engine thread shares the replica's interpreter with Serve's event loops "
+        "(streaming, metrics); each time it gets the GIL back after a device wait it can queue behind them for up to "
+        "this long, once per wait, several times a step (docs/perf.md, \"The engine thread and the GIL\").",
+    )
     cuda_graph_max_context: int | None = Field(
         None, ge=64, description="Longest context a captured decode step serves (longer ones run eagerly); "
         "default: what the page pool holds for one request, capped by the model's max positions.",

@@ -73,7 +73,8 @@ class DecodeServer(ReplicaServer):
         thread = DecodeThread(worker, self.worker_id, queue_timeout_s(cfg))
         extra = {} if prefill is None else {"warmup_page": thread.warmup_page}
         metrics = DecodeMetrics(cfg.model_name, cfg.decode.mtp_draft_tokens)
-        self.offer = await self._start(thread, worker, "decode", metrics, directory, extra)
+        self.offer = await self._start(thread, worker, "decode", metrics, directory, extra,
+                                       cfg.decode.gil_switch_interval_ms)
         # Ready = able to serve: at least one prefill replica handshaked (and
         # warmed up by it), unless prefill takes unusually long to come up.
         if prefill is not None and not await self.sync.wait_for_peer(PEER_WAIT_S):

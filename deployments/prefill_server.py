@@ -35,7 +35,7 @@ class PrefillServer(ReplicaServer):
         worker = await asyncio.to_thread(build_prefill_worker, cfg, model_dir, self.worker_id)
         thread = PrefillThread(worker, warm_up=cfg.transfer.warmup_at_start, queue_timeout_s=queue_timeout_s(cfg))
         await self._start(thread, worker, "prefill",
-                          PrefillMetrics(cfg.model_name), directory, {})
+                          PrefillMetrics(cfg.model_name), directory, {}, cfg.prefill.gil_switch_interval_ms)
 
     async def _learn(self, entry: dict[str, Any]) -> None:
         await self.thread.call(self.thread.learn_peer, entry["offer"], entry.get("extra", {}).get("warmup_page"))

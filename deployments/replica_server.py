@@ -5,6 +5,7 @@ Serve hooks (routing stats, health, shutdown)."""
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from deployments.peer_sync import PeerSync
@@ -15,9 +16,12 @@ class ReplicaServer:
 
     worker_id: str
 
-    async def _start(self, thread, worker, role: str, metrics, directory, extra: dict[str, Any]) -> bytes | None:
+    async def _start(self, thread, worker, role: str, metrics, directory, extra: dict[str, Any],
+                     gil_switch_interval_ms: float) -> bytes | None:
         """Start ``thread`` and publish this replica in ``directory``; returns the handshake offer
-        (None for a worker without a KV link: a monolithic decode replica, which learns no peers)."""
+        (None for a worker without a KV link: a monolithic decode replica, which learns no peers).
+        ``gil_switch_interval_ms``: the role's ``gil_switch_interval_ms`` (the whole process's)."""
+        sys.setswitchinterval(gil_switch_interval_ms / 1e3)
         self.thread = thread
         self.agent = thread.agent_name
         # Before the thread starts: nothing else uses the agent yet.
@@ -25,7 +29,8 @@ class ReplicaServer:
         thread.start()
         self.metrics = metrics
         self.sync = PeerSync(directory, role, self.worker_id, self.agent, offer, self._stats,
-                             learn=self._learn, forget=self._forget, extra={**extra, "pid": os.getpid()})
+                             learn=self._learn, forget=self._forget, extra={**extra, "pid": os.getpid(),
+                                    "gil_switch_interval_ms": sys.getswitchinterval() * 1e3})
         await self.sync.start()
         return offer
 

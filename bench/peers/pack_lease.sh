@@ -4,9 +4,10 @@
 #   NO_VLLM=1 bash bench/peers/pack_lease.sh  # dsa-pd's stack only (three parts)
 # It writes, all git-excluded (.git/info/exclude is extended here):
 #   .devicewheels/{kernels,nixl,ray1,ray2}  ../shared/offline-wheels/pack_wheels.py
-#   .whl   tfslim.tgz (transformers, the version installed here, without the model folders dsa-pd
-#          never imports; untarred into /tmp/site) and the openai client with what the host lacks
-#   .whl2  llguidance (structured outputs; pyproject requires it)
+#   .whl   tfslim.tgz (transformers, the version installed here, whole: AutoTokenizer imports model folders
+#          dsa-pd never uses; untarred into /tmp/site) and the openai client with what the host lacks
+#   .whl2  llguidance (structured outputs; pyproject requires it) and grpcio >= 1.85.1 (ray2's
+#          grpcio-reflection needs it; the image's 1.84 stops `serve run`)
 #   .vllmsel  ../shared/offline-wheels/pack_vllm.sh's selection (vLLM 0.26.0 and its runtime needs)
 # The parts hold one tar, dsa-pd's wheels first: the first three parts alone install dsa-pd's stack
 # (`DSA_ONLY=1 bash bench/peers/run_peer.sh install`). models/checkpoints/small-v32 (36 MiB) must be moved
@@ -28,14 +29,11 @@ rm -rf .whl .whl2 && mkdir -p .whl .whl2
 # The host image has anyio, httpx, pydantic comes with ray2; openai >= 3 talks through httpx2.
 v() { python3 -c "import importlib.metadata as m; print(m.version('$1'))"; }
 $DL -d .whl "openai==$(v openai)" "httpx2==$(v httpx2)" "httpcore2==$(v httpcore2)" "jiter==$(v jiter)" \
-    "sniffio==$(v sniffio)" "distro" "typing-inspection==$(v typing-inspection)" "truststore"
-$DL -d .whl2 "llguidance==$(v llguidance)"
-# transformers: the host has 5.17; dsa-pd needs >= 5.23 (deepseek_v32, glm_moe_dsa; deepseek_v4 >= 5.24).
+    "sniffio==$(v sniffio)" "distro" "truststore"   # typing-inspection comes with ray2
+$DL -d .whl2 "llguidance==$(v llguidance)" "grpcio>=1.85.1,<1.86"
+# transformers (10 MiB packed): the host has 5.17; dsa-pd needs >= 5.23 (deepseek_v32, glm_moe_dsa; deepseek_v4 >= 5.24).
 T=$(mktemp -d)
 python3 -m pip install -q --no-deps --no-compile --target "$T" "transformers==$(v transformers)"
-(cd "$T/transformers/models" && for d in */; do
-   case "${d%/}" in auto|deepseek_v3|deepseek_v32|deepseek_v4|glm_moe_dsa|glm4_moe|llama|gpt2) ;; *) rm -rf "$d" ;; esac
- done)
 tar czf .whl/tfslim.tgz -C "$T" transformers "transformers-$(v transformers).dist-info"
 rm -rf "$T"
 

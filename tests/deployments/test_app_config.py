@@ -74,6 +74,13 @@ def test_replicas_or_autoscaling():
         "prefill.autoscaling.min_replicas"]
 
 
+def test_gil_switch_interval_bounds():
+    assert AppConfig.model_validate({**TINY, "decode": {"gil_switch_interval_ms": 1.5}}).decode.gil_switch_interval_ms == 1.5
+    assert "greater than 0" in errors({**TINY, "decode": {"gil_switch_interval_ms": 0}})["decode.gil_switch_interval_ms"]
+    assert "less than or equal to 100" in errors({**TINY, "prefill": {"gil_switch_interval_ms": 500}})[
+        "prefill.gil_switch_interval_ms"]
+
+
 def test_configs_are_frozen():
     cfg = AppConfig.model_validate(TINY)
     with pytest.raises(pydantic.ValidationError):

@@ -86,6 +86,8 @@ def test_health_and_stats_show_decode_replicas_only(ready, client):
     assert s["prefill"] == [] and len(s["decode"]) == 1
     d = s["decode"][0]
     assert "warmup_page" not in d and d["agent"] == d["worker_id"]  # no NIXL agent: named by its replica
+    # The replica's interpreter switches threads at the configured interval (Python's default is 5 ms).
+    assert d["gil_switch_interval_ms"] == pytest.approx(ARGS.decode.gil_switch_interval_ms) != 5.0
     st = d["stats"]
     assert (st["known_prefills"], st["reserved_pages"], st["held_pages"], st["awaiting_kv"]) == (0, 0, 0, 0)
     assert st["free_pages"] == st["total_pages"] == POOL

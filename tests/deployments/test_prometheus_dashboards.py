@@ -232,7 +232,11 @@ def test_per_role_token_counts_match_the_load_generator(run):
         assert delta(f'sum(ray_dsa_pd_{kind}_tokens_total{{role="{role}"}})') == n, (kind, role)
     # The overview's tokens/s panels, as Grafana draws them (1 s steps), integrate to the same counts:
     # each token lands in RATE_INTERVAL of windows, 1/RATE_INTERVAL each. Prometheus extrapolates a
-    # window's increase to its edges from the samples inside, which is exact only on average.
+    # window's increase to its edges from the samples inside, which is exact only on average: prefill's
+    # prompt tokens arrive in jumps of hundreds, and on a loaded 2-core CI machine the scrapes jitter.
+    # A fresh-clone run read 1,353 against 1,504 (-10.0%; session 20), so the bound is 20%. What this
+    # checks is the panels' queries (a wrong label or role reads 0, a double count 2x); the exact counts
+    # are asserted above.
     overview = json.loads((DASHBOARD_DIR / "overview.json").read_text())
     queries = dict(panel_queries(overview))
     for kind in ("Prompt", "Generated"):
@@ -241,7 +245,7 @@ def test_per_role_token_counts_match_the_load_generator(run):
         roles = ("prefill", "decode") if kind == "Prompt" else ("decode",)
         for role in roles:
             total = want[(kind.lower(), role)]
-            assert by_role[role] == pytest.approx(total, rel=0.1), (kind, role, by_role, total)
+            assert by_role[role] == pytest.approx(total, rel=0.2), (kind, role, by_role, total)
 
 
 def test_latency_histograms_count_every_request_within_their_bounds(run):

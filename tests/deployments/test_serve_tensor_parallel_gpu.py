@@ -47,7 +47,8 @@ def test_tp2_pd_serves_on_four_gpus(tmp_path):
     from transformers import AutoTokenizer
 
     from deployments.app_config import AppConfig
-    from tests.deployments.serve_process import serve_args, shared_cache_dir, stats, wait_until
+    from tests.deployments.serve_process import shared_cache_dir, stats, wait_until
+    from tests.deployments.shared_servers import ServerSpec
 
     if torch.cuda.device_count() < 4:
         pytest.fail(f"tp 2 on both roles runs 4 rank workers: needs 4 GPUs, found {torch.cuda.device_count()}")
@@ -56,7 +57,7 @@ def test_tp2_pd_serves_on_four_gpus(tmp_path):
     want = _offline_tp1(str(model_dir))
     tok = AutoTokenizer.from_pretrained(model_dir)
 
-    server = serve_args(tmp_path, "tiny_pd_gpu_tp2.yaml", RAW)
+    server = ServerSpec("serve-tp2-gpu", args=RAW, config_name="tiny_pd_gpu_tp2.yaml").start(tmp_path)
     try:
         server.wait_ready(timeout=540)
         assert server.log().count("2 rank workers started") == 2, server.tail(80)

@@ -17,7 +17,7 @@ def _paths(args) -> dict[str, str]:
 
 
 def test_shipped_v4_configs_pass_with_a_v4_model_config():
-    for name in ("tiny_v4_pd.yaml", "tiny_v4_mono.yaml"):
+    for name in ("tiny_v4_pd.yaml", "tiny_v4_mono.yaml", "tiny_v4_pd_gpu.yaml"):
         result = check_args(yaml_args(name))
         assert result.ok, result.violations
         assert isinstance(result.model_cfg, V4Config)

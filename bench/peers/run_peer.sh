@@ -14,7 +14,8 @@
 #   dsa-up NAME MODE    `serve run` of bench/peers/serve_config.py's config (monolithic | pd) on :8000
 #                       (NO_PREFIX_CACHE=1: the prefix cache off)
 #   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results (for dsa-* engines
-#                       also the served engine's mean step time per kind over each run: TAG.steps.json)
+#                       also the served engine's mean step time per kind over each run: TAG.steps.json;
+#                       SPY=1: py-spy of the decode replica's threads during each run, TAG.spy_decode.*)
 #   prefix ENGINE NAME PORT [CONCURRENCIES]   shared 8k-token prefixes, 256-token suffixes (issue 24's load; for
 #                       dsa-* engines also TAG.steps.json: the KV bytes pushed and prefix-cache hits over the run)
 #   structured ENGINE NAME PORT   1024-in / 256-out at concurrency 32, every request under a JSON schema
@@ -56,6 +57,18 @@ steps_after() {  # ENGINE TAG: what the served engine did over the run -> $RES/T
     env $DSA_ENV python3 -m bench.peers.served_steps diff /tmp/steps_before.json /tmp/steps_after.json \
         --json "$RES/$2.steps.json" | grep -E "step_seconds|kv_push_bytes|prefix_cache_hits"
   fi
+}
+
+host_profile() {  # ENGINE TAG: with SPY=1, py-spy on the dsa-pd decode replica (every thread) for SPY_S seconds,
+  # SPY_AFTER_S after the run starts (past the warm-ups) -> $RES/TAG.spy_decode.{txt,json}, summarized
+  # by bench/peers/host_profile.py: who held the replica's interpreter while the engine stepped.
+  [ -n "${SPY:-}" ] && [ "${1#dsa}" != "$1" ] || return 0
+  sleep "${SPY_AFTER_S:-4}"
+  local pid; pid=$(pgrep -f "ServeReplica:dsa-pd:DecodeServer" | head -1)
+  [ -n "$pid" ] || { echo "SPY: no decode replica"; return 0; }
+  /tmp/site/bin/py-spy record -d "${SPY_S:-6}" -r 250 -f raw --threads -o "$RES/$2.spy_decode.txt" -p "$pid" \
+      >/dev/null 2>&1 && env $DSA_ENV python3 -m bench.peers.host_profile "$RES/$2.spy_decode.txt" \
+      --seconds "${SPY_S:-6}" --json "$RES/$2.spy_decode.json" | head -8
 }
 
 run_seed() {  # INPUT_LEN CONCURRENCY: the prompts' seed. The same run gets the same prompts on every engine;
@@ -155,12 +168,14 @@ case "$step" in
       n=$(( c == 1 ? 4 : (c == 32 ? 64 : c) ))
       tag="${engine}__${name}__in${inp}__c${c}"
       steps_before "$engine"
+      host_profile "$engine" "$tag" &
       env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.serve --base-url "http://127.0.0.1:$port" --model peer-model \
           --dataset-name random --random-input-len "$inp" --random-output-len "$OUT_LEN" --random-range-ratio 0 \
           --num-prompts "$n" --max-concurrency "$c" --ignore-eos --num-warmups 2 --seed "$(run_seed "$inp" "$c")" \
           --disable-tqdm --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$RES" \
           --result-filename "$tag.json" 2>&1 | grep -E "Successful|Failed|throughput|Median TTFT|Median TPOT|#" | head -12
       steps_after "$engine" "$tag"
+      wait  # the host profile, if any
       echo "== $engine $name in=$inp c=$c done"
     done; done ;;
   prefix)

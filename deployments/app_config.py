@@ -284,6 +284,12 @@ class RoleConfig(_Strict):
         "concurrency. TPOT is unchanged; ITL rises to that interval. 0: send every step's tokens at once "
         "(deployments.stream_pacing).",
     )
+    engine_process: bool = Field(
+        False, description="Run the role's worker (engine, page pool, NIXL agent) in a child process of each "
+        "replica, so that its loop does not share the Python interpreter (GIL) with Serve's request handling and "
+        "streaming, as vLLM and SGLang run theirs (deployments/engine_process.py). Off by default until measured "
+        "on a GPU; tensor_parallel_size 1 only.",
+    )
     gil_switch_interval_ms: float = Field(
         0.2, gt=0, le=100, description="Python's thread switch interval in this role's replicas (sys.setswitchinterval; "
         "Python's default is 5 ms). The engine thread shares the replica's interpreter with Serve's event loops "

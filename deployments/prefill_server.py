@@ -19,6 +19,7 @@ from ray import serve
 
 from deployments.admission import queue_timeout_s
 from deployments.app_config import AppConfig
+from deployments.engine_process import EngineProcess
 from deployments.metrics.replica import PrefillMetrics
 from deployments.replica_server import ReplicaServer
 from deployments.prefill_thread import PrefillThread
@@ -32,10 +33,15 @@ class PrefillServer(ReplicaServer):
     async def __init__(self, app_args: dict[str, Any], model_dir: str, directory):
         cfg = AppConfig.model_validate(app_args)
         self.worker_id = f"prefill-{serve.get_replica_context().replica_id.unique_id}"
-        worker = await asyncio.to_thread(build_prefill_worker, cfg, model_dir, self.worker_id)
-        thread = PrefillThread(worker, warm_up=cfg.transfer.warmup_at_start, queue_timeout_s=queue_timeout_s(cfg))
-        await self._start(thread, worker, "prefill",
-                          PrefillMetrics(cfg.model_name), directory, {}, cfg.prefill.gil_switch_interval_ms)
+        if cfg.prefill.engine_process:
+            thread = EngineProcess("prefill", app_args, model_dir, self.worker_id, cfg.prefill.gil_switch_interval_ms,
+                                   fail_item=lambda rid, message: PrefillResult(rid, False, error=message))
+            await asyncio.to_thread(thread.launch)
+        else:
+            worker = await asyncio.to_thread(build_prefill_worker, cfg, model_dir, self.worker_id)
+            thread = PrefillThread(worker, warm_up=cfg.transfer.warmup_at_start, queue_timeout_s=queue_timeout_s(cfg))
+        await self._start(thread, "prefill", PrefillMetrics(cfg.model_name), directory, {},
+                          cfg.prefill.gil_switch_interval_ms)
 
     async def _learn(self, entry: dict[str, Any]) -> None:
         await self.thread.call(self.thread.learn_peer, entry["offer"], entry.get("extra", {}).get("warmup_page"))

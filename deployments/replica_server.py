@@ -16,20 +16,22 @@ class ReplicaServer:
 
     worker_id: str
 
-    async def _start(self, thread, worker, role: str, metrics, directory, extra: dict[str, Any],
+    async def _start(self, thread, role: str, metrics, directory, extra: dict[str, Any],
                      gil_switch_interval_ms: float) -> bytes | None:
-        """Start ``thread`` and publish this replica in ``directory``; returns the handshake offer
-        (None for a worker without a KV link: a monolithic decode replica, which learns no peers).
+        """Start ``thread`` (a `WorkerThread`, or the `deployments.engine_process.EngineProcess` standing in
+        for one) and publish this replica in ``directory``; returns the handshake offer (None for a worker
+        without a KV link: a monolithic decode replica, which learns no peers).
         ``gil_switch_interval_ms``: the role's ``gil_switch_interval_ms`` (the whole process's)."""
         sys.setswitchinterval(gil_switch_interval_ms / 1e3)
         self.thread = thread
         self.agent = thread.agent_name
-        # Before the thread starts: nothing else uses the agent yet.
-        offer = worker.link.peers.offer().to_bytes() if worker.link is not None else None
+        offer = thread.handshake_offer()
         thread.start()
         self.metrics = metrics
+        proc = getattr(thread, "proc", None)  # an engine process (`engine_process`): its pid, for /stats
         self.sync = PeerSync(directory, role, self.worker_id, self.agent, offer, self._stats,
-                             learn=self._learn, forget=self._forget, extra={**extra, "pid": os.getpid(),
+                             learn=self._learn, forget=self._forget,
+                             extra={**extra, "pid": os.getpid(), "engine_pid": proc.pid if proc is not None else None,
                                     "gil_switch_interval_ms": sys.getswitchinterval() * 1e3})
         await self.sync.start()
         return offer

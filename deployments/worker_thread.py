@@ -100,9 +100,19 @@ class WorkerThread:
 
         Cancelling the future before the thread picks the command up skips it.
         """
+        return asyncio.wrap_future(self.call_future(fn, *args))
+
+    def call_future(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """`call` from any thread: the future of ``fn(*args)`` run on the worker thread."""
         cf: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, args, cf))
-        return asyncio.wrap_future(cf)
+        return cf
+
+    def handshake_offer(self) -> bytes | None:
+        """The NIXL handshake offer of the worker's link (None without one: monolithic decode). Before
+        `start`: nothing else uses the agent yet."""
+        link = self.worker.link
+        return link.peers.offer().to_bytes() if link is not None else None
 
     def open_stream(self, key: str) -> asyncio.Queue:
         """A queue receiving what the thread `emit` s for ``key`` (call on the event loop)."""

@@ -32,6 +32,12 @@ FLASH_MLA_HEADS = (64, 128)
 
 def _device_rules(role: str, role_cfg: RoleConfig, out: list[Violation]) -> None:
     tp = role_cfg.tensor_parallel_size
+    if role_cfg.engine_process and tp > 1:
+        out.append(Violation(
+            f"{role}.engine_process",
+            f"the engine process runs one rank: tensor_parallel_size {tp} starts its rank workers as Ray actors, "
+            "which a child process of the replica cannot start; set engine_process to false",
+        ))
     if role_cfg.backend == "cuda" and role_cfg.device == "cpu":
         out.append(Violation(f"{role}.device", "backend 'cuda' (flash_mla, deep_gemm) needs device 'cuda', got 'cpu'"))
     if role_cfg.backend == "cuda" and role_cfg.dtype != "bfloat16":

@@ -86,6 +86,11 @@ def test_generated_serve_configs_pass_the_controller(tmp_path, mode):
     assert res.app_cfg.features.prefix_caching
     off = check_args(serve_config(ckpt, mode, gpu_memory_gib=80, prefix_caching=False)["applications"][0]["args"])
     assert off.ok and not off.app_cfg.features.prefix_caching
+    ab = check_args(serve_config(ckpt, mode, gpu_memory_gib=80, engine_process=True,
+                                 gil_switch_interval_ms=5.0)["applications"][0]["args"])
+    roles = [ab.app_cfg.decode] + ([ab.app_cfg.prefill] if mode == "pd" else [])
+    assert ab.ok and all(r.engine_process and r.gil_switch_interval_ms == 5.0 for r in roles)
+    assert not res.app_cfg.decode.engine_process and res.app_cfg.decode.gil_switch_interval_ms == 0.2
 
 
 def test_table_divides_by_the_peer(tmp_path):

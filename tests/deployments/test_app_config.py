@@ -81,6 +81,15 @@ def test_gil_switch_interval_bounds():
         "prefill.gil_switch_interval_ms"]
 
 
+def test_engine_process_runs_one_rank():
+    from deployments.controller import check_args
+
+    ok = check_args({**TINY, "decode": {"engine_process": True}, "prefill": {"engine_process": True}})
+    assert ok.ok and ok.app_cfg.decode.engine_process, [str(v) for v in ok.violations]
+    bad = check_args({**TINY, "decode": {"engine_process": True, "tensor_parallel_size": 2}})
+    assert [v.path for v in bad.violations if "engine process" in v.message] == ["decode.engine_process"]
+
+
 def test_configs_are_frozen():
     cfg = AppConfig.model_validate(TINY)
     with pytest.raises(pydantic.ValidationError):

@@ -1,0 +1,358 @@
+"""A replica's worker thread in a child process of its own (``prefill/decode.engine_process``).
+
+Why: the worker thread shares its replica's Python interpreter, and so the GIL,
+with Serve's and Ray's threads (request handling, streaming, serialization,
+metrics). After every device wait the engine must take the GIL back, and at
+high concurrency the others hold it for a large share of the time. On an
+H200 (docs/perf.md, session 21), a served decode step took 5.0-9.0 ms, while
+the same engine offline took 3.6-4.9 ms. vLLM and SGLang run their engine
+loop in a process of its own for this reason; this module does the same for
+one replica.
+
+`EngineProcess` (in the replica) starts ``python -m deployments.engine_process``
+over a socket pair. The child builds the role's worker and its `DecodeThread` /
+`PrefillThread` exactly as the replica would (`deployments.replica_build`), then
+runs it. `EngineProcess` stands in for that thread in the replica, with the
+surface the servers use:
+- commands: ``post`` / ``call`` of the thread's command names (``proc.reserve``
+  names the command; it is not a bound method);
+- ``open_stream`` / ``close_stream``;
+- ``stats`` / ``take_steps`` / ``check`` / ``stop``;
+- ``agent_name``, ``warmup_page``, ``handshake_offer``.
+
+The wire, one pickled message at a time:
+- replica -> child: the role and config first, then commands;
+- child -> replica: each step's outputs as one message, the stats snapshot and new step records every
+  ``STATS_EVERY_S``, and command results.
+
+The child exits when the socket closes, and the kernel kills it when the replica's process dies
+(``PR_SET_PDEATHSIG``), so a killed replica leaves no engine holding the GPU or its NIXL agent.
+
+Tensor parallelism is refused with this option (`deployments.controller.rules`): rank workers are
+Ray actors, and the child is not a Ray worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import ctypes
+import itertools
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from deployments.replica_stats import ReplicaStats, StepRecord
+from deployments.worker_thread import WorkerThread, WorkerThreadFailed, _deliver
+
+log = logging.getLogger("ray.serve")
+
+COMMANDS = {
+    "decode": frozenset({"add", "reserve", "prefill_result", "abort", "learn_peer", "forget_peer"}),
+    "prefill": frozenset({"submit", "abort", "learn_peer", "forget_peer"}),
+}
+"""The worker threads' commands a replica sends (`DecodeThread`, `PrefillThread`)."""
+STATS_EVERY_S = 0.05
+"""How often the child sends its stats snapshot and new step records (the replica's heartbeats read them
+twice a second)."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """A worker-thread command by name: what ``proc.reserve`` is, so that ``post(proc.reserve, ...)`` reads as
+    it does for a thread in the replica."""
+
+    name: str
+
+
+class EngineProcess:
+    """The replica side: see the module doc. ``fail_item(key, message)``: what an open stream receives when
+    the child dies without saying so (the role's error output)."""
+
+    def __init__(self, role: str, app_args: dict[str, Any], model_dir: str, worker_id: str,
+                 gil_switch_interval_ms: float, fail_item: Callable[[str, str], Any]):
+        if role not in COMMANDS:
+            raise ValueError(f"role must be one of {sorted(COMMANDS)}, got {role!r}")
+        self.role, self.worker_id, self.name = role, worker_id, f"{role}:{worker_id}"
+        self._init = {"role": role, "app_args": app_args, "model_dir": str(model_dir), "worker_id": worker_id,
+                      "gil_switch_interval_ms": gil_switch_interval_ms}
+        self._fail_item = fail_item
+        self.stats: ReplicaStats | None = None
+        self.error: BaseException | None = None
+        self.agent_name: str = worker_id
+        self.warmup_page: int | None = None
+        self._offer: bytes | None = None
+        self._steps: collections.deque[StepRecord] = collections.deque(maxlen=WorkerThread.MAX_STEP_RECORDS)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams_lock = threading.Lock()
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._send_lock = threading.Lock()
+        self._ready = threading.Event()
+        self._stopping = False
+        self.proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+
+    # --------------------------------------------------------------- lifecycle
+    def launch(self, timeout_s: float | None = None) -> None:
+        """Start the child and wait until its worker is built (blocking: from the replica, through
+        ``asyncio.to_thread``). Raises `WorkerThreadFailed` if the build fails or the child dies."""
+        mine, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.proc = subprocess.Popen([sys.executable, "-m", "deployments.engine_process", str(theirs.fileno())],
+                                     pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        self._conn = Connection(mine.detach())
+        self._send(("init", self._init))
+        threading.Thread(target=self._read, name=f"{self.name}:from-engine", daemon=True).start()
+        if not self._ready.wait(timeout_s):
+            self.stop()
+            raise WorkerThreadFailed(f"{self.name}: the engine process did not start in {timeout_s} s")
+        if self.error is not None:
+            raise WorkerThreadFailed(f"{self.name}: the engine process failed to start: {self.error}") from self.error
+
+    def start(self) -> None:
+        """The thread's ``start``: the child runs from `launch` on."""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self.proc is None:
+            return
+        try:
+            self._send(("stop",))
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+    def check(self) -> None:
+        """Raise `WorkerThreadFailed` if the engine process or its worker thread died."""
+        if self.error is not None:
+            raise WorkerThreadFailed(f"{self.name} engine process failed: {self.error}") from self.error
+        if self.proc is not None and self.proc.poll() is not None and not self._stopping:
+            raise WorkerThreadFailed(f"{self.name} engine process exited with {self.proc.returncode}")
+
+    def handshake_offer(self) -> bytes | None:
+        return self._offer
+
+    def take_steps(self) -> list[StepRecord]:
+        out = []
+        while True:
+            try:
+                out.append(self._steps.popleft())
+            except IndexError:
+                return out
+
+    # ---------------------------------------------------------------- commands
+    def __getattr__(self, name: str) -> Command:
+        if name in COMMANDS.get(self.__dict__.get("role", ""), ()):
+            return Command(name)
+        raise AttributeError(name)
+
+    def post(self, cmd: Command, *args) -> None:
+        """Run ``cmd(*args)`` on the child's worker thread; errors are logged there."""
+        self._send(("post", cmd.name, args))
+
+    def call(self, cmd: Command, *args) -> asyncio.Future:
+        """Run ``cmd(*args)`` on the child's worker thread; await the result (or its exception)."""
+        cf: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = cf
+        if self.error is not None:
+            cf.set_exception(WorkerThreadFailed(f"{self.name} engine process failed: {self.error}"))
+        else:
+            self._send(("call", call_id, cmd.name, args))
+        return asyncio.wrap_future(cf)
+
+    def open_stream(self, key: str) -> asyncio.Queue:
+        q: asyncio.Queue = asyncio.Queue()
+        with self._streams_lock:
+            if key in self._streams:
+                raise ValueError(f"request id {key!r} is already in flight")
+            self._streams[key] = (asyncio.get_running_loop(), q)
+        return q
+
+    def close_stream(self, key: str) -> None:
+        with self._streams_lock:
+            self._streams.pop(key, None)
+
+    # ------------------------------------------------------------------- wire
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            _send(self._conn, msg)
+
+    def _deliver(self, items: list[tuple[str, Any]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        with self._streams_lock:
+            for key, item in items:
+                entry = self._streams.get(key)
+                if entry is not None:
+                    by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the loop closed (replica shutting down)
+                pass
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = _recv(self._conn)
+                kind = msg[0]
+                if kind == "emit":
+                    self._deliver(msg[1])
+                elif kind == "stats":
+                    self.stats = msg[1]
+                    self._steps.extend(msg[2])
+                elif kind == "result":
+                    _, call_id, ok, value = msg
+                    cf = self._calls.pop(call_id, None)
+                    if cf is not None and cf.set_running_or_notify_cancel():
+                        cf.set_result(value) if ok else cf.set_exception(value)
+                elif kind == "ready":
+                    info = msg[1]
+                    self.agent_name, self.warmup_page, self._offer = info["agent"], info["warmup_page"], info["offer"]
+                    self.stats = info["stats"]
+                    self._ready.set()
+                elif kind == "failed":
+                    self._fail(RuntimeError(msg[1]))
+        except (EOFError, OSError) as e:
+            if not self._stopping:
+                self._fail(RuntimeError(f"the engine process exited ({e!r})"))
+        finally:
+            self._ready.set()
+
+    def _fail(self, error: BaseException) -> None:
+        """The child's worker is gone: every open stream and pending call learns it."""
+        if self.error is None:
+            self.error = error
+            log.error("%s: %s", self.name, error)
+        with self._streams_lock:
+            keys = list(self._streams)
+        self._deliver([(k, self._fail_item(k, f"engine failed: {error}")) for k in keys])
+        for call_id in list(self._calls):
+            cf = self._calls.pop(call_id, None)
+            if cf is not None and cf.set_running_or_notify_cancel():
+                cf.set_exception(WorkerThreadFailed(f"{self.name} engine process failed: {error}"))
+
+
+def _send(conn: Connection, msg: tuple) -> None:
+    """Plain pickle, not ``Connection.send``'s: multiprocessing's pickler would share a tensor's storage
+    through its resource sharer, which authenticates with the key of a process multiprocessing started
+    (this child was not), so a result carrying a tensor (prefill's last hidden state) failed to arrive."""
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> tuple:
+    return pickle.loads(conn.recv_bytes())
+
+
+# ------------------------------------------------------------------------ child
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent (the replica) dies (Linux; elsewhere the
+    closed socket ends it)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _build_thread(init: dict[str, Any]) -> WorkerThread:
+    from deployments.admission import queue_timeout_s
+    from deployments.app_config import AppConfig
+    from deployments.replica_build import build_decode_worker, build_prefill_worker
+
+    cfg = AppConfig.model_validate(init["app_args"])
+    if init["role"] == "decode":
+        from deployments.decode_thread import DecodeThread
+
+        worker = build_decode_worker(cfg, init["model_dir"], init["worker_id"])
+        return DecodeThread(worker, init["worker_id"], queue_timeout_s(cfg))
+    from deployments.prefill_thread import PrefillThread
+
+    worker = build_prefill_worker(cfg, init["model_dir"], init["worker_id"])
+    return PrefillThread(worker, warm_up=cfg.transfer.warmup_at_start, queue_timeout_s=queue_timeout_s(cfg))
+
+
+def child_main(fd: int) -> None:
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d] %(message)s")
+    conn = Connection(fd)
+    send_lock = threading.Lock()
+
+    def send(msg: tuple) -> None:
+        with send_lock:
+            _send(conn, msg)
+
+    init = _recv(conn)[1]
+    sys.setswitchinterval(init["gil_switch_interval_ms"] / 1e3)
+    try:
+        thread = _build_thread(init)
+    except BaseException as e:  # noqa: BLE001 - the replica reports it and Serve retries the replica
+        log.exception("engine process: building the %s worker failed", init["role"])
+        send(("failed", f"building the {init['role']} worker failed: {e!r}"))
+        return
+    # The thread's outputs go over the socket, one message per round (its `emit_many`), in order per key.
+    thread.emit = lambda key, item: send(("emit", [(key, item)]))
+    thread.emit_many = lambda items: items and send(("emit", list(items)))
+    offer = thread.handshake_offer()
+    thread.start()
+    send(("ready", {"agent": thread.agent_name, "warmup_page": getattr(thread, "warmup_page", None),
+                    "offer": offer, "stats": thread.stats}))
+    stop = threading.Event()
+
+    def report() -> None:
+        last = None
+        while not stop.wait(STATS_EVERY_S):
+            steps = thread.take_steps()
+            if thread.stats is not last or steps:
+                last = thread.stats
+                send(("stats", last, steps))
+            if thread.error is not None:
+                send(("failed", f"worker thread failed: {thread.error!r}"))
+                return
+
+    threading.Thread(target=report, name="engine-stats", daemon=True).start()
+
+    def done(call_id: int, f: concurrent.futures.Future) -> None:
+        e = f.exception()
+        send(("result", call_id, e is None, f.result() if e is None else e))
+
+    try:
+        while True:
+            msg = _recv(conn)
+            if msg[0] == "stop":
+                break
+            try:
+                if msg[0] == "post":
+                    thread.post(getattr(thread, msg[1]), *msg[2])
+                elif msg[0] == "call":
+                    thread.call_future(getattr(thread, msg[2]), *msg[3]).add_done_callback(
+                        lambda f, i=msg[1]: done(i, f))
+            except Exception:  # noqa: BLE001 - a bad command is logged; the engine goes on
+                log.exception("engine process: command %r failed", msg[:2])
+    except (EOFError, OSError):
+        pass  # the replica is gone
+    finally:
+        stop.set()
+        thread.stop()
+        time.sleep(0)  # let a last report go out before the socket closes
+
+
+if __name__ == "__main__":
+    child_main(int(sys.argv[1]))

@@ -1,0 +1,112 @@
+"""`deployments.engine_process.EngineProcess`: a monolithic decode replica's worker thread run in a child
+process, driven as the replica drives it (no Serve here: the served option is
+`test_serve_engine_process.py`'s).
+
+A request's streamed tokens equal the offline engine's greedy output, stats and step records arrive,
+a command's exception comes back to its caller, and a killed engine process fails every open stream
+with the role's error output and makes `check` raise. `stop` ends the child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+import yaml
+
+from deployments.app_config import AppConfig
+from deployments.decode_thread import error_output
+from deployments.engine_process import EngineProcess
+from deployments.worker_thread import WorkerThreadFailed
+from tests.deployments.app_fixtures import CONFIGS
+from tests.deployments.offline_reference import prompt_ids
+from workers.request import Request
+from workers.sample.params import SamplingParams
+
+RAW = yaml.safe_load((CONFIGS / "tiny_mono.yaml").read_text())["applications"][0]["args"]
+ARGS = AppConfig.model_validate(RAW)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(ARGS.model.model_copy(update={"cache_dir": str(tmp_path_factory.mktemp("ep-cache"))})
+               .checkpoint_dir(make=True))
+
+
+async def _collect(q: asyncio.Queue, timeout: float = 120) -> list:
+    outs = []
+    while True:
+        out = await asyncio.wait_for(q.get(), timeout)
+        outs.append(out)
+        if out.finished:
+            return outs
+
+
+def test_engine_process_streams_the_offline_greedy_output(model_dir):
+    from workers.offline import LLM
+
+    prompts = [prompt_ids(n, seed=30 + n) for n in (3, 40, 300)]
+    d = ARGS.decode
+    want = LLM(model_dir, backend=d.backend, device=d.device, dtype=d.dtype, kv_cache_dtype=d.kv_cache_dtype,
+               num_pages=d.num_pages, chunk_size=d.chunk_size).generate(prompts, max_new_tokens=12, ignore_eos=True)
+    proc = EngineProcess("decode", RAW, model_dir, "decode-ep-test", 0.2, fail_item=error_output)
+    proc.launch(timeout_s=120)
+    try:
+        assert proc.proc.pid != os.getpid() and proc.warmup_page is None and proc.handshake_offer() is None
+        assert proc.stats.total_pages == d.num_pages and proc.agent_name == "decode-ep-test"
+
+        async def run():
+            queues = [proc.open_stream(f"r{i}") for i in range(len(prompts))]
+            with pytest.raises(ValueError, match="already in flight"):
+                proc.open_stream("r0")
+            for i, p in enumerate(prompts):
+                proc.post(proc.add, Request(f"r{i}", list(p), SamplingParams(max_new_tokens=12, ignore_eos=True)),
+                          None)
+            got = await asyncio.gather(*(_collect(q) for q in queues))
+            with pytest.raises(AttributeError):  # a monolithic worker has no link: the command's own error
+                await proc.call(proc.learn_peer, b"not an offer")
+            return got
+
+        got = asyncio.run(run())
+        assert [[t for o in outs for t in o.token_ids] for outs in got] == want
+        assert all(outs[-1].finish_reason == "length" for outs in got)
+        with pytest.raises(AttributeError):
+            proc.not_a_command  # noqa: B018 - only the role's commands are names
+        steps = []
+        for _ in range(100):  # the child reports every STATS_EVERY_S
+            steps += proc.take_steps()
+            if proc.stats.free_pages == d.num_pages and steps:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert proc.stats.free_pages == d.num_pages and proc.stats.requests == 0
+        assert {s.kind for s in steps} >= {"prefill", "decode"}
+        proc.check()
+    finally:
+        proc.stop()
+    assert proc.proc.returncode is not None
+
+
+def test_a_killed_engine_process_fails_its_streams(model_dir):
+    proc = EngineProcess("decode", RAW, model_dir, "decode-ep-kill", 0.2, fail_item=error_output)
+    proc.launch(timeout_s=120)
+    try:
+        async def run():
+            q = proc.open_stream("long")
+            proc.post(proc.add, Request("long", prompt_ids(50, seed=1),
+                                        SamplingParams(max_new_tokens=20000, ignore_eos=True)), None)
+            first = await asyncio.wait_for(q.get(), 120)
+            assert first.token_ids and not first.finished
+            os.kill(proc.proc.pid, signal.SIGKILL)
+            while True:
+                out = await asyncio.wait_for(q.get(), 60)
+                if out.finished:
+                    return out
+
+        last = asyncio.run(run())
+        assert last.finish_reason == "error" and "engine failed" in last.error
+        with pytest.raises(WorkerThreadFailed):
+            proc.check()
+    finally:
+        proc.stop()

@@ -53,7 +53,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from deployments.replica_stats import ReplicaStats, StepRecord
-from deployments.worker_thread import WorkerThread, WorkerThreadFailed, _deliver
+from deployments.stream_table import StreamTable
+from deployments.worker_thread import WorkerThread, WorkerThreadFailed
 
 log = logging.getLogger("ray.serve")
 
@@ -93,8 +94,7 @@ class EngineProcess:
         self.warmup_page: int | None = None
         self._offer: bytes | None = None
         self._steps: collections.deque[StepRecord] = collections.deque(maxlen=WorkerThread.MAX_STEP_RECORDS)
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._streams_lock = threading.Lock()
+        self._streams = StreamTable()
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._send_lock = threading.Lock()
@@ -178,34 +178,15 @@ class EngineProcess:
         return asyncio.wrap_future(cf)
 
     def open_stream(self, key: str) -> asyncio.Queue:
-        q: asyncio.Queue = asyncio.Queue()
-        with self._streams_lock:
-            if key in self._streams:
-                raise ValueError(f"request id {key!r} is already in flight")
-            self._streams[key] = (asyncio.get_running_loop(), q)
-        return q
+        return self._streams.open(key)
 
     def close_stream(self, key: str) -> None:
-        with self._streams_lock:
-            self._streams.pop(key, None)
+        self._streams.close(key)
 
     # ------------------------------------------------------------------- wire
     def _send(self, msg: tuple) -> None:
         with self._send_lock:
             _send(self._conn, msg)
-
-    def _deliver(self, items: list[tuple[str, Any]]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        with self._streams_lock:
-            for key, item in items:
-                entry = self._streams.get(key)
-                if entry is not None:
-                    by_loop.setdefault(entry[0], []).append((entry[1], item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # the loop closed (replica shutting down)
-                pass
 
     def _read(self) -> None:
         try:
@@ -213,7 +194,7 @@ class EngineProcess:
                 msg = _recv(self._conn)
                 kind = msg[0]
                 if kind == "emit":
-                    self._deliver(msg[1])
+                    self._streams.deliver(msg[1])
                 elif kind == "stats":
                     self.stats = msg[1]
                     self._steps.extend(msg[2])
@@ -240,9 +221,7 @@ class EngineProcess:
         if self.error is None:
             self.error = error
             log.error("%s: %s", self.name, error)
-        with self._streams_lock:
-            keys = list(self._streams)
-        self._deliver([(k, self._fail_item(k, f"engine failed: {error}")) for k in keys])
+        self._streams.deliver([(k, self._fail_item(k, f"engine failed: {error}")) for k in self._streams.keys()])
         for call_id in list(self._calls):
             cf = self._calls.pop(call_id, None)
             if cf is not None and cf.set_running_or_notify_cancel():

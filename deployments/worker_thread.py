@@ -27,13 +27,9 @@ import time
 from typing import Any, Callable
 
 from deployments.replica_stats import ReplicaStats, StepRecord
+from deployments.stream_table import StreamTable
 
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
-
-
-def _deliver(batch: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in batch:
-        q.put_nowait(item)
 
 
 class WorkerThreadFailed(RuntimeError):
@@ -55,8 +51,7 @@ class WorkerThread:
     def __init__(self, name: str):
         self.name = name
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._streams_lock = threading.Lock()
+        self._streams = StreamTable()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None
@@ -116,48 +111,19 @@ class WorkerThread:
 
     def open_stream(self, key: str) -> asyncio.Queue:
         """A queue receiving what the thread `emit` s for ``key`` (call on the event loop)."""
-        q: asyncio.Queue = asyncio.Queue()
-        with self._streams_lock:
-            if key in self._streams:
-                raise ValueError(f"request id {key!r} is already in flight")
-            self._streams[key] = (asyncio.get_running_loop(), q)
-        return q
+        return self._streams.open(key)
 
     def close_stream(self, key: str) -> None:
-        with self._streams_lock:
-            self._streams.pop(key, None)
+        self._streams.close(key)
 
     # -------------------------------------------------------------- thread side
     def emit(self, key: str, item: Any) -> None:
         """Hand ``item`` to ``key``'s stream (dropped if the stream was closed: the request is gone)."""
-        with self._streams_lock:
-            entry = self._streams.get(key)
-        if entry is not None:
-            loop, q = entry
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the loop closed (replica shutting down)
-                pass
+        self._streams.deliver([(key, item)])
 
     def emit_many(self, items: list[tuple[str, Any]]) -> None:
-        """`emit` for a whole round's items with one wake-up of each event loop.
-
-        A decode step produces one output per running request; one
-        ``call_soon_threadsafe`` each (a write to the loop's self-pipe and a
-        callback) made the thread and the event loop contend for the GIL
-        once per request per step. Items keep their order per key.
-        """
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        with self._streams_lock:
-            for key, item in items:
-                entry = self._streams.get(key)
-                if entry is not None:
-                    by_loop.setdefault(entry[0], []).append((entry[1], item))
-        for loop, batch in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # the loop closed (replica shutting down)
-                pass
+        """`emit` for a whole round's items with one wake-up of each event loop (`StreamTable.deliver`)."""
+        self._streams.deliver(items)
 
     def has_work(self) -> bool:
         raise NotImplementedError

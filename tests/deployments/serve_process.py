@@ -218,6 +218,27 @@ def offline_greedy_texts(args, cache_dir: Path, prompts: list[list[int]], tokens
         torch.set_num_threads(threads)
 
 
+def served_greedy_texts(server: "ServeProcess", model: str, prompts: list[list[int]], tokens: int,
+                        streamed: int = 0) -> tuple[list[str], str]:
+    """Greedy completions of ``prompts`` (token ids, EOS ignored) through the official openai client, all
+    at once, and prompt ``streamed``'s again streamed: (the texts, the streamed text)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+
+    def one(i: int) -> str:
+        return client.completions.create(model=model, prompt=prompts[i], max_tokens=tokens, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        texts = list(pool.map(one, range(len(prompts))))
+    stream = client.completions.create(model=model, prompt=prompts[streamed], max_tokens=tokens, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    return texts, "".join(c.choices[0].text for c in stream if c.choices)
+
+
 def stats(server: "ServeProcess") -> dict:
     """The app's ``/stats`` (every prefill and decode replica's snapshot)."""
     return httpx.get(server.url + "/stats", timeout=10).json()

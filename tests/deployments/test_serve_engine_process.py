@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -20,7 +19,7 @@ import pytest
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import merged, yaml_args
 from tests.deployments.offline_reference import prompt_ids
-from tests.deployments.serve_process import stats, wait_until
+from tests.deployments.serve_process import served_greedy_texts, stats, wait_until
 from tests.deployments.shared_servers import ServerSpec, served_and_offline_fixtures
 
 pytestmark = pytest.mark.slow
@@ -47,17 +46,8 @@ def test_engine_processes_answer_like_the_offline_engine(server, reference):
     for entry in s["prefill"] + s["decode"]:
         assert entry["engine_pid"] not in (None, entry["pid"]), entry
         assert os.path.exists(f"/proc/{entry['engine_pid']}")
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=180)
-
-    def one(i):
-        return client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=TOKENS, temperature=0,
-                                         extra_body={"ignore_eos": True}).choices[0].text
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        assert list(pool.map(one, range(len(PROMPTS)))) == reference
-    stream = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=TOKENS, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
-    assert "".join(c.choices[0].text for c in stream) == reference[3]
+    texts, streamed = served_greedy_texts(server, MODEL, PROMPTS, TOKENS, streamed=3)
+    assert texts == reference and streamed == reference[3]
     wait_until(lambda: _whole(server), 30, "both pools back at their start counts")
 
 

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import merged, yaml_args
-from tests.deployments.serve_process import stats
+from tests.deployments.serve_process import served_greedy_texts, stats
 from tests.deployments.shared_servers import ServerSpec, served_and_offline_fixtures
 from tests.deployments.offline_reference import prompt_ids
 
@@ -51,18 +49,8 @@ def test_tp2_pools_answer_like_the_offline_engine(server, reference):
     assert len({p for _, *pids in started for p in pids}) == 4
     assert len(re.findall(r"(prefill|decode)-\S+: two-batch overlap on", server.log())) == 2, server.tail(80)
 
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=180)
-
-    def one(i):
-        return client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=TOKENS, temperature=0,
-                                         extra_body={"ignore_eos": True}).choices[0].text
-
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        assert list(pool.map(one, range(len(PROMPTS)))) == reference
-
-    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=TOKENS, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
-    assert "".join(c.choices[0].text for c in stream) == reference[0]
+    texts, streamed = served_greedy_texts(server, MODEL, PROMPTS, TOKENS)
+    assert texts == reference and streamed == reference[0]
 
     end = time.monotonic() + 30
     while True:

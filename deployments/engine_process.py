@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from deployments.replica_stats import ReplicaStats, StepRecord
+from deployments.replica_stats import ReplicaStats, StepRecord, take_records
 from deployments.stream_table import StreamTable
 from deployments.worker_thread import WorkerThread, WorkerThreadFailed
 
@@ -149,12 +149,7 @@ class EngineProcess:
         return self._offer
 
     def take_steps(self) -> list[StepRecord]:
-        out = []
-        while True:
-            try:
-                out.append(self._steps.popleft())
-            except IndexError:
-                return out
+        return take_records(self._steps)
 
     # ---------------------------------------------------------------- commands
     def __getattr__(self, name: str) -> Command:

@@ -10,6 +10,7 @@ field: a misspelt name fails loudly instead of reading as 0.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -156,3 +157,14 @@ class StepRecord:
 def stats_class(role: str) -> type[ReplicaStats]:
     """`PrefillStats` or `DecodeStats`."""
     return {"prefill": PrefillStats, "decode": DecodeStats}[role]
+
+
+def take_records(records: collections.deque[StepRecord]) -> list[StepRecord]:
+    """Every record in ``records``, oldest first, removed (``popleft`` is thread-safe: the engine's thread
+    may append meanwhile)."""
+    out = []
+    while True:
+        try:
+            out.append(records.popleft())
+        except IndexError:
+            return out

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from deployments.replica_stats import ReplicaStats, StepRecord
+from deployments.replica_stats import ReplicaStats, StepRecord, take_records
 from deployments.stream_table import StreamTable
 
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
@@ -78,13 +78,8 @@ class WorkerThread:
             raise WorkerThreadFailed(f"{self.name} worker thread exited")
 
     def take_steps(self) -> list[StepRecord]:
-        """The step records appended since the last call (deque appends and pops are thread-safe)."""
-        out = []
-        while True:
-            try:
-                out.append(self.steps.popleft())
-            except IndexError:
-                return out
+        """The step records appended since the last call."""
+        return take_records(self.steps)
 
     def post(self, fn: Callable, *args) -> None:
         """Run ``fn(*args)`` on the worker thread; errors are logged, not returned."""

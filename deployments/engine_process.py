@@ -119,6 +119,7 @@ class EngineProcess:
             self.stop()
             raise WorkerThreadFailed(f"{self.name}: the engine process did not start in {timeout_s} s")
         if self.error is not None:
+            self.stop()
             raise WorkerThreadFailed(f"{self.name}: the engine process failed to start: {self.error}") from self.error
 
     def start(self) -> None:
@@ -158,18 +159,29 @@ class EngineProcess:
         raise AttributeError(name)
 
     def post(self, cmd: Command, *args) -> None:
-        """Run ``cmd(*args)`` on the child's worker thread; errors are logged there."""
-        self._send(("post", cmd.name, args))
+        """Run ``cmd(*args)`` on the child's worker thread; errors are logged there. To a dead child: nothing
+        (its open streams have their error outputs already)."""
+        if self.error is None:
+            try:
+                self._send(("post", cmd.name, args))
+                return
+            except OSError as e:
+                self._fail(RuntimeError(f"the engine process is gone ({e!r})"))
+        else:
+            self._fail(self.error)  # streams opened since the failure learn it too
 
     def call(self, cmd: Command, *args) -> asyncio.Future:
         """Run ``cmd(*args)`` on the child's worker thread; await the result (or its exception)."""
         cf: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = cf
-        if self.error is not None:
+        if self.error is None:
+            try:
+                self._send(("call", call_id, cmd.name, args))
+            except OSError as e:
+                self._fail(RuntimeError(f"the engine process is gone ({e!r})"))
+        if self.error is not None and self._calls.pop(call_id, None) is not None:  # no answer will come
             cf.set_exception(WorkerThreadFailed(f"{self.name} engine process failed: {self.error}"))
-        else:
-            self._send(("call", call_id, cmd.name, args))
         return asyncio.wrap_future(cf)
 
     def open_stream(self, key: str) -> asyncio.Queue:

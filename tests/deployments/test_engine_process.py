@@ -102,10 +102,18 @@ def test_a_killed_engine_process_fails_its_streams(model_dir):
             while True:
                 out = await asyncio.wait_for(q.get(), 60)
                 if out.finished:
-                    return out
+                    break
+            # After the failure: a new request is answered with the error, a command raises.
+            after = proc.open_stream("after")
+            proc.post(proc.add, Request("after", [1, 2, 3], SamplingParams(max_new_tokens=2)), None)
+            late = await asyncio.wait_for(after.get(), 10)
+            with pytest.raises(WorkerThreadFailed):
+                await proc.call(proc.abort, "long")
+            return out, late
 
-        last = asyncio.run(run())
-        assert last.finish_reason == "error" and "engine failed" in last.error
+        last, late = asyncio.run(run())
+        for out in (last, late):
+            assert out.finished and out.finish_reason == "error" and "engine failed" in out.error
         with pytest.raises(WorkerThreadFailed):
             proc.check()
     finally:

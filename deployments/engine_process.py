@@ -26,7 +26,8 @@ The wire, one pickled message at a time:
   ``STATS_EVERY_S``, and command results.
 
 The child exits when the socket closes, and the kernel kills it when the replica's process dies
-(``PR_SET_PDEATHSIG``), so a killed replica leaves no engine holding the GPU or its NIXL agent.
+(``PR_SET_PDEATHSIG``, and a watchdog on the parent's pid), so a killed replica leaves no engine holding
+the GPU or its NIXL agent.
 
 Tensor parallelism is refused with this option (`deployments.controller.rules`): rank workers are
 Ray actors, and the child is not a Ray worker.
@@ -55,6 +56,7 @@ from typing import Any, Callable
 from deployments.replica_stats import ReplicaStats, StepRecord, take_records
 from deployments.stream_table import StreamTable
 from deployments.worker_thread import WorkerThread, WorkerThreadFailed
+from workers.request import unavailable
 
 log = logging.getLogger("ray.serve")
 
@@ -63,6 +65,8 @@ COMMANDS = {
     "prefill": frozenset({"submit", "abort", "learn_peer", "forget_peer"}),
 }
 """The worker threads' commands a replica sends (`DecodeThread`, `PrefillThread`)."""
+STOP_JOIN_S = 5.0
+"""How long the child waits for its worker thread at `stop` (shorter than the replica's wait for the child)."""
 STATS_EVERY_S = 0.05
 """How often the child sends its stats snapshot and new step records (the replica's heartbeats read them
 twice a second)."""
@@ -102,6 +106,7 @@ class EngineProcess:
         self._stopping = False
         self.proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
+        self._reader: threading.Thread | None = None
 
     # --------------------------------------------------------------- lifecycle
     def launch(self, timeout_s: float | None = None) -> None:
@@ -109,12 +114,16 @@ class EngineProcess:
         ``asyncio.to_thread``). Raises `WorkerThreadFailed` if the build fails or the child dies."""
         mine, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "deployments.engine_process", str(theirs.fileno())],
-                                     pass_fds=(theirs.fileno(),), env=env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "deployments.engine_process", str(theirs.fileno()),
+                                      str(os.getpid())], pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         self._conn = Connection(mine.detach())
-        self._send(("init", self._init))
-        threading.Thread(target=self._read, name=f"{self.name}:from-engine", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name=f"{self.name}:from-engine", daemon=True)
+        self._reader.start()
+        try:
+            self._send(("init", self._init))
+        except OSError as e:  # the child died at once
+            self._fail(RuntimeError(f"the engine process exited at start ({e!r})"))
         if not self._ready.wait(timeout_s):
             self.stop()
             raise WorkerThreadFailed(f"{self.name}: the engine process did not start in {timeout_s} s")
@@ -138,11 +147,14 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+        self._conn.close()
 
     def check(self) -> None:
         """Raise `WorkerThreadFailed` if the engine process or its worker thread died."""
         if self.error is not None:
             raise WorkerThreadFailed(f"{self.name} engine process failed: {self.error}") from self.error
+        if self._reader is not None and not self._reader.is_alive() and not self._stopping:
+            raise WorkerThreadFailed(f"{self.name}: the reader of the engine process stopped")
         if self.proc is not None and self.proc.poll() is not None and not self._stopping:
             raise WorkerThreadFailed(f"{self.name} engine process exited with {self.proc.returncode}")
 
@@ -196,39 +208,49 @@ class EngineProcess:
             _send(self._conn, msg)
 
     def _read(self) -> None:
+        """The reader thread: hands each message on. Whatever stops it (the child's exit, a message it
+        cannot read) fails the engine: no stream or call is left waiting for a reader that is gone."""
         try:
             while True:
-                msg = _recv(self._conn)
-                kind = msg[0]
-                if kind == "emit":
-                    self._streams.deliver(msg[1])
-                elif kind == "stats":
-                    self.stats = msg[1]
-                    self._steps.extend(msg[2])
-                elif kind == "result":
-                    _, call_id, ok, value = msg
-                    cf = self._calls.pop(call_id, None)
-                    if cf is not None and cf.set_running_or_notify_cancel():
-                        cf.set_result(value) if ok else cf.set_exception(value)
-                elif kind == "ready":
-                    info = msg[1]
-                    self.agent_name, self.warmup_page, self._offer = info["agent"], info["warmup_page"], info["offer"]
-                    self.stats = info["stats"]
-                    self._ready.set()
-                elif kind == "failed":
-                    self._fail(RuntimeError(msg[1]))
+                self._handle(_recv(self._conn))
         except (EOFError, OSError) as e:
             if not self._stopping:
                 self._fail(RuntimeError(f"the engine process exited ({e!r})"))
+        except BaseException as e:  # noqa: BLE001 - e.g. a message that does not unpickle
+            log.exception("%s: reading from the engine process failed", self.name)
+            self._fail(RuntimeError(f"reading from the engine process failed: {e!r}"))
         finally:
             self._ready.set()
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "emit":
+            self._streams.deliver(msg[1])
+        elif kind == "stats":
+            self.stats = msg[1]
+            self._steps.extend(msg[2])
+        elif kind == "result":
+            _, call_id, ok, value = msg
+            cf = self._calls.pop(call_id, None)
+            if cf is not None and cf.set_running_or_notify_cancel():
+                cf.set_result(value) if ok else cf.set_exception(value)
+        elif kind == "ready":
+            info = msg[1]
+            self.agent_name, self.warmup_page, self._offer = info["agent"], info["warmup_page"], info["offer"]
+            self.stats = info["stats"]
+            self._ready.set()
+        elif kind == "failed":
+            self._fail(RuntimeError(msg[1]))
 
     def _fail(self, error: BaseException) -> None:
         """The child's worker is gone: every open stream and pending call learns it."""
         if self.error is None:
             self.error = error
             log.error("%s: %s", self.name, error)
-        self._streams.deliver([(k, self._fail_item(k, f"engine failed: {error}")) for k in self._streams.keys()])
+        self._ready.set()  # a start that failed ends `launch`'s wait
+        # A fault of this replica, not of the request: 503 at the ingress (`workers.request.unavailable`).
+        message = unavailable(f"engine failed: {error}")
+        self._streams.deliver([(k, self._fail_item(k, message)) for k in self._streams.keys()])
         for call_id in list(self._calls):
             cf = self._calls.pop(call_id, None)
             if cf is not None and cf.set_running_or_notify_cancel():
@@ -249,13 +271,31 @@ def _recv(conn: Connection) -> tuple:
 # ------------------------------------------------------------------------ child
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent (the replica) dies (Linux; elsewhere the
-    closed socket ends it)."""
+def _die_with_parent(parent_pid: int) -> None:
+    """Exit when the replica's process is gone, even while the worker is being built (minutes at real
+    scale, when nothing reads the socket): the kernel's parent-death signal (Linux), and a watchdog on
+    the parent's pid, since that signal follows the thread that started the child, not the process."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="engine-watchdog", daemon=True).start()
+
+
+def _wire_error(e: BaseException) -> BaseException:
+    """An exception the replica can unpickle: itself if it round-trips, else a RuntimeError naming it
+    (e.g. `transfer.errors.CompatibilityError`, whose constructor takes more than its message)."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 def _build_thread(init: dict[str, Any]) -> WorkerThread:
@@ -275,8 +315,8 @@ def _build_thread(init: dict[str, Any]) -> WorkerThread:
     return PrefillThread(worker, warm_up=cfg.transfer.warmup_at_start, queue_timeout_s=queue_timeout_s(cfg))
 
 
-def child_main(fd: int) -> None:
-    _die_with_parent()
+def child_main(fd: int, parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine[%(process)d] %(message)s")
     conn = Connection(fd)
     send_lock = threading.Lock()
@@ -292,7 +332,7 @@ def child_main(fd: int) -> None:
     except BaseException as e:  # noqa: BLE001 - the replica reports it and Serve retries the replica
         log.exception("engine process: building the %s worker failed", init["role"])
         send(("failed", f"building the {init['role']} worker failed: {e!r}"))
-        return
+        os._exit(1)  # whatever the partial build started must not keep this process alive
     # The thread's outputs go over the socket, one message per round (its `emit_many`), in order per key.
     thread.emit = lambda key, item: send(("emit", [(key, item)]))
     thread.emit_many = lambda items: items and send(("emit", list(items)))
@@ -303,21 +343,37 @@ def child_main(fd: int) -> None:
     stop = threading.Event()
 
     def report() -> None:
+        """Stats and step records every STATS_EVERY_S, and a last one at the end. A worker thread that
+        died, or a report that cannot go out, ends the process: the replica then sees the socket close,
+        the one failure signal that cannot be lost."""
         last = None
-        while not stop.wait(STATS_EVERY_S):
-            steps = thread.take_steps()
-            if thread.stats is not last or steps:
-                last = thread.stats
-                send(("stats", last, steps))
-            if thread.error is not None:
-                send(("failed", f"worker thread failed: {thread.error!r}"))
-                return
+        try:
+            while not stop.wait(STATS_EVERY_S):
+                steps = thread.take_steps()
+                if thread.stats is not last or steps:
+                    last = thread.stats
+                    send(("stats", last, steps))
+                if thread.error is not None:
+                    send(("failed", f"worker thread failed: {thread.error!r}"))
+                    os._exit(1)
+            send(("stats", thread.stats, thread.take_steps()))
+        except BaseException:  # noqa: BLE001
+            if not stop.is_set():
+                log.exception("engine process: reporting failed")
+                os._exit(1)
 
-    threading.Thread(target=report, name="engine-stats", daemon=True).start()
+    reporter = threading.Thread(target=report, name="engine-stats", daemon=True)
+    reporter.start()
 
-    def done(call_id: int, f: concurrent.futures.Future) -> None:
+    def answer(call_id: int, f: concurrent.futures.Future) -> None:
+        """A call's result, or its exception, always goes back (else the replica's future never resolves)."""
         e = f.exception()
-        send(("result", call_id, e is None, f.result() if e is None else e))
+        try:
+            send(("result", call_id, e is None, f.result() if e is None else _wire_error(e)))
+        except OSError:
+            pass  # the replica is gone
+        except Exception as err:  # noqa: BLE001 - a result that does not pickle
+            send(("result", call_id, False, RuntimeError(f"the result did not pickle: {err!r}")))
 
     try:
         while True:
@@ -329,16 +385,18 @@ def child_main(fd: int) -> None:
                     thread.post(getattr(thread, msg[1]), *msg[2])
                 elif msg[0] == "call":
                     thread.call_future(getattr(thread, msg[2]), *msg[3]).add_done_callback(
-                        lambda f, i=msg[1]: done(i, f))
-            except Exception:  # noqa: BLE001 - a bad command is logged; the engine goes on
+                        lambda f, i=msg[1]: answer(i, f))
+            except Exception as e:  # noqa: BLE001 - a bad command fails alone; the engine goes on
                 log.exception("engine process: command %r failed", msg[:2])
+                if msg[0] == "call":
+                    send(("result", msg[1], False, _wire_error(e)))
     except (EOFError, OSError):
         pass  # the replica is gone
     finally:
+        thread.stop(timeout=STOP_JOIN_S)
         stop.set()
-        thread.stop()
-        time.sleep(0)  # let a last report go out before the socket closes
+        reporter.join(1.0)  # its last report goes out before the socket closes
 
 
 if __name__ == "__main__":
-    child_main(int(sys.argv[1]))
+    child_main(int(sys.argv[1]), int(sys.argv[2]))

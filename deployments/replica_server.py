@@ -4,6 +4,7 @@ Serve hooks (routing stats, health, shutdown)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from typing import Any
@@ -22,7 +23,8 @@ class ReplicaServer:
         for one) and publish this replica in ``directory``; returns the handshake offer (None for a worker
         without a KV link: a monolithic decode replica, which learns no peers).
         ``gil_switch_interval_ms``: the role's ``gil_switch_interval_ms`` (the whole process's)."""
-        sys.setswitchinterval(gil_switch_interval_ms / 1e3)
+        if getattr(thread, "proc", None) is None:  # an engine process sets its own: nothing of the engine runs here
+            sys.setswitchinterval(gil_switch_interval_ms / 1e3)
         self.thread = thread
         self.agent = thread.agent_name
         offer = thread.handshake_offer()
@@ -59,4 +61,4 @@ class ReplicaServer:
 
     async def __del__(self):
         await self.sync.stop()
-        self.thread.stop()
+        await asyncio.to_thread(self.thread.stop)  # joins a thread, or waits for an engine process: off the loop

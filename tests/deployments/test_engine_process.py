@@ -10,8 +10,10 @@ with the role's error output and makes `check` raise. `stop` ends the child.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import yaml
@@ -118,3 +120,61 @@ def test_a_killed_engine_process_fails_its_streams(model_dir):
             proc.check()
     finally:
         proc.stop()
+
+
+class _TwoArgError(Exception):
+    def __init__(self, peer, diffs):  # as transfer.errors.CompatibilityError: unpickling calls it with one arg
+        super().__init__(f"{peer}: {diffs}")
+        self.peer, self.diffs = peer, diffs
+
+
+def test_an_exception_that_does_not_unpickle_comes_back_as_a_runtime_error():
+    from deployments.engine_process import _wire_error
+
+    e = _TwoArgError("p", ["dtype"])
+    wired = _wire_error(e)
+    assert type(wired) is RuntimeError and str(wired) == "_TwoArgError: p: ['dtype']"
+    plain = ValueError("fine")
+    assert _wire_error(plain) is plain
+
+
+def test_the_engine_process_dies_with_its_replica(model_dir, tmp_path):
+    """The replica's process killed outright (no stop): its engine process goes too, by whichever comes first
+    (the closed socket, the parent-death signal, the watchdog on the parent's pid; while a worker is being
+    built only the last two can act)."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "replica.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "from deployments.decode_thread import error_output\n"
+        "from deployments.engine_process import EngineProcess\n"
+        f"proc = EngineProcess('decode', json.loads({json.dumps(json.dumps(RAW))!s}), {model_dir!r}, 'decode-orphan', "
+        "0.2, fail_item=error_output)\n"
+        "proc.launch(timeout_s=120)\n"
+        "print(proc.proc.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    replica = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                               cwd=str(Path(__file__).resolve().parents[2]))
+    try:
+        child = int(replica.stdout.readline())
+        assert os.path.exists(f"/proc/{child}")
+        os.kill(replica.pid, signal.SIGKILL)
+        replica.wait(10)
+        end = time.monotonic() + 15
+        while time.monotonic() < end and os.path.exists(f"/proc/{child}") and \
+                "zombie" not in _proc_state(child):
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{child}") or "zombie" in _proc_state(child), _proc_state(child)
+    finally:
+        if replica.poll() is None:
+            replica.kill()
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
+    except (OSError, StopIteration):
+        return "gone"

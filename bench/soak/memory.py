@@ -27,12 +27,14 @@ def rss_mib(pid: int) -> float | None:
 
 def processes(stats: dict) -> dict[str, int]:
     """``{name: pid}`` of the processes a ``/stats`` answer names: ``prefill-<agent>``,
-    ``decode-<agent>``, ``ingress``."""
+    ``decode-<agent>``, their engine processes (``engine_process``) as ``...-engine``, ``ingress``."""
     out = {}
     for role in ("prefill", "decode"):
         for e in stats.get(role, []):
             if e.get("pid"):
                 out[f"{role}-{e['agent']}"] = int(e["pid"])
+            if e.get("engine_pid"):
+                out[f"{role}-{e['agent']}-engine"] = int(e["engine_pid"])
     ingress = stats.get("ingress") or {}
     if ingress.get("pid"):
         out["ingress"] = int(ingress["pid"])

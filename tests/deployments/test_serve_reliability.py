@@ -281,26 +281,31 @@ def test_after_the_fuzz_pools_are_whole_and_the_server_answers(server):
 
 
 def test_a_request_that_cannot_start_in_time_is_refused_429(server):
-    # A 1900-token prompt reserves 30 of decode's 31 pages before its prefill (seconds on a CPU),
-    # then decodes 84 tokens (to 31 pages). A request needing 4 pages meanwhile waits for pages and
-    # is refused at its admit_by time, queue_timeout_s after it reached the ingress.
+    # A long request holds decode's pages while it decodes: a 200-token prompt growing by 700 tokens
+    # (to 15 of decode's 31 pages), several seconds of decode steps on a CPU. Once it holds 6 pages, a
+    # 1,700-token prompt (27 pages) cannot get its pages until the long one ends: it waits and is refused
+    # at its admit_by time, queue_timeout_s after it reached the ingress. (The long request was once a
+    # 1,900-token prompt decoding 84 tokens: a run that prefilled and decoded it within the 1 s timeout
+    # let the waiting request start.)
     long = {}
 
     def run_long():
         long["r"] = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=120, json={
-            "model": MODEL, "prompt": prompt_ids(1900, seed=6), "max_tokens": 84, "ignore_eos": True})
+            "model": MODEL, "prompt": prompt_ids(200, seed=6), "max_tokens": LONG_TOKENS, "ignore_eos": True})
 
     t = threading.Thread(target=run_long)
     t.start()
     try:
-        wait_until(lambda: _free(server)["decode"] == [WHOLE["decode"] - pages_for_tokens(1900)], 30,
-                   "the long prompt's pages reserved in decode")
+        wait_until(lambda: _free(server)["decode"][0] <= WHOLE["decode"] - 6, 60,
+                   "the long request holding 6 of decode's pages")
         t0 = time.monotonic()
         r = httpx.post(server.url + "/v1/completions", headers=AUTH, timeout=60, json={
-            "model": MODEL, "prompt": prompt_ids(200, seed=7), "max_tokens": 4})
+            "model": MODEL, "prompt": prompt_ids(1700, seed=7), "max_tokens": 4})
         waited = time.monotonic() - t0
+        still_decoding = "r" not in long
     finally:
         t.join(120)
+    assert still_decoding, "the long request ended before the waiting one was refused: nothing was tested"
     assert r.status_code == 429 and r.headers["retry-after"] == str(RETRY_AFTER_S), r.text
     err = _error(r)
     assert err["code"] == "overloaded" and "decode queue timeout" in err["message"], err
@@ -308,8 +313,11 @@ def test_a_request_that_cannot_start_in_time_is_refused_429(server):
     print(f"refused 429 after {waited:.2f}s (queue_timeout_s {QUEUE_TIMEOUT_S})")
     SEEN_429["ingress"] += 1
     SEEN_429["decode"] += 1
-    assert long["r"].status_code == 200 and long["r"].json()["usage"]["completion_tokens"] == 84
+    assert long["r"].status_code == 200 and long["r"].json()["usage"]["completion_tokens"] == LONG_TOKENS
     _whole_and_answering(server)
+
+
+LONG_TOKENS = 700
 
 
 def _overloaded_total(server) -> dict[str, float]:

@@ -134,6 +134,10 @@ class EngineProcess:
     def start(self) -> None:
         """The thread's ``start``: the child runs from `launch` on."""
 
+    @property
+    def engine_pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
         if self.proc is None:
@@ -334,8 +338,7 @@ def child_main(fd: int, parent_pid: int) -> None:
         send(("failed", f"building the {init['role']} worker failed: {e!r}"))
         os._exit(1)  # whatever the partial build started must not keep this process alive
     # The thread's outputs go over the socket, one message per round (its `emit_many`), in order per key.
-    thread.emit = lambda key, item: send(("emit", [(key, item)]))
-    thread.emit_many = lambda items: items and send(("emit", list(items)))
+    thread.redirect_outputs(lambda items: send(("emit", list(items))))
     offer = thread.handshake_offer()
     thread.start()
     send(("ready", {"agent": thread.agent_name, "warmup_page": getattr(thread, "warmup_page", None),

@@ -23,17 +23,16 @@ class ReplicaServer:
         for one) and publish this replica in ``directory``; returns the handshake offer (None for a worker
         without a KV link: a monolithic decode replica, which learns no peers).
         ``gil_switch_interval_ms``: the role's ``gil_switch_interval_ms`` (the whole process's)."""
-        if getattr(thread, "proc", None) is None:  # an engine process sets its own: nothing of the engine runs here
+        if thread.engine_pid is None:  # an engine process sets its own: nothing of the engine runs here
             sys.setswitchinterval(gil_switch_interval_ms / 1e3)
         self.thread = thread
         self.agent = thread.agent_name
         offer = thread.handshake_offer()
         thread.start()
         self.metrics = metrics
-        proc = getattr(thread, "proc", None)  # an engine process (`engine_process`): its pid, for /stats
         self.sync = PeerSync(directory, role, self.worker_id, self.agent, offer, self._stats,
                              learn=self._learn, forget=self._forget,
-                             extra={**extra, "pid": os.getpid(), "engine_pid": proc.pid if proc is not None else None,
+                             extra={**extra, "pid": os.getpid(), "engine_pid": thread.engine_pid,
                                     "gil_switch_interval_ms": sys.getswitchinterval() * 1e3})
         await self.sync.start()
         return offer

@@ -37,6 +37,8 @@ class WorkerThreadFailed(RuntimeError):
 
 
 class WorkerThread:
+    engine_pid: int | None = None
+    """The pid of a process of its own running the worker (`deployments.engine_process`); None: this one."""
     IDLE_POLL_S = 0.1
     """How long an idle thread blocks on its queue before re-checking for shutdown."""
     MAX_STEP_RECORDS = 10_000
@@ -52,6 +54,7 @@ class WorkerThread:
         self.name = name
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams = StreamTable()
+        self._deliver: Callable[[list[tuple[str, Any]]], None] = self._streams.deliver
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None
@@ -114,11 +117,17 @@ class WorkerThread:
     # -------------------------------------------------------------- thread side
     def emit(self, key: str, item: Any) -> None:
         """Hand ``item`` to ``key``'s stream (dropped if the stream was closed: the request is gone)."""
-        self._streams.deliver([(key, item)])
+        self._deliver([(key, item)])
 
     def emit_many(self, items: list[tuple[str, Any]]) -> None:
         """`emit` for a whole round's items with one wake-up of each event loop (`StreamTable.deliver`)."""
-        self._streams.deliver(items)
+        if items:
+            self._deliver(items)
+
+    def redirect_outputs(self, deliver: Callable[[list[tuple[str, Any]]], None]) -> None:
+        """Hand every round's ``(key, item)`` s to ``deliver`` instead of this process's streams (an engine
+        process sends them to its replica: `deployments.engine_process`). Before `start`."""
+        self._deliver = deliver
 
     def has_work(self) -> bool:
         raise NotImplementedError

@@ -38,13 +38,10 @@ from typing import Any, AsyncIterator
 from ray import serve
 from ray.exceptions import RayActorError
 
-from deployments.admission import queue_timeout_s
 from deployments.app_config import AppConfig
-from deployments.decode_thread import DecodeThread, Reserved, error_output
-from deployments.engine_process import EngineProcess
+from deployments.decode_thread import Reserved, error_output
 from deployments.metrics.replica import DecodeMetrics
 from deployments.replica_server import ReplicaServer
-from deployments.replica_build import build_decode_worker
 from deployments.router import PromptKeys
 from deployments.stream_pacing import StreamPacer, paced_outputs
 from workers.engine import RequestOutput
@@ -70,13 +67,7 @@ class DecodeServer(ReplicaServer):
         self.pacer = StreamPacer(cfg.decode.stream_items_per_s)
         self.prompt_keys = None if prefill is None else PromptKeys(cfg, "prefill", model_dir)  # the prefill router's
         self.worker_id = f"decode-{serve.get_replica_context().replica_id.unique_id}"
-        if cfg.decode.engine_process:
-            thread = EngineProcess("decode", app_args, model_dir, self.worker_id, cfg.decode.gil_switch_interval_ms,
-                                   fail_item=error_output)
-            await asyncio.to_thread(thread.launch)
-        else:
-            worker = await asyncio.to_thread(build_decode_worker, cfg, model_dir, self.worker_id)
-            thread = DecodeThread(worker, self.worker_id, queue_timeout_s(cfg))
+        thread = await self._open_engine("decode", app_args, model_dir, error_output)
         extra = {} if prefill is None else {"warmup_page": thread.warmup_page}
         metrics = DecodeMetrics(cfg.model_name, cfg.decode.mtp_draft_tokens)
         self.offer = await self._start(thread, "decode", metrics, directory, extra, cfg.decode.gil_switch_interval_ms)

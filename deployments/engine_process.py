@@ -303,20 +303,11 @@ def _wire_error(e: BaseException) -> BaseException:
 
 
 def _build_thread(init: dict[str, Any]) -> WorkerThread:
-    from deployments.admission import queue_timeout_s
     from deployments.app_config import AppConfig
-    from deployments.replica_build import build_decode_worker, build_prefill_worker
+    from deployments.replica_build import build_worker_thread
 
-    cfg = AppConfig.model_validate(init["app_args"])
-    if init["role"] == "decode":
-        from deployments.decode_thread import DecodeThread
-
-        worker = build_decode_worker(cfg, init["model_dir"], init["worker_id"])
-        return DecodeThread(worker, init["worker_id"], queue_timeout_s(cfg))
-    from deployments.prefill_thread import PrefillThread
-
-    worker = build_prefill_worker(cfg, init["model_dir"], init["worker_id"])
-    return PrefillThread(worker, warm_up=cfg.transfer.warmup_at_start, queue_timeout_s=queue_timeout_s(cfg))
+    return build_worker_thread(AppConfig.model_validate(init["app_args"]), init["role"], init["model_dir"],
+                               init["worker_id"])
 
 
 def child_main(fd: int, parent_pid: int) -> None:

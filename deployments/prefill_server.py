@@ -11,19 +11,14 @@ own.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
 from ray import serve
 
-from deployments.admission import queue_timeout_s
 from deployments.app_config import AppConfig
-from deployments.engine_process import EngineProcess
 from deployments.metrics.replica import PrefillMetrics
 from deployments.replica_server import ReplicaServer
-from deployments.prefill_thread import PrefillThread
-from deployments.replica_build import build_prefill_worker
 from workers.prefill_worker import PrefillResult, PrefillTask
 
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
@@ -33,13 +28,8 @@ class PrefillServer(ReplicaServer):
     async def __init__(self, app_args: dict[str, Any], model_dir: str, directory):
         cfg = AppConfig.model_validate(app_args)
         self.worker_id = f"prefill-{serve.get_replica_context().replica_id.unique_id}"
-        if cfg.prefill.engine_process:
-            thread = EngineProcess("prefill", app_args, model_dir, self.worker_id, cfg.prefill.gil_switch_interval_ms,
-                                   fail_item=lambda rid, message: PrefillResult(rid, False, error=message))
-            await asyncio.to_thread(thread.launch)
-        else:
-            worker = await asyncio.to_thread(build_prefill_worker, cfg, model_dir, self.worker_id)
-            thread = PrefillThread(worker, warm_up=cfg.transfer.warmup_at_start, queue_timeout_s=queue_timeout_s(cfg))
+        thread = await self._open_engine("prefill", app_args, model_dir,
+                                         lambda rid, message: PrefillResult(rid, False, error=message))
         await self._start(thread, "prefill", PrefillMetrics(cfg.model_name), directory, {},
                           cfg.prefill.gil_switch_interval_ms)
 

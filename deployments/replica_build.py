@@ -16,8 +16,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from deployments.admission import queue_timeout_s
 from deployments.app_config import AppConfig
 from deployments.controller import RolePlacement, plan_placement
+from deployments.decode_thread import DecodeThread
+from deployments.prefill_thread import PrefillThread
+from deployments.worker_thread import WorkerThread
 from workers.decode_graphs import graphs_wanted
 from workers.decode_worker import DecodeWorker
 from workers.prefill_worker import PrefillWorker
@@ -87,3 +91,14 @@ def build_decode_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: st
                            mtp=role_cfg.mtp_draft_tokens > 0, cache_groups=uses_cache_groups(str(model_dir)))
     engine = build_engine(p, model_dir, sched, app_cfg.features.mtp_topk_reuse, graphs, role_cfg.cuda_graph_max_context)
     return DecodeWorker(engine, p.link, deadline_s=app_cfg.transfer.deadline_s)
+
+
+def build_worker_thread(app_cfg: AppConfig, role: str, model_dir: str | Path, worker_id: str) -> WorkerThread:
+    """The role's worker and the thread that runs it (not started): what a replica runs in its own process,
+    or its engine process runs for it (`deployments.engine_process`)."""
+    if role == "decode":
+        return DecodeThread(build_decode_worker(app_cfg, model_dir, worker_id), worker_id, queue_timeout_s(app_cfg))
+    if role == "prefill":
+        return PrefillThread(build_prefill_worker(app_cfg, model_dir, worker_id),
+                             warm_up=app_cfg.transfer.warmup_at_start, queue_timeout_s=queue_timeout_s(app_cfg))
+    raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")

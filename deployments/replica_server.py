@@ -7,15 +7,31 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
+from deployments.app_config import AppConfig
+from deployments.engine_process import EngineProcess
 from deployments.peer_sync import PeerSync
+from deployments.replica_build import build_worker_thread
 
 
 class ReplicaServer:
     """Base of `PrefillServer` and `DecodeServer`; subclasses define ``_learn(entry)``."""
 
     worker_id: str
+
+    async def _open_engine(self, role: str, app_args: dict[str, Any], model_dir: str,
+                           fail_item: Callable[[str, str], Any]):
+        """The role's engine: its worker thread in this process, or with ``engine_process`` the
+        `EngineProcess` standing in for it (launched: the child has built the worker). ``fail_item``: what an
+        open stream receives if the engine process dies (the role's error output)."""
+        cfg = AppConfig.model_validate(app_args)
+        if cfg.for_role(role).engine_process:
+            proc = EngineProcess(role, app_args, model_dir, self.worker_id, cfg.for_role(role).gil_switch_interval_ms,
+                                 fail_item=fail_item)
+            await asyncio.to_thread(proc.launch)
+            return proc
+        return await asyncio.to_thread(build_worker_thread, cfg, role, model_dir, self.worker_id)
 
     async def _start(self, thread, role: str, metrics, directory, extra: dict[str, Any],
                      gil_switch_interval_ms: float) -> bytes | None:

@@ -26,7 +26,7 @@ class ReplicaServer:
         `EngineProcess` standing in for it (launched: the child has built the worker). ``fail_item``: what an
         open stream receives if the engine process dies (the role's error output)."""
         cfg = AppConfig.model_validate(app_args)
-        if cfg.for_role(role).engine_process:
+        if cfg.for_role(role).runs_engine_process:
             proc = EngineProcess(role, app_args, model_dir, self.worker_id, cfg.for_role(role).gil_switch_interval_ms,
                                  fail_item=fail_item)
             await asyncio.to_thread(proc.launch)

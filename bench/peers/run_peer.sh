@@ -12,8 +12,9 @@
 #   vllm-up NAME        `vllm serve /tmp/ckpt/NAME` on :8100 (setsid: it outlives the call), wait for /health
 #   vllm-wait           wait longer for a vLLM server still starting (UP_S seconds)
 #   dsa-up NAME MODE    `serve run` of bench/peers/serve_config.py's config (monolithic | pd) on :8000
-#                       (NO_PREFIX_CACHE=1: the prefix cache off; ENGINE_PROCESS=1: each replica's engine in a
-#                       process of its own; GIL_MS=5: Python's default switch interval instead of 0.2 ms)
+#                       (NO_PREFIX_CACHE=1: the prefix cache off; ENGINE_PROCESS=0 / 1: each replica's engine
+#                       in the replica's process / in a process of its own (unset: the default, a process of its
+#                       own on the cuda backend); GIL_MS=5: Python's default switch interval instead of 0.2 ms)
 #   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results (for dsa-* engines
 #                       also the served engine's mean step time per kind over each run: TAG.steps.json;
 #                       SPY=1: py-spy of the decode replica's threads during each run, TAG.spy_decode.*)
@@ -108,6 +109,9 @@ case "$step" in
       tar xzf /tmp/w/.whl/tfslim.tgz -C /tmp/site
       [ -n "${DSA_ONLY:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite \
           /tmp/w/.vllmsel/*.whl 2>&1 | grep -v WARNING | tail -3
+      # vLLM reads the checkpoint's config with its own transformers: the image's (5.17) refuses the
+      # layer_types (`indexed_attention`) that the checkpoint maker's 5.24 writes, so vLLM gets 5.24 too.
+      [ -n "${DSA_ONLY:-}" ] || tar xzf /tmp/w/.whl/tfslim.tgz -C /tmp/vsite
       mkdir -p /tmp/stage
     fi
     cd /tmp/stage || exit 1
@@ -158,7 +162,7 @@ case "$step" in
   dsa-up)
     name=${1:?checkpoint name}; mode=${2:?monolithic or pd}
     env $DSA_ENV python3 -m bench.peers.serve_config "/tmp/ckpt/$name" --mode "$mode" --out "/tmp/dsa_$mode.yaml" \
-        ${NO_PREFIX_CACHE:+--no-prefix-caching} ${ENGINE_PROCESS:+--engine-process} \
+        ${NO_PREFIX_CACHE:+--no-prefix-caching} ${ENGINE_PROCESS:+--engine-process $([ "$ENGINE_PROCESS" = 0 ] && echo off || echo on)} \
         ${GIL_MS:+--gil-switch-interval-ms "$GIL_MS"} --gpu-memory-gib "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print int($1/1024)}')"
     env $DSA_ENV python3 -m deployments.cli check "/tmp/dsa_$mode.yaml" 2>&1 | tail -8
     env $DSA_ENV setsid nohup serve run "/tmp/dsa_$mode.yaml" > "/tmp/logs/dsa-$mode-$name.log" 2>&1 < /dev/null &

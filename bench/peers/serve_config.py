@@ -21,7 +21,7 @@ from attention.formats import pages_for_tokens
 
 def serve_config(checkpoint: str | Path, mode: str, *, max_model_len: int = 9216, max_batch_size: int = 128,
                  gpu_memory_gib: float = 80.0, chunk_size: int = 8192, port: int = 8000,
-                 name: str = "peer-model", prefix_caching: bool = True, engine_process: bool = False,
+                 name: str = "peer-model", prefix_caching: bool = True, engine_process: bool | None = None,
                  gil_switch_interval_ms: float | None = None) -> dict:
     """The `serve run` document (one application) for ``checkpoint`` in ``mode`` ("monolithic" | "pd");
     ``prefix_caching=False``: the prefix cache off (the shared-prefix comparison's baseline);
@@ -31,7 +31,9 @@ def serve_config(checkpoint: str | Path, mode: str, *, max_model_len: int = 9216
     # Every request of a full batch at its longest, plus one bucket's slack; page ids are shared by all layers.
     num_pages = max_batch_size * pages_for_tokens(max_model_len) + 64
     role = dict(num_replicas=1, num_cpus=2, backend="cuda", device="cuda", dtype="bfloat16", kv_cache_dtype="fp8",
-                gpu_memory_gib=gpu_memory_gib, chunk_size=chunk_size, num_pages=num_pages, engine_process=engine_process)
+                gpu_memory_gib=gpu_memory_gib, chunk_size=chunk_size, num_pages=num_pages)
+    if engine_process is not None:
+        role["engine_process"] = engine_process
     if gil_switch_interval_ms is not None:
         role["gil_switch_interval_ms"] = gil_switch_interval_ms
     # Graphs sized for the served context, not the model's 160k positions.
@@ -63,12 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-gib", type=float, default=80.0)
     ap.add_argument("--name", default="peer-model")
     ap.add_argument("--no-prefix-caching", action="store_true", help="the prefix cache off")
-    ap.add_argument("--engine-process", action="store_true", help="each replica's engine in a process of its own")
+    ap.add_argument("--engine-process", choices=["on", "off"], default=None,
+                    help="each replica's engine in a process of its own (default: the config's default, on for cuda)")
     ap.add_argument("--gil-switch-interval-ms", type=float, default=None)
     args = ap.parse_args(argv)
     doc = serve_config(args.checkpoint, args.mode, max_model_len=args.max_model_len,
                        max_batch_size=args.max_batch_size, gpu_memory_gib=args.gpu_memory_gib, name=args.name,
-                       prefix_caching=not args.no_prefix_caching, engine_process=args.engine_process,
+                       prefix_caching=not args.no_prefix_caching, engine_process=None if args.engine_process is None else args.engine_process == "on",
                        gil_switch_interval_ms=args.gil_switch_interval_ms)
     Path(args.out).write_text(yaml.safe_dump(doc, sort_keys=False))
     print(args.out)

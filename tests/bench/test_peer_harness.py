@@ -90,7 +90,11 @@ def test_generated_serve_configs_pass_the_controller(tmp_path, mode):
                                  gil_switch_interval_ms=5.0)["applications"][0]["args"])
     roles = [ab.app_cfg.decode] + ([ab.app_cfg.prefill] if mode == "pd" else [])
     assert ab.ok and all(r.engine_process and r.gil_switch_interval_ms == 5.0 for r in roles)
-    assert not res.app_cfg.decode.engine_process and res.app_cfg.decode.gil_switch_interval_ms == 0.2
+    # The default (cuda, one rank): the engine in a process of its own; ENGINE_PROCESS=0's baseline turns it off.
+    assert res.app_cfg.decode.engine_process is None and res.app_cfg.decode.runs_engine_process
+    assert res.app_cfg.decode.gil_switch_interval_ms == 0.2
+    thread = check_args(serve_config(ckpt, mode, gpu_memory_gib=80, engine_process=False)["applications"][0]["args"])
+    assert thread.ok and not thread.app_cfg.decode.runs_engine_process
 
 
 def test_table_divides_by_the_peer(tmp_path):

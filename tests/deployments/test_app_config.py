@@ -90,6 +90,19 @@ def test_engine_process_runs_one_rank():
     assert [v.path for v in bad.violations if "engine process" in v.message] == ["decode.engine_process"]
 
 
+def test_engine_process_default_follows_backend_and_ranks():
+    """Unset: on for the cuda backend at one rank (measured there), off for the reference backend and for
+    tensor parallel (where an explicit true is refused, the default is simply off: no violation)."""
+    from deployments.app_config import RoleConfig
+
+    assert RoleConfig().engine_process is None
+    assert not RoleConfig(backend="reference").runs_engine_process
+    assert RoleConfig(backend="cuda", device="cuda").runs_engine_process
+    assert not RoleConfig(backend="cuda", device="cuda", tensor_parallel_size=2).runs_engine_process
+    assert not RoleConfig(backend="cuda", device="cuda", engine_process=False).runs_engine_process
+    assert RoleConfig(backend="reference", engine_process=True).runs_engine_process
+
+
 def test_configs_are_frozen():
     cfg = AppConfig.model_validate(TINY)
     with pytest.raises(pydantic.ValidationError):

@@ -24,7 +24,7 @@ from tests.deployments.app_fixtures import yaml_args
 pytestmark = pytest.mark.gpu
 
 RAW = yaml_args("tiny_v4_pd_gpu.yaml")
-PROMPTS = [[40 + (i * 7 + j * 13) % 80 for j in range(n)] for i, n in enumerate((5, 37, 260, 1300, 3000))]
+PROMPTS = [[40 + (i * 7 + j * 13) % 80 for j in range(n)] for i, n in enumerate((5, 37, 260, 1300, 2000))]
 TOKENS = 24
 
 

@@ -198,24 +198,41 @@ def _pids_with_environ(needle: str) -> list[int]:
     return out
 
 
-def offline_greedy_texts(args, cache_dir: Path, prompts: list[list[int]], tokens: int) -> list[str]:
-    """``LLM(pd=False)`` greedy text of ``prompts`` for the model of ``args`` (an ``AppConfig``),
-    made in ``cache_dir`` with one torch thread (the server's processes share the cores)."""
+def offline_greedy_texts(args, cache_dir: Path, prompts: list[list[int]], tokens: int, one_at_a_time: bool = False,
+                         **llm_kwargs) -> list[str]:
+    """``LLM(pd=False)`` greedy text of ``prompts`` for the model of ``args`` (an ``AppConfig``), made in
+    ``cache_dir``, with the decode role's backend, device, dtype and KV format and the chunk size of the role
+    that prefills (``llm_kwargs`` override or add `LLM` arguments). ``one_at_a_time``: each prompt in a batch of its
+    own. On CPU with one torch thread (the server's processes share the cores); on a GPU the engine's
+    memory is given back before the server starts."""
+    import gc
+
     import torch
     from transformers import AutoTokenizer
 
     from workers.offline import LLM
 
+    d = args.decode
+    # The role that prefills a served prompt chunks it: decode in monolithic mode, prefill in PD.
+    kw = dict(backend=d.backend, device=d.device, dtype=d.dtype, kv_cache_dtype=d.kv_cache_dtype,
+              chunk_size=(d if args.monolithic else args.prefill).chunk_size)
+    kw.update(llm_kwargs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    llm = None
     try:
         model_dir = args.model.model_copy(update={"cache_dir": str(cache_dir)}).checkpoint_dir(make=True)
-        llm = LLM(model_dir, kv_cache_dtype=args.decode.kv_cache_dtype)
+        llm = LLM(model_dir, **kw)
         tok = AutoTokenizer.from_pretrained(model_dir)
-        return [tok.decode(o, skip_special_tokens=True)
-                for o in llm.generate(prompts, max_new_tokens=tokens, ignore_eos=True)]
+        outs = ([llm.generate([p], max_new_tokens=tokens, ignore_eos=True)[0] for p in prompts] if one_at_a_time
+                else llm.generate(prompts, max_new_tokens=tokens, ignore_eos=True))
+        return [tok.decode(o, skip_special_tokens=True) for o in outs]
     finally:
         torch.set_num_threads(threads)
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def served_greedy_texts(server: "ServeProcess", model: str, prompts: list[list[int]], tokens: int,

@@ -34,7 +34,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attention.formats import pages_for_tokens
 from deployments.app_config import AppConfig
 from tests.deployments.app_fixtures import merged, yaml_args
 from tests.deployments.hostile_bodies import raw_bodies

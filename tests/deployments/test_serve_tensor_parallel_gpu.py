@@ -12,7 +12,6 @@ tolerance of tp 2 is `tests/workers/test_tensor_parallel_gpu.py`'s).
 
 from __future__ import annotations
 
-import gc
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -29,33 +28,19 @@ PROMPTS = [[40 + (i * 7 + j * 13) % 80 for j in range(n)] for i, n in enumerate(
 TOKENS = 24
 
 
-def _offline_tp1(model_dir: str) -> list[list[int]]:
-    from workers.offline import LLM
-
-    llm = LLM(model_dir, backend="cuda", device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_pages=256,
-              chunk_size=1024, cuda_graphs=False)
-    try:
-        return llm.generate(PROMPTS, max_new_tokens=TOKENS, ignore_eos=True)
-    finally:
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
 def test_tp2_pd_serves_on_four_gpus(tmp_path):
     import openai
-    from transformers import AutoTokenizer
 
     from deployments.app_config import AppConfig
-    from tests.deployments.serve_process import shared_cache_dir, stats, wait_until
+    from tests.deployments.serve_process import offline_greedy_texts, shared_cache_dir, stats, wait_until
     from tests.deployments.shared_servers import ServerSpec
 
     if torch.cuda.device_count() < 4:
         pytest.fail(f"tp 2 on both roles runs 4 rank workers: needs 4 GPUs, found {torch.cuda.device_count()}")
     args = AppConfig.model_validate(RAW)
-    model_dir = args.model.model_copy(update={"cache_dir": str(shared_cache_dir())}).checkpoint_dir(make=True)
-    want = _offline_tp1(str(model_dir))
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    # One GPU, eager (tp 1): the reference the two-rank server is compared with.
+    want_text = offline_greedy_texts(args, shared_cache_dir(), PROMPTS, TOKENS, num_pages=256, chunk_size=1024,
+                                     cuda_graphs=False)
 
     server = ServerSpec("serve-tp2-gpu", args=RAW, config_name="tiny_pd_gpu_tp2.yaml").start(tmp_path)
     try:
@@ -76,7 +61,6 @@ def test_tp2_pd_serves_on_four_gpus(tmp_path):
         streamed = [one(i, stream=True)[0] for i in range(len(PROMPTS))]
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             together = list(pool.map(one, range(len(PROMPTS))))
-        want_text = [tok.decode(w, skip_special_tokens=True) for w in want]
         agree = sum(a == w for (a, _), w in zip(alone, want_text))
         print(f"served tp 2 vs offline tp 1: {agree} of {len(PROMPTS)} greedy texts equal; "
               f"concurrent == alone: {sum(t == a for t, a in zip(together, alone))} of {len(PROMPTS)}")

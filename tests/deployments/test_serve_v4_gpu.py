@@ -13,11 +13,9 @@ they started.
 
 from __future__ import annotations
 
-import gc
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 from tests.deployments.app_fixtures import yaml_args
 
@@ -28,30 +26,16 @@ PROMPTS = [[40 + (i * 7 + j * 13) % 80 for j in range(n)] for i, n in enumerate(
 TOKENS = 24
 
 
-def _offline(model_dir: str, args) -> list[list[int]]:
-    from workers.offline import LLM
-
-    d = args.decode
-    llm = LLM(model_dir, backend=d.backend, device=d.device, dtype=d.dtype, kv_cache_dtype=d.kv_cache_dtype,
-              num_pages=d.num_pages, chunk_size=args.prefill.chunk_size)
-    try:
-        return [llm.generate([p], max_new_tokens=TOKENS, ignore_eos=True)[0] for p in PROMPTS]
-    finally:
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
 def test_tiny_v4_pd_serves_on_one_gpu(tmp_path):
     import openai
 
     from deployments.app_config import AppConfig
     from tests.deployments.app_fixtures import CONFIGS
-    from tests.deployments.serve_process import ServeProcess, shared_cache_dir, stats, wait_until
+    from tests.deployments.serve_process import ServeProcess, offline_greedy_texts, shared_cache_dir, stats, wait_until
 
     args = AppConfig.model_validate(RAW)
-    model_dir = args.model.model_copy(update={"cache_dir": str(shared_cache_dir())}).checkpoint_dir(make=True)
-    want = _offline(str(model_dir), args)
+    want_text = offline_greedy_texts(args, shared_cache_dir(), PROMPTS, TOKENS, one_at_a_time=True,
+                                     num_pages=args.decode.num_pages)
 
     server = ServeProcess(CONFIGS / "tiny_v4_pd_gpu.yaml", tmp_path).start()  # the shipped file, as users run it
     try:
@@ -71,10 +55,6 @@ def test_tiny_v4_pd_serves_on_one_gpu(tmp_path):
         streamed = [one(i, stream=True) for i in range(len(PROMPTS))]
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             together = list(pool.map(one, range(len(PROMPTS))))
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        want_text = [tok.decode(w, skip_special_tokens=True) for w in want]
         print(f"served V4 PD vs offline: {sum(a == w for (a, _), w in zip(alone, want_text))} of {len(PROMPTS)} "
               f"equal alone; concurrent == alone: {sum(t == a for t, a in zip(together, alone))} of {len(PROMPTS)}")
         assert [a for a, _ in alone] == want_text

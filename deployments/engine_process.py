@@ -187,7 +187,12 @@ class EngineProcess:
             self._fail(self.error)  # streams opened since the failure learn it too
 
     def call(self, cmd: Command, *args) -> asyncio.Future:
-        """Run ``cmd(*args)`` on the child's worker thread; await the result (or its exception)."""
+        """Run ``cmd(*args)`` on the child's worker thread; await the result (or its exception).
+
+        Unlike `WorkerThread.call`, cancelling the future does not skip a command not yet run: it has left
+        for the child already. The servers call only the peer commands (``learn_peer`` / ``forget_peer``),
+        which a repeat or a late run leaves right; request commands are `post` s, and the abort a cancelled
+        request sends follows them on the same socket, so the child runs it after them, as the thread would."""
         cf: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = cf

@@ -14,7 +14,9 @@
 #   dsa-up NAME MODE    `serve run` of bench/peers/serve_config.py's config (monolithic | pd) on :8000
 #                       (NO_PREFIX_CACHE=1: the prefix cache off; ENGINE_PROCESS=0 / 1: each replica's engine
 #                       in the replica's process / in a process of its own (unset: the default, a process of its
-#                       own on the cuda backend); GIL_MS=5: Python's default switch interval instead of 0.2 ms)
+#                       own on the cuda backend); GIL_MS=5: Python's default switch interval instead of 0.2 ms;
+#                       THROUGHPUT_OPTIMIZED=1: Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED (gRPC between replicas:
+#                       the proxy -> ingress -> decode hops of a request's first token, docs/perf.md session 16))
 #   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results (for dsa-* engines
 #                       also the served engine's mean step time per kind over each run: TAG.steps.json;
 #                       SPY=1: py-spy of the decode replica's threads during each run, TAG.spy_decode.*)
@@ -165,7 +167,8 @@ case "$step" in
         ${NO_PREFIX_CACHE:+--no-prefix-caching} ${ENGINE_PROCESS:+--engine-process $([ "$ENGINE_PROCESS" = 0 ] && echo off || echo on)} \
         ${GIL_MS:+--gil-switch-interval-ms "$GIL_MS"} --gpu-memory-gib "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print int($1/1024)}')"
     env $DSA_ENV python3 -m deployments.cli check "/tmp/dsa_$mode.yaml" 2>&1 | tail -8
-    env $DSA_ENV setsid nohup serve run "/tmp/dsa_$mode.yaml" > "/tmp/logs/dsa-$mode-$name.log" 2>&1 < /dev/null &
+    env $DSA_ENV ${THROUGHPUT_OPTIMIZED:+RAY_SERVE_THROUGHPUT_OPTIMIZED=1} \
+        setsid nohup serve run "/tmp/dsa_$mode.yaml" > "/tmp/logs/dsa-$mode-$name.log" 2>&1 < /dev/null &
     echo $! > /tmp/dsa.pid
     wait_health http://127.0.0.1:8000/health "${UP_S:-560}" /tmp/dsa.pid ;;
   bench)

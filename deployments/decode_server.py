@@ -42,6 +42,7 @@ from deployments.app_config import AppConfig
 from deployments.decode_thread import Reserved, error_output
 from deployments.metrics.replica import DecodeMetrics
 from deployments.replica_server import ReplicaServer
+from deployments.worker_thread import ENGINE_FAILED
 from deployments.router import PromptKeys
 from deployments.stream_pacing import StreamPacer, paced_outputs
 from workers.engine import RequestOutput
@@ -82,7 +83,7 @@ class DecodeServer(ReplicaServer):
     # -------------------------------------------------------------- requests
     async def _await_prefill(self, task: PrefillTask, response) -> None:
         """Hand the prefill replica's answer (or its failure) to the engine. A replica that died (or
-        that Serve could not reach) marks the attempt for one retry (``self.retryable``)."""
+        that Serve could not reach), or whose engine failed, marks the attempt for one retry (``self.retryable``)."""
         agent = None
         try:
             agent, result = await response
@@ -93,6 +94,10 @@ class DecodeServer(ReplicaServer):
             result = PrefillResult(task.request_id, False, error=unavailable(f"the prefill replica died: {e}"))
         except Exception as e:  # noqa: BLE001 - the prefill replica raised: this request fails
             result = PrefillResult(task.request_id, False, error=f"prefill call failed: {e}")
+        else:
+            if not result.ok and (result.error or "").startswith(unavailable(ENGINE_FAILED)):
+                # Its engine (thread or process) failed under the replica: as if the replica had died.
+                self.retryable.add(task.request_id)
         self.thread.post(self.thread.prefill_result, result, agent)
 
     async def _start_pd(self, attempt_id: str, prompt: list[int], params: SamplingParams,

@@ -55,7 +55,7 @@ from typing import Any, Callable
 
 from deployments.replica_stats import ReplicaStats, StepRecord, take_records
 from deployments.stream_table import StreamTable
-from deployments.worker_thread import WorkerThread, WorkerThreadFailed
+from deployments.worker_thread import ENGINE_FAILED, WorkerThread, WorkerThreadFailed
 from workers.request import unavailable
 
 log = logging.getLogger("ray.serve")
@@ -67,6 +67,10 @@ COMMANDS = {
 """The worker threads' commands a replica sends (`DecodeThread`, `PrefillThread`)."""
 STOP_JOIN_S = 5.0
 """How long the child waits for its worker thread at `stop` (shorter than the replica's wait for the child)."""
+EXIT_GRACE_S = 1.0
+"""With ``exit_with_engine``: how long a replica whose engine process died lives on, so that its open streams'
+error outputs reach their callers, before it exits and Serve replaces it (as it would a replica whose
+in-process engine crashed the process)."""
 STATS_EVERY_S = 0.05
 """How often the child sends its stats snapshot and new step records (the replica's heartbeats read them
 twice a second)."""
@@ -85,13 +89,19 @@ class EngineProcess:
     the child dies without saying so (the role's error output)."""
 
     def __init__(self, role: str, app_args: dict[str, Any], model_dir: str, worker_id: str,
-                 gil_switch_interval_ms: float, fail_item: Callable[[str, str], Any]):
+                 gil_switch_interval_ms: float, fail_item: Callable[[str, str], Any], exit_with_engine: bool = False):
+        """exit_with_engine: end this process ``EXIT_GRACE_S`` after the child dies unasked (a Serve replica:
+        it would otherwise stay routable, answering every request with a 503, until its health checks fail)."""
         if role not in COMMANDS:
             raise ValueError(f"role must be one of {sorted(COMMANDS)}, got {role!r}")
         self.role, self.worker_id, self.name = role, worker_id, f"{role}:{worker_id}"
         self._init = {"role": role, "app_args": app_args, "model_dir": str(model_dir), "worker_id": worker_id,
                       "gil_switch_interval_ms": gil_switch_interval_ms}
         self._fail_item = fail_item
+        self.exit_with_engine = exit_with_engine
+        self.gil_switch_interval_ms = gil_switch_interval_ms
+        self._failed_keys: set[str] = set()  # streams given their error output already
+        self._fail_lock = threading.Lock()
         self.stats: ReplicaStats | None = None
         self.error: BaseException | None = None
         self.agent_name: str = worker_id
@@ -103,6 +113,7 @@ class EngineProcess:
         self._call_ids = itertools.count()
         self._send_lock = threading.Lock()
         self._ready = threading.Event()
+        self._ready_seen = False  # a child that fails to build fails `launch`: the replica's start, not an exit
         self._stopping = False
         self.proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
@@ -139,19 +150,34 @@ class EngineProcess:
         return self.proc.pid if self.proc is not None else None
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the child (asked, then killed after ``timeout``), then close the socket once the reader has
+        ended. Calls still unanswered fail; streams still open get their error output."""
         self._stopping = True
         if self.proc is None:
             return
         try:
-            self._send(("stop",))
+            # Not behind a sender stuck on a full socket: then the child is not reading, and is killed below.
+            if self._send_lock.acquire(timeout=1.0):
+                try:
+                    _send(self._conn, ("stop",))
+                finally:
+                    self._send_lock.release()
         except OSError:
             pass
         try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self._conn.close()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                try:
+                    self.proc.wait(5)
+                except subprocess.TimeoutExpired:  # stuck in the driver: the kernel reaps it; nothing to wait for
+                    log.error("%s: the engine process (pid %d) did not exit after SIGKILL", self.name, self.proc.pid)
+        finally:
+            if self._reader is not None:
+                self._reader.join(1.0)  # it ends at the child's EOF: closing under it could read a reused fd
+            self._conn.close()
+            self._fail(RuntimeError("the engine process stopped"))
 
     def check(self) -> None:
         """Raise `WorkerThreadFailed` if the engine process or its worker thread died."""
@@ -180,9 +206,10 @@ class EngineProcess:
         if self.error is None:
             try:
                 self._send(("post", cmd.name, args))
-                return
-            except OSError as e:
-                self._fail(RuntimeError(f"the engine process is gone ({e!r})"))
+            except OSError:
+                # The child is gone. The reader fails the engine at the socket's end, after the outputs the child
+                # sent before it (a request that finished there must not read as failed here).
+                pass
         else:
             self._fail(self.error)  # streams opened since the failure learn it too
 
@@ -199,8 +226,8 @@ class EngineProcess:
         if self.error is None:
             try:
                 self._send(("call", call_id, cmd.name, args))
-            except OSError as e:
-                self._fail(RuntimeError(f"the engine process is gone ({e!r})"))
+            except OSError:
+                pass  # the child is gone: the reader's end of the socket fails this call (`_fail`)
         if self.error is not None and self._calls.pop(call_id, None) is not None:  # no answer will come
             cf.set_exception(WorkerThreadFailed(f"{self.name} engine process failed: {self.error}"))
         return asyncio.wrap_future(cf)
@@ -223,13 +250,19 @@ class EngineProcess:
             while True:
                 self._handle(_recv(self._conn))
         except (EOFError, OSError) as e:
-            if not self._stopping:
-                self._fail(RuntimeError(f"the engine process exited ({e!r})"))
+            self._fail(RuntimeError("the engine process stopped" if self._stopping
+                                    else f"the engine process exited ({e!r})"))
         except BaseException as e:  # noqa: BLE001 - e.g. a message that does not unpickle
             log.exception("%s: reading from the engine process failed", self.name)
             self._fail(RuntimeError(f"reading from the engine process failed: {e!r}"))
         finally:
             self._ready.set()
+        if self.exit_with_engine and not self._stopping and self._ready_seen:
+            # Serve replaces a replica whose process died at once; one whose health checks fail only after
+            # several periods, answering 503s meanwhile. So the replica follows its engine out.
+            log.error("%s: the engine process died; this replica exits in %.1f s", self.name, EXIT_GRACE_S)
+            time.sleep(EXIT_GRACE_S)
+            os._exit(1)
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -244,6 +277,7 @@ class EngineProcess:
             if cf is not None and cf.set_running_or_notify_cancel():
                 cf.set_result(value) if ok else cf.set_exception(value)
         elif kind == "ready":
+            self._ready_seen = True
             info = msg[1]
             self.agent_name, self.warmup_page, self._offer = info["agent"], info["warmup_page"], info["offer"]
             self.stats = info["stats"]
@@ -253,13 +287,18 @@ class EngineProcess:
 
     def _fail(self, error: BaseException) -> None:
         """The child's worker is gone: every open stream and pending call learns it."""
-        if self.error is None:
-            self.error = error
-            log.error("%s: %s", self.name, error)
+        with self._fail_lock:
+            if self.error is None:
+                self.error = error
+                if not self._stopping:
+                    log.error("%s: %s", self.name, error)
+            # A fault of this replica, not of the request: 503 at the ingress (`workers.request.unavailable`).
+            # Each open stream gets one error output (a post after the failure fails only streams opened since).
+            message = unavailable(f"{ENGINE_FAILED}: {self.error}")
+            keys = [k for k in self._streams.keys() if k not in self._failed_keys]
+            self._failed_keys.update(keys)
         self._ready.set()  # a start that failed ends `launch`'s wait
-        # A fault of this replica, not of the request: 503 at the ingress (`workers.request.unavailable`).
-        message = unavailable(f"engine failed: {error}")
-        self._streams.deliver([(k, self._fail_item(k, message)) for k in self._streams.keys()])
+        self._streams.deliver([(k, self._fail_item(k, message)) for k in keys])
         for call_id in list(self._calls):
             cf = self._calls.pop(call_id, None)
             if cf is not None and cf.set_running_or_notify_cancel():
@@ -353,6 +392,9 @@ def child_main(fd: int, parent_pid: int) -> None:
                     last = thread.stats
                     send(("stats", last, steps))
                 if thread.error is not None:
+                    # Its fail_all's outputs go out first: each open stream ends with the thread path's 503.
+                    thread.join(STOP_JOIN_S)
+                    send(("stats", thread.stats, thread.take_steps()))
                     send(("failed", f"worker thread failed: {thread.error!r}"))
                     os._exit(1)
             send(("stats", thread.stats, thread.take_steps()))

@@ -28,7 +28,7 @@ class ReplicaServer:
         cfg = AppConfig.model_validate(app_args)
         if cfg.for_role(role).runs_engine_process:
             proc = EngineProcess(role, app_args, model_dir, self.worker_id, cfg.for_role(role).gil_switch_interval_ms,
-                                 fail_item=fail_item)
+                                 fail_item=fail_item, exit_with_engine=True)
             await asyncio.to_thread(proc.launch)
             return proc
         return await asyncio.to_thread(build_worker_thread, cfg, role, model_dir, self.worker_id)
@@ -49,7 +49,8 @@ class ReplicaServer:
         self.sync = PeerSync(directory, role, self.worker_id, self.agent, offer, self._stats,
                              learn=self._learn, forget=self._forget,
                              extra={**extra, "pid": os.getpid(), "engine_pid": thread.engine_pid,
-                                    "gil_switch_interval_ms": sys.getswitchinterval() * 1e3})
+                                    # the engine loop's (this process's, or its engine process's own)
+                                    "gil_switch_interval_ms": gil_switch_interval_ms})
         await self.sync.start()
         return offer
 

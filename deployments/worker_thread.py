@@ -28,8 +28,14 @@ from typing import Any, Callable
 
 from deployments.replica_stats import ReplicaStats, StepRecord, take_records
 from deployments.stream_table import StreamTable
+from workers.request import unavailable
 
 log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and the driver console
+
+
+ENGINE_FAILED = "engine failed"
+"""How the error of a request ended by its replica's failed engine starts, after `unavailable`'s prefix (a fault
+of the replica, not of the request: 503 at the ingress, and a PD attempt decode retries once)."""
 
 
 class WorkerThreadFailed(RuntimeError):
@@ -67,6 +73,11 @@ class WorkerThread:
     def start(self) -> None:
         self.stats = self.snapshot()
         self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the thread to end (after a failure: its `fail_all` is then done)."""
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -179,4 +190,4 @@ class WorkerThread:
         except BaseException as e:  # noqa: BLE001 - the replica must learn that its engine is gone
             log.exception("%s worker thread failed", self.name)
             self.error = e
-            self.fail_all(f"engine failed: {e!r}")
+            self.fail_all(unavailable(f"{ENGINE_FAILED}: {e!r}"))

@@ -150,3 +150,35 @@ def _wait_whole(thread: DecodeThread, cfg, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"pool not whole: {thread.stats}")
+
+
+def test_an_engine_failure_ends_every_request_as_unavailable(thread):
+    """A step that raises fails the thread: each open request ends with an error the ingress answers 503 (a
+    fault of the replica, as when an engine process dies), and the health check fails."""
+    from deployments.worker_thread import ENGINE_FAILED, WorkerThreadFailed
+    from workers.request import unavailable
+
+    real_step = thread.worker.step
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    thread.worker.step = failing_step
+
+    async def run():
+        stream = thread.open_stream("victim")
+        thread.post(thread.add, Request("victim", [5] * 30, SamplingParams(max_new_tokens=500, ignore_eos=True)))
+        while True:
+            out = await asyncio.wait_for(stream.get(), 120)
+            if out.finished:
+                return out
+
+    out = asyncio.run(run())
+    assert out.finish_reason == "error" and out.error.startswith(unavailable(ENGINE_FAILED)), out.error
+    assert "injected step failure" in out.error
+    with pytest.raises(WorkerThreadFailed):
+        thread.check()

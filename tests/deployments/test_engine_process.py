@@ -21,10 +21,10 @@ import yaml
 from deployments.app_config import AppConfig
 from deployments.decode_thread import error_output
 from deployments.engine_process import EngineProcess
-from deployments.worker_thread import WorkerThreadFailed
+from deployments.worker_thread import ENGINE_FAILED, WorkerThreadFailed
 from tests.deployments.app_fixtures import CONFIGS
 from tests.deployments.offline_reference import prompt_ids
-from workers.request import Request
+from workers.request import Request, unavailable
 from workers.sample.params import SamplingParams
 
 RAW = yaml.safe_load((CONFIGS / "tiny_mono.yaml").read_text())["applications"][0]["args"]
@@ -105,17 +105,22 @@ def test_a_killed_engine_process_fails_its_streams(model_dir):
                 out = await asyncio.wait_for(q.get(), 60)
                 if out.finished:
                     break
-            # After the failure: a new request is answered with the error, a command raises.
+            # After the failure: a new request is answered with the error, once however many posts follow;
+            # a command raises.
             after = proc.open_stream("after")
             proc.post(proc.add, Request("after", [1, 2, 3], SamplingParams(max_new_tokens=2)), None)
             late = await asyncio.wait_for(after.get(), 10)
+            for _ in range(3):
+                proc.post(proc.abort, "after")
             with pytest.raises(WorkerThreadFailed):
                 await proc.call(proc.abort, "long")
+            await asyncio.sleep(0.2)
+            assert after.empty() and q.empty(), "a stream was failed twice"
             return out, late
 
         last, late = asyncio.run(run())
-        for out in (last, late):
-            assert out.finished and out.finish_reason == "error" and "engine failed" in out.error
+        for out in (last, late):  # a fault of the replica, not of the request: 503 at the ingress
+            assert out.finished and out.finish_reason == "error" and out.error.startswith(unavailable(ENGINE_FAILED))
         with pytest.raises(WorkerThreadFailed):
             proc.check()
     finally:
@@ -168,6 +173,39 @@ def test_the_engine_process_dies_with_its_replica(model_dir, tmp_path):
                 "zombie" not in _proc_state(child):
             time.sleep(0.1)
         assert not os.path.exists(f"/proc/{child}") or "zombie" in _proc_state(child), _proc_state(child)
+    finally:
+        if replica.poll() is None:
+            replica.kill()
+
+
+def test_a_replica_exits_after_its_engine_process_dies(model_dir, tmp_path):
+    """``exit_with_engine`` (what a Serve replica sets): the child killed, the replica's process exits too, after
+    the grace that lets its streams' errors out, so Serve replaces it at once instead of after several failed
+    health checks (it would answer 503s meanwhile)."""
+    import subprocess
+    import sys
+    import time
+
+    from deployments.engine_process import EXIT_GRACE_S
+
+    script = tmp_path / "replica.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "from deployments.decode_thread import error_output\n"
+        "from deployments.engine_process import EngineProcess\n"
+        f"proc = EngineProcess('decode', json.loads({json.dumps(json.dumps(RAW))!s}), {model_dir!r}, 'decode-exit', "
+        "0.2, fail_item=error_output, exit_with_engine=True)\n"
+        "proc.launch(timeout_s=120)\n"
+        "print(proc.proc.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    replica = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                               cwd=str(Path(__file__).resolve().parents[2]))
+    try:
+        child = int(replica.stdout.readline())
+        t0 = time.monotonic()
+        os.kill(child, signal.SIGKILL)
+        assert replica.wait(EXIT_GRACE_S + 20) == 1
+        assert time.monotonic() - t0 >= EXIT_GRACE_S
     finally:
         if replica.poll() is None:
             replica.kill()

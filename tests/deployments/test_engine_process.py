@@ -216,3 +216,29 @@ def _proc_state(pid: int) -> str:
         return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
     except (OSError, StopIteration):
         return "gone"
+
+
+def test_a_prefill_engine_failure_marks_the_pd_attempt_for_one_retry():
+    """`DecodeServer._await_prefill`: a prefill answer ended by its replica's failed engine (thread or process)
+    marks the attempt retryable, as a dead prefill replica does; the request's own errors do not."""
+    from types import SimpleNamespace
+
+    from deployments.decode_server import DecodeServer
+    from workers.prefill_worker import PrefillResult, PrefillTask
+
+    posted = []
+    server = SimpleNamespace(retryable=set(), thread=SimpleNamespace(prefill_result="prefill_result",
+                                                                     post=lambda *a: posted.append(a)))
+
+    async def answer(result):
+        return "agent-p", result
+
+    def run(rid: str, error: str) -> None:
+        task = PrefillTask(rid, [1, 2, 3], SamplingParams(max_new_tokens=2), "decode-agent", [0])
+        asyncio.run(DecodeServer._await_prefill(server, task, answer(PrefillResult(rid, False, error=error))))
+
+    run("a", unavailable(f"{ENGINE_FAILED}: the engine process exited"))
+    run("b", "prompt too long")
+    run("c", unavailable("KV transfer expired"))
+    assert server.retryable == {"a"}
+    assert [p[1].request_id for p in posted] == ["a", "b", "c"]

@@ -147,22 +147,9 @@ def test_the_engine_process_dies_with_its_replica(model_dir, tmp_path):
     """The replica's process killed outright (no stop): its engine process goes too, by whichever comes first
     (the closed socket, the parent-death signal, the watchdog on the parent's pid; while a worker is being
     built only the last two can act)."""
-    import subprocess
-    import sys
     import time
 
-    script = tmp_path / "replica.py"
-    script.write_text(
-        "import json, sys, time\n"
-        "from deployments.decode_thread import error_output\n"
-        "from deployments.engine_process import EngineProcess\n"
-        f"proc = EngineProcess('decode', json.loads({json.dumps(json.dumps(RAW))!s}), {model_dir!r}, 'decode-orphan', "
-        "0.2, fail_item=error_output)\n"
-        "proc.launch(timeout_s=120)\n"
-        "print(proc.proc.pid, flush=True)\n"
-        "time.sleep(600)\n")
-    replica = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                               cwd=str(Path(__file__).resolve().parents[2]))
+    replica = _replica_process(tmp_path, model_dir, "decode-orphan")
     try:
         child = int(replica.stdout.readline())
         assert os.path.exists(f"/proc/{child}")
@@ -182,24 +169,11 @@ def test_a_replica_exits_after_its_engine_process_dies(model_dir, tmp_path):
     """``exit_with_engine`` (what a Serve replica sets): the child killed, the replica's process exits too, after
     the grace that lets its streams' errors out, so Serve replaces it at once instead of after several failed
     health checks (it would answer 503s meanwhile)."""
-    import subprocess
-    import sys
     import time
 
     from deployments.engine_process import EXIT_GRACE_S
 
-    script = tmp_path / "replica.py"
-    script.write_text(
-        "import json, sys, time\n"
-        "from deployments.decode_thread import error_output\n"
-        "from deployments.engine_process import EngineProcess\n"
-        f"proc = EngineProcess('decode', json.loads({json.dumps(json.dumps(RAW))!s}), {model_dir!r}, 'decode-exit', "
-        "0.2, fail_item=error_output, exit_with_engine=True)\n"
-        "proc.launch(timeout_s=120)\n"
-        "print(proc.proc.pid, flush=True)\n"
-        "time.sleep(600)\n")
-    replica = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                               cwd=str(Path(__file__).resolve().parents[2]))
+    replica = _replica_process(tmp_path, model_dir, "decode-exit", "exit_with_engine=True")
     try:
         child = int(replica.stdout.readline())
         t0 = time.monotonic()
@@ -209,6 +183,26 @@ def test_a_replica_exits_after_its_engine_process_dies(model_dir, tmp_path):
     finally:
         if replica.poll() is None:
             replica.kill()
+
+
+def _replica_process(tmp_path, model_dir: str, worker_id: str, options: str = ""):
+    """A Python process standing in for a replica: it launches an `EngineProcess` (``options``: more keyword
+    arguments, as source), prints the child's pid, then sleeps. The caller reads the pid from its stdout."""
+    import subprocess
+    import sys
+
+    script = tmp_path / f"{worker_id}.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "from deployments.decode_thread import error_output\n"
+        "from deployments.engine_process import EngineProcess\n"
+        f"proc = EngineProcess('decode', json.loads({json.dumps(json.dumps(RAW))!s}), {model_dir!r}, {worker_id!r}, "
+        f"0.2, fail_item=error_output, {options})\n"
+        "proc.launch(timeout_s=120)\n"
+        "print(proc.proc.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=str(Path(__file__).resolve().parents[2]))
 
 
 def _proc_state(pid: int) -> str:

@@ -99,7 +99,6 @@ class EngineProcess:
                       "gil_switch_interval_ms": gil_switch_interval_ms}
         self._fail_item = fail_item
         self.exit_with_engine = exit_with_engine
-        self.gil_switch_interval_ms = gil_switch_interval_ms
         self._failed_keys: set[str] = set()  # streams given their error output already
         self._fail_lock = threading.Lock()
         self.stats: ReplicaStats | None = None

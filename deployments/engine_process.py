@@ -96,7 +96,7 @@ class EngineProcess:
             raise ValueError(f"role must be one of {sorted(COMMANDS)}, got {role!r}")
         self.role, self.worker_id, self.name = role, worker_id, f"{role}:{worker_id}"
         self._init = {"role": role, "app_args": app_args, "model_dir": str(model_dir), "worker_id": worker_id,
-                      "gil_switch_interval_ms": gil_switch_interval_ms}
+                      "gil_switch_interval_ms": gil_switch_interval_ms, "log_files": _log_files()}
         self._fail_item = fail_item
         self.exit_with_engine = exit_with_engine
         self._failed_keys: set[str] = set()  # streams given their error output already
@@ -335,6 +335,30 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="engine-watchdog", daemon=True).start()
 
 
+def _log_files() -> list[str]:
+    """The files Serve's logger writes in this process (a replica's ``replica_*.log``): the child writes its
+    own records there too, so that an engine's errors are where a replica's are looked for."""
+    paths = []
+    for h in logging.getLogger("ray.serve").handlers:
+        h = getattr(h, "target", None) or h  # Serve buffers its file handler in a MemoryHandler
+        if isinstance(h, logging.FileHandler):
+            paths.append(h.baseFilename)
+    return paths
+
+
+def _log_to(paths: list[str]) -> None:
+    """Append this process's log records (INFO and up) to ``paths`` as well as stderr."""
+    fmt = logging.Formatter("%(levelname)s %(asctime)s engine[%(process)d] %(filename)s:%(lineno)d - %(message)s")
+    for path in paths:
+        try:
+            h = logging.FileHandler(path)  # append mode: the replica's records and these interleave by line
+        except OSError as e:
+            log.warning("engine process: cannot log to %s (%r)", path, e)
+            continue
+        h.setFormatter(fmt)
+        logging.getLogger().addHandler(h)
+
+
 def _wire_error(e: BaseException) -> BaseException:
     """An exception the replica can unpickle: itself if it round-trips, else a RuntimeError naming it
     (e.g. `transfer.errors.CompatibilityError`, whose constructor takes more than its message)."""
@@ -364,6 +388,7 @@ def child_main(fd: int, parent_pid: int) -> None:
             _send(conn, msg)
 
     init = _recv(conn)[1]
+    _log_to(init.get("log_files", []))
     sys.setswitchinterval(init["gil_switch_interval_ms"] / 1e3)
     try:
         thread = _build_thread(init)
@@ -371,6 +396,8 @@ def child_main(fd: int, parent_pid: int) -> None:
         log.exception("engine process: building the %s worker failed", init["role"])
         send(("failed", f"building the {init['role']} worker failed: {e!r}"))
         os._exit(1)  # whatever the partial build started must not keep this process alive
+    log.info("engine process %d (replica %d): %s worker %s built", os.getpid(), parent_pid, init["role"],
+             thread.agent_name)
     # The thread's outputs go over the socket, one message per round (its `emit_many`), in order per key.
     thread.redirect_outputs(lambda items: send(("emit", list(items))))
     offer = thread.handshake_offer()

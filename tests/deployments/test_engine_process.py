@@ -90,6 +90,30 @@ def test_engine_process_streams_the_offline_greedy_output(model_dir):
     assert proc.proc.returncode is not None
 
 
+def test_the_engine_process_logs_into_the_replicas_log_file(model_dir, tmp_path):
+    """A replica's Serve log file (a FileHandler on ``ray.serve``) gets the child's records too: an engine's
+    errors are where the replica's are looked for."""
+    import logging
+
+    import logging.handlers
+
+    path = tmp_path / "replica.log"
+    # As Serve sets it up in a replica: the file handler behind a MemoryHandler.
+    handler = logging.handlers.MemoryHandler(100, target=logging.FileHandler(path))
+    logging.getLogger("ray.serve").addHandler(handler)
+    try:
+        proc = EngineProcess("decode", RAW, model_dir, "decode-ep-log", 0.2, fail_item=error_output)
+        proc.launch(timeout_s=120)
+        pid = proc.proc.pid
+        proc.stop()
+    finally:
+        logging.getLogger("ray.serve").removeHandler(handler)
+        handler.target.close()
+        handler.close()
+    lines = [line for line in path.read_text().splitlines() if f"engine[{pid}]" in line]
+    assert any("decode worker decode-ep-log built" in line for line in lines), path.read_text()[-2000:]
+
+
 def test_a_killed_engine_process_fails_its_streams(model_dir):
     proc = EngineProcess("decode", RAW, model_dir, "decode-ep-kill", 0.2, fail_item=error_output)
     proc.launch(timeout_s=120)

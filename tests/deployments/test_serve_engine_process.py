@@ -46,6 +46,11 @@ def test_engine_processes_answer_like_the_offline_engine(server, reference):
     for entry in s["prefill"] + s["decode"]:
         assert entry["engine_pid"] not in (None, entry["pid"]), entry
         assert os.path.exists(f"/proc/{entry['engine_pid']}")
+    # Each engine process logs into its replica's Serve log file too (where a replica's errors are looked for).
+    logs = "".join(p.read_text(errors="replace")
+                   for p in (server.ray_tmp / "ray" / "session_latest" / "logs" / "serve").glob("replica_*.log"))
+    for entry in s["prefill"] + s["decode"]:
+        assert f"engine process {entry['engine_pid']} (replica {entry['pid']})" in logs, logs[-3000:]
     texts, streamed = served_greedy_texts(server, MODEL, PROMPTS, TOKENS, streamed=3)
     assert texts == reference and streamed == reference[3]
     wait_until(lambda: _whole(server), 30, "both pools back at their start counts")

@@ -212,8 +212,10 @@ def test_a_prefill_replica_frozen_past_the_transfer_deadline_is_a_503_and_settle
         err = r.json()["error"]
         assert err["code"] == "unavailable" and "KV transfer expired" in err["message"], err
         assert waited < DEADLINE_S + 5, waited
-        # The frozen writer may still land a WRITE: decode holds the request's pages meanwhile.
-        held = wait_until(lambda: (at_work(ready, "decode", "held_pages") or {}).get("stats"), 5,
+        # The frozen writer may still land a WRITE: decode holds the request's pages meanwhile (for as long as
+        # prefill stays frozen: the wait covers the directory's heartbeats on a loaded 2-core CI machine,
+        # where 5 s once missed them).
+        held = wait_until(lambda: (at_work(ready, "decode", "held_pages") or {}).get("stats"), 20,
                           "decode holding the expired request's pages")["held_pages"]
     finally:
         os.kill(victim["pid"], signal.SIGCONT)

@@ -68,7 +68,7 @@ class DecodeServer(ReplicaServer):
         self.pacer = StreamPacer(cfg.decode.stream_items_per_s)
         self.prompt_keys = None if prefill is None else PromptKeys(cfg, "prefill", model_dir)  # the prefill router's
         self.worker_id = f"decode-{serve.get_replica_context().replica_id.unique_id}"
-        thread = await self._open_engine("decode", app_args, model_dir, error_output)
+        thread = await self._open_engine("decode", cfg, app_args, model_dir, error_output)
         extra = {} if prefill is None else {"warmup_page": thread.warmup_page}
         metrics = DecodeMetrics(cfg.model_name, cfg.decode.mtp_draft_tokens)
         self.offer = await self._start(thread, "decode", metrics, directory, extra, cfg.decode.gil_switch_interval_ms)

@@ -28,7 +28,7 @@ class PrefillServer(ReplicaServer):
     async def __init__(self, app_args: dict[str, Any], model_dir: str, directory):
         cfg = AppConfig.model_validate(app_args)
         self.worker_id = f"prefill-{serve.get_replica_context().replica_id.unique_id}"
-        thread = await self._open_engine("prefill", app_args, model_dir,
+        thread = await self._open_engine("prefill", cfg, app_args, model_dir,
                                          lambda rid, message: PrefillResult(rid, False, error=message))
         await self._start(thread, "prefill", PrefillMetrics(cfg.model_name), directory, {},
                           cfg.prefill.gil_switch_interval_ms)

@@ -20,12 +20,12 @@ class ReplicaServer:
 
     worker_id: str
 
-    async def _open_engine(self, role: str, app_args: dict[str, Any], model_dir: str,
+    async def _open_engine(self, role: str, cfg: AppConfig, app_args: dict[str, Any], model_dir: str,
                            fail_item: Callable[[str, str], Any]):
         """The role's engine: its worker thread in this process, or with ``engine_process`` the
-        `EngineProcess` standing in for it (launched: the child has built the worker). ``fail_item``: what an
-        open stream receives if the engine process dies (the role's error output)."""
-        cfg = AppConfig.model_validate(app_args)
+        `EngineProcess` standing in for it (launched: the child has built the worker). ``cfg``: ``app_args``
+        validated (the child validates the raw args itself). ``fail_item``: what an open stream receives if
+        the engine process dies (the role's error output)."""
         if cfg.for_role(role).runs_engine_process:
             proc = EngineProcess(role, app_args, model_dir, self.worker_id, cfg.for_role(role).gil_switch_interval_ms,
                                  fail_item=fail_item, exit_with_engine=True)

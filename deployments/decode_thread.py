@@ -216,9 +216,10 @@ class DecodeThread(WorkerThread):
         if accepted is not None:
             lengths = tuple(s.accepted_histogram.get(n, 0) - accepted.get(n, 0) for n in range(eng.k + 1))
         if s.prefill_tokens > prefilled:  # a chunk ran (monolithic mode, or a re-prefill after preemption)
-            self.steps.append(StepRecord("prefill", seconds, s.prefill_tokens - prefilled, lengths))
+            self.steps.append(StepRecord("prefill", seconds, s.prefill_tokens - prefilled, lengths, time.time()))
         elif s.decode_tokens > decoded:
-            self.steps.append(StepRecord("verify" if eng.k else "decode", seconds, s.decode_tokens - decoded, lengths))
+            self.steps.append(StepRecord("verify" if eng.k else "decode", seconds, s.decode_tokens - decoded, lengths,
+                                         time.time()))
 
     def snapshot(self) -> DecodeStats:
         w, eng = self.worker, self.worker.engine

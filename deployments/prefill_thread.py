@@ -141,7 +141,8 @@ class PrefillThread(WorkerThread):
         t0 = time.perf_counter()
         results = self.worker.step()
         if computing:
-            self.steps.append(StepRecord("prefill", time.perf_counter() - t0, sum(a.done - d for a, d in before)))
+            self.steps.append(StepRecord("prefill", time.perf_counter() - t0, sum(a.done - d for a, d in before),
+                                         ended=time.time()))
         for res in results:
             self.completed += 1
             self.emit(res.request_id, res)

@@ -146,12 +146,14 @@ class StepRecord:
     chunk), ``decode`` or ``verify`` (MTP); ``tokens``: prompt tokens computed
     (prefill) or rows decoded / tokens accepted (decode, verify);
     ``accepted``: for a verify step, how many requests accepted 0, 1, ... k
-    drafts (index = accepted length)."""
+    drafts (index = accepted length); ``ended``: wall-clock time (``time.time()``)
+    when the step returned (the step trace, `deployments.metrics.step_trace`)."""
 
     kind: str
     seconds: float
     tokens: int
     accepted: tuple[int, ...] = ()
+    ended: float = 0.0
 
 
 def stats_class(role: str) -> type[ReplicaStats]:

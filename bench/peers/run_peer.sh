@@ -18,8 +18,10 @@
 #                       THROUGHPUT_OPTIMIZED=1: Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED (gRPC between replicas:
 #                       the proxy -> ingress -> decode hops of a request's first token, docs/perf.md session 16))
 #   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results (for dsa-* engines
-#                       also the served engine's mean step time per kind over each run: TAG.steps.json;
-#                       SPY=1: py-spy of the decode replica's threads during each run, TAG.spy_decode.*)
+#                       also the served engine's mean step time per kind over each run: TAG.steps.json, and
+#                       each replica's step trace over the run, inside and between steps: TAG.trace_ROLE-PID.json;
+#                       SPY=1: py-spy of the decode replica's threads during each run, TAG.spy_decode.*, and of
+#                       its engine process's, idle samples included, TAG.spy_engine.*)
 #   prefix ENGINE NAME PORT [CONCURRENCIES]   shared 8k-token prefixes, 256-token suffixes (issue 24's load; for
 #                       dsa-* engines also TAG.steps.json: the KV bytes pushed and prefix-cache hits over the run)
 #   structured ENGINE NAME PORT   1024-in / 256-out at concurrency 32, every request under a JSON schema
@@ -49,8 +51,11 @@ wait_health() {  # URL SECONDS PIDFILE
   echo "not up after $secs s"; return 1
 }
 
-steps_before() {  # ENGINE: dsa-pd's own series before a run (bench/peers/served_steps.py)
-  [ "${1#dsa}" != "$1" ] && env $DSA_ENV python3 -m bench.peers.served_steps snapshot /tmp/steps_before.json
+steps_before() {  # ENGINE: dsa-pd's own series before a run (bench/peers/served_steps.py), and each step
+  # trace's length (the run's steps are the lines after it)
+  [ "${1#dsa}" != "$1" ] || return 0
+  env $DSA_ENV python3 -m bench.peers.served_steps snapshot /tmp/steps_before.json
+  rm -f /tmp/trace_before; for f in "$RES"/trace/*.jsonl; do [ -f "$f" ] && echo "$f $(wc -l < "$f")" >> /tmp/trace_before; done
 }
 
 steps_after() {  # ENGINE TAG: what the served engine did over the run -> $RES/TAG.steps.json (step time per
@@ -60,6 +65,14 @@ steps_after() {  # ENGINE TAG: what the served engine did over the run -> $RES/T
     env $DSA_ENV python3 -m bench.peers.served_steps snapshot /tmp/steps_after.json
     env $DSA_ENV python3 -m bench.peers.served_steps diff /tmp/steps_before.json /tmp/steps_after.json \
         --json "$RES/$2.steps.json" | grep -E "step_seconds|kv_push_bytes|prefix_cache_hits"
+    # Where the run's wall time went in each replica: inside steps by kind, and between them.
+    for f in "$RES"/trace/*.jsonl; do
+      [ -f "$f" ] || continue
+      local skip; skip=$(awk -v f="$f" '$1 == f {print $2}' /tmp/trace_before 2>/dev/null); skip=${skip:-0}
+      echo "trace $(basename "$f" .jsonl):"
+      env $DSA_ENV python3 -m deployments.metrics.step_trace "$f" --skip "$skip" \
+          --json "$RES/$2.trace_$(basename "$f" .jsonl).json" | tail -4
+    done
   fi
 }
 
@@ -70,9 +83,17 @@ host_profile() {  # ENGINE TAG: with SPY=1, py-spy on the dsa-pd decode replica 
   sleep "${SPY_AFTER_S:-4}"
   local pid; pid=$(pgrep -f "ServeReplica:dsa-pd:DecodeServer" | head -1)
   [ -n "$pid" ] || { echo "SPY: no decode replica"; return 0; }
+  # The replica's engine process too (engine_process), with --idle: its engine thread's waits (the device,
+  # the socket to the replica) are samples, so its samples split the run's wall time.
+  local child; child=$(pgrep -P "$pid" -f deployments.engine_process | head -1)
+  [ -n "$child" ] && /tmp/site/bin/py-spy record -d "${SPY_S:-6}" -r 250 -f raw --threads --idle \
+      -o "$RES/$2.spy_engine.txt" -p "$child" >/dev/null 2>&1 &
   /tmp/site/bin/py-spy record -d "${SPY_S:-6}" -r 250 -f raw --threads -o "$RES/$2.spy_decode.txt" -p "$pid" \
       >/dev/null 2>&1 && env $DSA_ENV python3 -m bench.peers.host_profile "$RES/$2.spy_decode.txt" \
       --seconds "${SPY_S:-6}" --json "$RES/$2.spy_decode.json" | head -8
+  wait
+  [ -f "$RES/$2.spy_engine.txt" ] && env $DSA_ENV python3 -m bench.peers.host_profile "$RES/$2.spy_engine.txt" \
+      --seconds "${SPY_S:-6}" --json "$RES/$2.spy_engine.json" | head -14
 }
 
 run_seed() {  # INPUT_LEN CONCURRENCY: the prompts' seed. The same run gets the same prompts on every engine;
@@ -167,7 +188,8 @@ case "$step" in
         ${NO_PREFIX_CACHE:+--no-prefix-caching} ${ENGINE_PROCESS:+--engine-process $([ "$ENGINE_PROCESS" = 0 ] && echo off || echo on)} \
         ${GIL_MS:+--gil-switch-interval-ms "$GIL_MS"} --gpu-memory-gib "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print int($1/1024)}')"
     env $DSA_ENV python3 -m deployments.cli check "/tmp/dsa_$mode.yaml" 2>&1 | tail -8
-    env $DSA_ENV ${THROUGHPUT_OPTIMIZED:+RAY_SERVE_THROUGHPUT_OPTIMIZED=1} \
+    # Every replica's steps -> $RES/trace/ROLE-PID.jsonl (deployments/metrics/step_trace.py; read by steps_after).
+    env $DSA_ENV ${THROUGHPUT_OPTIMIZED:+RAY_SERVE_THROUGHPUT_OPTIMIZED=1} DSA_PD_STEP_TRACE="$RES/trace" \
         setsid nohup serve run "/tmp/dsa_$mode.yaml" > "/tmp/logs/dsa-$mode-$name.log" 2>&1 < /dev/null &
     echo $! > /tmp/dsa.pid
     wait_health http://127.0.0.1:8000/health "${UP_S:-560}" /tmp/dsa.pid ;;

@@ -7,7 +7,9 @@ arrive as `StepRecord` s taken from the worker thread at the same time. Per
 request figures are recorded by the deployment's request handler: the KV push
 when a prefill call returns (in the prefill replica, which pushes), the
 decode-side time to first token and the tokens streamed in the decode
-replica. Every method logs instead of raising (`never_raises`).
+replica. Every method logs instead of raising (`never_raises`). With
+``DSA_PD_STEP_TRACE`` set, the steps also go to a JSONL trace
+(`deployments.metrics.step_trace`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Iterable
 
 from deployments.admission import overload_reason
 from deployments.metrics.series import Series, never_raises
+from deployments.metrics.step_trace import StepTrace
 from deployments.metrics.table import PREEMPTION_REASONS, PUSH_STATUSES, REJECTION_REASONS, RETRY_REASONS
 from deployments.replica_stats import DecodeStats, PrefillStats, ReplicaStats, StepRecord
 
@@ -44,6 +47,7 @@ class ReplicaMetrics:
         for reason in REJECTION_REASONS[role]:
             self.rejections.zero(reason=reason)
         self._cache_last = (0, 0, 0)
+        self.trace = StepTrace.from_env(role)
 
     @never_raises
     def update(self, stats: ReplicaStats, steps: Iterable[StepRecord] = ()) -> None:
@@ -59,8 +63,11 @@ class ReplicaMetrics:
                                        self._cache_last):
             series.inc(value - last)
         self._cache_last = now
+        steps = list(steps)
         for step in steps:
             self._step(step)
+        if self.trace is not None:
+            self.trace.write(steps)
 
     def _running(self, stats: ReplicaStats) -> int:
         raise NotImplementedError

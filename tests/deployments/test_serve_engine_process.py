@@ -4,19 +4,22 @@ worker (engine, page pool, NIXL agent) runs in a child process of its own
 
 Through the official openai client: concurrent and streamed greedy completions equal the offline engine's,
 `/stats` names each replica's engine process (not the replica's own), both pools end where they started,
-and killing the decode replica's engine process fails its replica's health check (Serve replaces it).
+each replica's step trace (``DSA_PD_STEP_TRACE``) holds its steps, and killing the decode replica's engine process fails its replica's health check (Serve replaces it).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import openai
 import pytest
 
 from deployments.app_config import AppConfig
+from deployments.metrics.step_trace import periods, read, summarize
 from tests.deployments.app_fixtures import merged, yaml_args
 from tests.deployments.offline_reference import prompt_ids
 from tests.deployments.serve_process import served_greedy_texts, stats, wait_until
@@ -30,7 +33,9 @@ MODEL = ARGS.model_name
 PROMPTS = [prompt_ids(n, seed=900 + n) for n in (150, 7, 64, 300)]
 TOKENS = 10
 
-SERVER = ServerSpec("serve-engine-process", args=RAW, config_name="tiny_pd_engine_process.yaml")
+TRACE = Path(tempfile.mkdtemp(prefix="dsapd-steptrace-"))
+SERVER = ServerSpec("serve-engine-process", args=RAW, config_name="tiny_pd_engine_process.yaml",
+                    env={"DSA_PD_STEP_TRACE": str(TRACE)})
 server, reference = served_and_offline_fixtures(SERVER, ARGS, PROMPTS, TOKENS)
 
 
@@ -54,6 +59,36 @@ def test_engine_processes_answer_like_the_offline_engine(server, reference):
     texts, streamed = served_greedy_texts(server, MODEL, PROMPTS, TOKENS, streamed=3)
     assert texts == reference and streamed == reference[3]
     wait_until(lambda: _whole(server), 30, "both pools back at their start counts")
+
+
+def test_the_step_trace_has_every_replicas_steps(server, reference):
+    """DSA_PD_STEP_TRACE: each replica appends the steps its engine process ran (crossing the process boundary
+    with their end times) to its own JSONL file; a fresh prompt's prefill and decode steps show up there,
+    and the summary's wall time covers the steps inside it."""
+    server.wait_ready(timeout=300)
+    s = stats(server)
+    files = {role: TRACE / f"{role}-{s[role][0]['pid']}.jsonl" for role in ("prefill", "decode")}
+    before = {role: len(read(f)) if f.exists() else 0 for role, f in files.items()}
+    t0 = time.time()
+    prompt = prompt_ids(200, seed=31)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=180)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == TOKENS
+    # The replicas hand their steps on at their heartbeats (twice a second).
+    wait_until(lambda: all(f.exists() and len(read(f)) > before[r] for r, f in files.items()), 15,
+               "both replicas' new steps in the trace")
+    pre = read(files["prefill"], skip=before["prefill"])
+    assert {r["kind"] for r in pre} == {"prefill"} and sum(r["tokens"] for r in pre) == len(prompt)
+    dec = read(files["decode"], skip=before["decode"])
+    assert {r["kind"] for r in dec} == {"decode"} and sum(r["tokens"] for r in dec) == TOKENS - 1  # token 1: prefill's
+    for r in pre + dec:
+        assert t0 < r["ended"] - r["seconds"] < r["ended"] < time.time() and r["role"] in files
+    (p,) = periods(dec, gap_s=5.0)
+    summary = summarize(p)
+    assert summary["kinds"]["decode"]["steps"] == len(dec)
+    assert summary["wall_s"] >= summary["inside_steps_s"] - 1e-6
+    assert abs(summary["wall_s"] - summary["inside_steps_s"] - summary["between_steps_s"]) < 1e-3
 
 
 def test_a_dead_engine_process_gets_its_replica_replaced(server, reference):

@@ -85,12 +85,13 @@ def queue_timeout_s(cfg: AppConfig) -> float:
 
 
 def max_requests(cfg: AppConfig) -> int:
-    """``limits.max_requests`` or its default: twice the decode role's replicas x ``max_ongoing_requests``."""
+    """Requests one ingress replica holds: ``limits.max_requests``, or its default: twice the decode role's
+    replicas x ``max_ongoing_requests``, shared out over ``ingress.num_replicas`` (rounded up)."""
     if cfg.limits.max_requests is not None:
         return cfg.limits.max_requests
     d = cfg.decode
     replicas = d.autoscaling.max_replicas if d.autoscaling is not None else (d.num_replicas or 1)
-    return 2 * replicas * d.ongoing_requests_cap
+    return -(-2 * replicas * d.ongoing_requests_cap // cfg.ingress.num_replicas)
 
 
 def admit_by(cfg: AppConfig, arrived: float | None = None) -> float:

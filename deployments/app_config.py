@@ -428,6 +428,17 @@ class ChatConfig(_Strict):
     )
 
 
+class IngressConfig(_Strict):
+    """The OpenAI-compatible ingress deployment (``deployments/ingress.py``)."""
+
+    num_replicas: int = Field(
+        1, ge=1, description="Ingress replicas. Each streamed item passes through the ingress (detokenized, "
+        "written as a server-sent event) on its way from a decode replica to Serve's HTTP proxy: at a high "
+        "number of streams one ingress process is the bottleneck, and Serve's proxy spreads requests over "
+        "several. They take no CPU reservation (num_cpus 0), like the one.",
+    )
+
+
 class LimitsConfig(_Strict):
     """What the server accepts before it refuses (deployments/admission.py, deployments/openai/limits.py).
 
@@ -441,7 +452,8 @@ class LimitsConfig(_Strict):
     max_requests: int | None = Field(
         None, ge=1, description="Requests one ingress replica holds at once (admitted, not yet finished); past it "
         "a request is answered 429 at once. Default: twice what the decode role takes (its largest replica count "
-        "x max_ongoing_requests): one decode capacity running, one waiting in Serve's queue.",
+        "x max_ongoing_requests): one decode capacity running, one waiting in Serve's queue, shared out over the "
+        "ingress replicas (ingress.num_replicas).",
     )
     queue_timeout_s: float | None = Field(
         None, gt=0, description="Longest a request may wait to start (for a decode replica, for pages, for a "
@@ -490,6 +502,7 @@ class AppConfig(_Strict):
         None, description="Path of a file holding the API key (e.g. a mounted Secret), read at ingress start; "
         "surrounding whitespace is stripped. Same effect as api_key_env; give at most one of the two.",
     )
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
     chat: ChatConfig = Field(default_factory=ChatConfig, description="Defaults of chat requests.")
     limits: LimitsConfig = Field(
         default_factory=LimitsConfig, description="Request limits and overload answers (429, 413, 400).",

@@ -16,12 +16,14 @@
 #                       in the replica's process / in a process of its own (unset: the default, a process of its
 #                       own on the cuda backend); GIL_MS=5: Python's default switch interval instead of 0.2 ms;
 #                       THROUGHPUT_OPTIMIZED=1: Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED (gRPC between replicas:
-#                       the proxy -> ingress -> decode hops of a request's first token, docs/perf.md session 16))
+#                       the proxy -> ingress -> decode hops of a request's first token, docs/perf.md session 16);
+#                       INGRESS_REPLICAS=N: ingress.num_replicas; STREAM_ITEMS=N: decode.stream_items_per_s)
 #   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results (for dsa-* engines
 #                       also the served engine's mean step time per kind over each run: TAG.steps.json, and
 #                       each replica's step trace over the run, inside and between steps: TAG.trace_ROLE-PID.json;
 #                       SPY=1: py-spy of the decode replica's threads during each run, TAG.spy_decode.*, and of
-#                       its engine process's, idle samples included, TAG.spy_engine.*)
+#                       its engine process's, idle samples included, TAG.spy_engine.*; SPY=all: also the ingress
+#                       replica's and Serve's HTTP proxy's, TAG.spy_{ingress,proxy}.*, and top: TAG.top.txt)
 #   prefix ENGINE NAME PORT [CONCURRENCIES]   shared 8k-token prefixes, 256-token suffixes (issue 24's load; for
 #                       dsa-* engines also TAG.steps.json: the KV bytes pushed and prefix-cache hits over the run)
 #   structured ENGINE NAME PORT   1024-in / 256-out at concurrency 32, every request under a JSON schema
@@ -86,14 +88,30 @@ host_profile() {  # ENGINE TAG: with SPY=1, py-spy on the dsa-pd decode replica 
   # The replica's engine process too (engine_process), with --idle: its engine thread's waits (the device,
   # the socket to the replica) are samples, so its samples split the run's wall time.
   local child; child=$(pgrep -P "$pid" -f deployments.engine_process | head -1)
+  if [ "$SPY" = all ]; then
+    local ing prx; ing=$(pgrep -f "ServeReplica:dsa-pd:OpenAIIngress" | head -1); prx=$(pgrep -f "ray::ProxyActor" | head -1)
+    [ -n "$ing" ] && /tmp/site/bin/py-spy record -d "${SPY_S:-6}" -r 250 -f raw --threads -o "$RES/$2.spy_ingress.txt" \
+        -p "$ing" >/dev/null 2>&1 &
+    [ -n "$prx" ] && /tmp/site/bin/py-spy record -d "${SPY_S:-6}" -r 250 -f raw --threads -o "$RES/$2.spy_proxy.txt" \
+        -p "$prx" >/dev/null 2>&1 &
+    top -b -n 2 -d "${SPY_S:-6}" -w 200 | awk '/^top -/{n++} n==2' | head -22 > "$RES/$2.top.txt" &
+  fi
   [ -n "$child" ] && /tmp/site/bin/py-spy record -d "${SPY_S:-6}" -r 250 -f raw --threads --idle \
       -o "$RES/$2.spy_engine.txt" -p "$child" >/dev/null 2>&1 &
   /tmp/site/bin/py-spy record -d "${SPY_S:-6}" -r 250 -f raw --threads -o "$RES/$2.spy_decode.txt" -p "$pid" \
       >/dev/null 2>&1 && env $DSA_ENV python3 -m bench.peers.host_profile "$RES/$2.spy_decode.txt" \
-      --seconds "${SPY_S:-6}" --json "$RES/$2.spy_decode.json" | head -8
+      --seconds "${SPY_S:-6}" --json "$RES/$2.spy_decode.json" --top 6
   wait
+  # The rest of a token's way out: the ingress replica and Serve's HTTP proxy (each a Python process),
+  # sampled in the same window of the next run when SPY=all (and the busiest processes by CPU meanwhile).
   [ -f "$RES/$2.spy_engine.txt" ] && env $DSA_ENV python3 -m bench.peers.host_profile "$RES/$2.spy_engine.txt" \
-      --seconds "${SPY_S:-6}" --json "$RES/$2.spy_engine.json" | head -14
+      --seconds "${SPY_S:-6}" --json "$RES/$2.spy_engine.json" --top 8
+  for who in ingress proxy; do
+    [ -f "$RES/$2.spy_$who.txt" ] && { echo "-- $who"; env $DSA_ENV python3 -m bench.peers.host_profile \
+        "$RES/$2.spy_$who.txt" --seconds "${SPY_S:-6}" --json "$RES/$2.spy_$who.json" --top 8; }
+  done
+  [ -f "$RES/$2.top.txt" ] && sed -n 7,16p "$RES/$2.top.txt"
+  return 0
 }
 
 run_seed() {  # INPUT_LEN CONCURRENCY: the prompts' seed. The same run gets the same prompts on every engine;
@@ -186,7 +204,8 @@ case "$step" in
     name=${1:?checkpoint name}; mode=${2:?monolithic or pd}
     env $DSA_ENV python3 -m bench.peers.serve_config "/tmp/ckpt/$name" --mode "$mode" --out "/tmp/dsa_$mode.yaml" \
         ${NO_PREFIX_CACHE:+--no-prefix-caching} ${ENGINE_PROCESS:+--engine-process $([ "$ENGINE_PROCESS" = 0 ] && echo off || echo on)} \
-        ${GIL_MS:+--gil-switch-interval-ms "$GIL_MS"} --gpu-memory-gib "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print int($1/1024)}')"
+        ${GIL_MS:+--gil-switch-interval-ms "$GIL_MS"} ${INGRESS_REPLICAS:+--ingress-replicas "$INGRESS_REPLICAS"} \
+        ${STREAM_ITEMS:+--stream-items-per-s "$STREAM_ITEMS"} --gpu-memory-gib "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print int($1/1024)}')"
     env $DSA_ENV python3 -m deployments.cli check "/tmp/dsa_$mode.yaml" 2>&1 | tail -8
     # Every replica's steps -> $RES/trace/ROLE-PID.jsonl (deployments/metrics/step_trace.py; read by steps_after).
     env $DSA_ENV ${THROUGHPUT_OPTIMIZED:+RAY_SERVE_THROUGHPUT_OPTIMIZED=1} DSA_PD_STEP_TRACE="$RES/trace" \

@@ -95,6 +95,10 @@ def test_generated_serve_configs_pass_the_controller(tmp_path, mode):
     assert res.app_cfg.decode.gil_switch_interval_ms == 0.2
     thread = check_args(serve_config(ckpt, mode, gpu_memory_gib=80, engine_process=False)["applications"][0]["args"])
     assert thread.ok and not thread.app_cfg.decode.runs_engine_process
+    out = check_args(serve_config(ckpt, mode, gpu_memory_gib=80, ingress_replicas=3,
+                                  stream_items_per_s=500)["applications"][0]["args"])
+    assert out.ok and out.app_cfg.ingress.num_replicas == 3 and out.app_cfg.decode.stream_items_per_s == 500
+    assert res.app_cfg.ingress.num_replicas == 1 and res.app_cfg.decode.stream_items_per_s == 2000
 
 
 def test_table_divides_by_the_peer(tmp_path):

@@ -226,6 +226,15 @@ def test_limits_defaults_follow_the_roles():
         "num_replicas": None, "autoscaling": {"min_replicas": 1, "max_replicas": 3}},
         limits={"queue_timeout_s": 5}))
     assert max_requests(auto) == 2 * 3 * auto.decode.ongoing_requests_cap and queue_timeout_s(auto) == 5
+    # Several ingress replicas share the default out (rounded up); an explicit limit is per replica.
+    three = AppConfig.model_validate(merged(yaml_args("tiny_pd.yaml"), ingress={"num_replicas": 3}))
+    assert max_requests(three) == -(-2 * three.decode.ongoing_requests_cap // 3)
+    assert 3 * max_requests(three) - 2 * three.decode.ongoing_requests_cap in (0, 1, 2)
+    set3 = AppConfig.model_validate(merged(yaml_args("tiny_pd.yaml"), ingress={"num_replicas": 3},
+                                           limits={"max_requests": 7}))
+    assert max_requests(set3) == 7
+    with pytest.raises(ValueError, match="ingress.num_replicas"):
+        AppConfig.model_validate(merged(yaml_args("tiny_pd.yaml"), ingress={"num_replicas": 0}))
 
 
 def test_a_queue_timeout_past_the_transfer_deadline_is_a_violation():

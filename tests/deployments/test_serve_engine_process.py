@@ -1,9 +1,11 @@
-"""`serve run` of ``configs/tiny_pd.yaml`` with ``engine_process: true`` on both roles: each replica's
+"""`serve run` of ``configs/tiny_pd.yaml`` with ``engine_process: true`` on both roles (and two ingress
+replicas, ``ingress.num_replicas``): each replica's
 worker (engine, page pool, NIXL agent) runs in a child process of its own
 (`deployments.engine_process`), and pages still move prefill -> decode over NIXL between those children.
 
 Through the official openai client: concurrent and streamed greedy completions equal the offline engine's,
-`/stats` names each replica's engine process (not the replica's own), both pools end where they started,
+`/stats` names each replica's engine process (not the replica's own) and is answered by both ingress replicas,
+both pools end where they started,
 each replica's step trace (``DSA_PD_STEP_TRACE``) holds its steps, and killing the decode replica's engine process fails its replica's health check (Serve replaces it).
 """
 
@@ -27,7 +29,8 @@ from tests.deployments.shared_servers import ServerSpec, served_and_offline_fixt
 
 pytestmark = pytest.mark.slow
 
-RAW = merged(yaml_args("tiny_pd.yaml"), prefill={"engine_process": True}, decode={"engine_process": True})
+RAW = merged(yaml_args("tiny_pd.yaml"), prefill={"engine_process": True}, decode={"engine_process": True},
+             ingress={"num_replicas": 2})
 ARGS = AppConfig.model_validate(RAW)
 MODEL = ARGS.model_name
 PROMPTS = [prompt_ids(n, seed=900 + n) for n in (150, 7, 64, 300)]
@@ -58,6 +61,9 @@ def test_engine_processes_answer_like_the_offline_engine(server, reference):
         assert f"engine process {entry['engine_pid']} (replica {entry['pid']})" in logs, logs[-3000:]
     texts, streamed = served_greedy_texts(server, MODEL, PROMPTS, TOKENS, streamed=3)
     assert texts == reference and streamed == reference[3]
+    # ingress.num_replicas 2: Serve's proxy spreads requests over both (each answers /stats with its own pid).
+    pids = {stats(server)["ingress"]["pid"] for _ in range(40)}
+    assert len(pids) == 2, pids
     wait_until(lambda: _whole(server), 30, "both pools back at their start counts")
 
 

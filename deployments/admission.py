@@ -84,6 +84,24 @@ def queue_timeout_s(cfg: AppConfig) -> float:
     return MONOLITHIC_QUEUE_TIMEOUT_S if cfg.monolithic else cfg.transfer.deadline_s / 2
 
 
+STREAMS_PER_INGRESS = 32
+"""Streams one ingress replica is sized for by default (`ingress_replicas`): on an H200, one replica
+streaming 128 requests at the default pacing used a whole core (docs/perf.md, session 23)."""
+MAX_DEFAULT_INGRESS = 8
+"""The default's cap: each ingress replica holds the tokenizer and Serve's handles (about 0.7 GB of host memory
+on an H200 host); Serve spreads replicas over the nodes."""
+
+
+def ingress_replicas(cfg: AppConfig) -> int:
+    """``ingress.num_replicas`` or its default: one per `STREAMS_PER_INGRESS` streams the decode role runs at
+    once (its largest replica count x ``max_batch_size``), from 1 to `MAX_DEFAULT_INGRESS`."""
+    if cfg.ingress.num_replicas is not None:
+        return cfg.ingress.num_replicas
+    d = cfg.decode
+    replicas = d.autoscaling.max_replicas if d.autoscaling is not None else (d.num_replicas or 1)
+    return max(1, min(MAX_DEFAULT_INGRESS, -(-replicas * d.max_batch_size // STREAMS_PER_INGRESS)))
+
+
 def max_requests(cfg: AppConfig) -> int:
     """Requests one ingress replica holds: ``limits.max_requests``, or its default: twice the decode role's
     replicas x ``max_ongoing_requests``, shared out over ``ingress.num_replicas`` (rounded up)."""
@@ -91,7 +109,7 @@ def max_requests(cfg: AppConfig) -> int:
         return cfg.limits.max_requests
     d = cfg.decode
     replicas = d.autoscaling.max_replicas if d.autoscaling is not None else (d.num_replicas or 1)
-    return -(-2 * replicas * d.ongoing_requests_cap // cfg.ingress.num_replicas)
+    return -(-2 * replicas * d.ongoing_requests_cap // ingress_replicas(cfg))
 
 
 def admit_by(cfg: AppConfig, arrived: float | None = None) -> float:

@@ -62,7 +62,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
     assert cfg is not None
 
     # Imported after validation: a bad config fails fast without loading torch-heavy modules.
-    from deployments.admission import max_requests
+    from deployments.admission import ingress_replicas, max_requests
     from deployments.decode_server import DecodeServer
     from deployments.ingress import OpenAIIngress
     from deployments.peer_directory import PeerDirectory
@@ -96,7 +96,7 @@ def build_app(args: dict[str, Any] | AppConfig) -> serve.Application:
     # handler answers 429 itself (deployments/admission.py).
     ingress_ongoing = max(256, 2 * hi * plan.decode.max_ongoing_requests, max_requests(cfg) + 64)
     ingress = serve.deployment(OpenAIIngress).options(
-        name="OpenAIIngress", num_replicas=cfg.ingress.num_replicas, ray_actor_options={"num_cpus": 0},
+        name="OpenAIIngress", num_replicas=ingress_replicas(cfg), ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=ingress_ongoing,
         # The proxy's queue in front of the ingress, bounded too: a flood the handlers cannot even
         # answer 429 to fast enough is refused by Serve's proxy (429 + Retry-After, its own body).

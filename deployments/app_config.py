@@ -431,11 +431,14 @@ class ChatConfig(_Strict):
 class IngressConfig(_Strict):
     """The OpenAI-compatible ingress deployment (``deployments/ingress.py``)."""
 
-    num_replicas: int = Field(
-        1, ge=1, description="Ingress replicas. Each streamed item passes through the ingress (detokenized, "
-        "written as a server-sent event) on its way from a decode replica to Serve's HTTP proxy: at a high "
-        "number of streams one ingress process is the bottleneck, and Serve's proxy spreads requests over "
-        "several. They take no CPU reservation (num_cpus 0), like the one.",
+    num_replicas: int | None = Field(
+        None, ge=1, description="Ingress replicas. Each streamed item passes through the ingress (detokenized, "
+        "written as a server-sent event) on its way from a decode replica to Serve's HTTP proxy, and Serve's proxy "
+        "spreads requests over the replicas: on an H200, one ingress replica streaming 128 requests used a whole "
+        "core and held the output back (8,260 output tok/s; four: 10,689; docs/perf.md, session 23). Default: one "
+        "per 32 streams the decode role runs at once (its largest replica count x max_batch_size), 1 to 8 "
+        "(deployments.admission.ingress_replicas). Each takes no CPU reservation (num_cpus 0) and about 0.7 GB "
+        "of host memory.",
     )
 
 

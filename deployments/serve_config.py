@@ -17,6 +17,7 @@ from typing import Any
 
 import pydantic
 
+from deployments.admission import ingress_replicas, max_requests
 from deployments.app_config import APP_IMPORT_PATH
 from deployments.controller.v4_rules import v4_summary
 from models.v4.config import V4Config
@@ -142,9 +143,16 @@ def _summary(result: CheckResult, gpu_memory_bytes: int | None) -> list[str]:
             lines.append(f"  per replica (host memory): weights {format_bytes(est.weights_bytes)} + pages "
                          f"{format_bytes(est.page_bytes)}")
         lines.append("  " + _prefix_cache_line(app_cfg, role_cfg))
+    lines.append(_ingress_line(app_cfg))
     lo, hi = plan.gpus
     lines.append(f"GPUs: {lo:g}" + ("" if lo == hi else f" to {hi:g}"))
     return lines
+
+
+def _ingress_line(app_cfg) -> str:
+    n = ingress_replicas(app_cfg)
+    how = "ingress.num_replicas" if app_cfg.ingress.num_replicas is not None else "default: 1 per 32 decode streams"
+    return f"ingress: {n} replica(s) ({how}), each holding up to {max_requests(app_cfg)} requests"
 
 
 def _v4_summary(app_cfg, m: V4Config, plan, gpu_memory_bytes: int | None) -> list[str]:
@@ -160,6 +168,7 @@ def _v4_summary(app_cfg, m: V4Config, plan, gpu_memory_bytes: int | None) -> lis
                      f"{role_cfg.dtype}, kv {role_cfg.kv_cache_dtype}, MTP drafts {role_cfg.mtp_draft_tokens}")
         lines.append(f"  {v4_summary(role_cfg, m, gpu_memory_bytes)}")
         lines.append("  " + _prefix_cache_line(app_cfg, role_cfg, v4=True))
+    lines.append(_ingress_line(app_cfg))
     return lines
 
 

@@ -71,6 +71,7 @@ steps_after() {  # ENGINE TAG: what the served engine did over the run -> $RES/T
     for f in "$RES"/trace/*.jsonl; do
       [ -f "$f" ] || continue
       local skip; skip=$(awk -v f="$f" '$1 == f {print $2}' /tmp/trace_before 2>/dev/null); skip=${skip:-0}
+      [ "$(wc -l < "$f")" -gt "$skip" ] || continue  # an earlier server's replica
       echo "trace $(basename "$f" .jsonl):"
       env $DSA_ENV python3 -m deployments.metrics.step_trace "$f" --skip "$skip" \
           --json "$RES/$2.trace_$(basename "$f" .jsonl).json" | tail -4

@@ -13,6 +13,7 @@ from bench.peers.agreement import compare, first_divergence
 from bench.peers.checkpoint import dsv32_shaped_kwargs
 from bench.peers.serve_config import serve_config
 from bench.peers.table import load, table
+from deployments.admission import ingress_replicas
 from deployments.controller import check_args
 from models.tiny import _config_class, make_tiny
 from workers.offline import LLM
@@ -98,7 +99,8 @@ def test_generated_serve_configs_pass_the_controller(tmp_path, mode):
     out = check_args(serve_config(ckpt, mode, gpu_memory_gib=80, ingress_replicas=3,
                                   stream_items_per_s=500)["applications"][0]["args"])
     assert out.ok and out.app_cfg.ingress.num_replicas == 3 and out.app_cfg.decode.stream_items_per_s == 500
-    assert res.app_cfg.ingress.num_replicas == 1 and res.app_cfg.decode.stream_items_per_s == 2000
+    # 128 decode streams: four ingress replicas by default (deployments.admission.ingress_replicas).
+    assert ingress_replicas(res.app_cfg) == 4 and res.app_cfg.decode.stream_items_per_s == 2000
 
 
 def test_table_divides_by_the_peer(tmp_path):

@@ -25,6 +25,7 @@ from attention.formats import pages_for_tokens
 from deployments.admission import (
     InFlight,
     PoolFit,
+    ingress_replicas,
     max_requests,
     overload_message,
     overload_reason,
@@ -225,7 +226,9 @@ def test_limits_defaults_follow_the_roles():
     auto = AppConfig.model_validate(merged(yaml_args("tiny_pd.yaml"), decode={
         "num_replicas": None, "autoscaling": {"min_replicas": 1, "max_replicas": 3}},
         limits={"queue_timeout_s": 5}))
-    assert max_requests(auto) == 2 * 3 * auto.decode.ongoing_requests_cap and queue_timeout_s(auto) == 5
+    # 3 x 16 streams: two ingress replicas (one per 32), each holding half the default.
+    assert ingress_replicas(auto) == 2 and queue_timeout_s(auto) == 5
+    assert max_requests(auto) == 2 * 3 * auto.decode.ongoing_requests_cap // 2
     # Several ingress replicas share the default out (rounded up); an explicit limit is per replica.
     three = AppConfig.model_validate(merged(yaml_args("tiny_pd.yaml"), ingress={"num_replicas": 3}))
     assert max_requests(three) == -(-2 * three.decode.ongoing_requests_cap // 3)
@@ -235,6 +238,22 @@ def test_limits_defaults_follow_the_roles():
     assert max_requests(set3) == 7
     with pytest.raises(ValueError, match="ingress.num_replicas"):
         AppConfig.model_validate(merged(yaml_args("tiny_pd.yaml"), ingress={"num_replicas": 0}))
+
+
+def test_ingress_replicas_default_to_one_per_32_decode_streams():
+    def reps(**decode) -> int:
+        return ingress_replicas(AppConfig.model_validate(merged(yaml_args("tiny_pd.yaml"), decode=decode)))
+
+    assert reps() == 1  # 16 streams
+    assert reps(max_batch_size=128) == 4 and reps(max_batch_size=129) == 5
+    assert reps(num_replicas=None, autoscaling={"min_replicas": 1, "max_replicas": 3}, max_batch_size=64) == 6
+    assert reps(num_replicas=8, max_batch_size=128) == 8  # 32 by the rule; capped
+    two = AppConfig.model_validate(merged(yaml_args("tiny_pd.yaml"), decode={"max_batch_size": 128},
+                                          ingress={"num_replicas": 2}))
+    assert ingress_replicas(two) == 2
+    # The default admission limit is shared out over the default replica count too.
+    four = AppConfig.model_validate(merged(yaml_args("tiny_pd.yaml"), decode={"max_batch_size": 128}))
+    assert max_requests(four) == 2 * four.decode.ongoing_requests_cap // 4
 
 
 def test_a_queue_timeout_past_the_transfer_deadline_is_a_violation():

@@ -98,8 +98,7 @@ def ingress_replicas(cfg: AppConfig) -> int:
     if cfg.ingress.num_replicas is not None:
         return cfg.ingress.num_replicas
     d = cfg.decode
-    replicas = d.autoscaling.max_replicas if d.autoscaling is not None else (d.num_replicas or 1)
-    return max(1, min(MAX_DEFAULT_INGRESS, -(-replicas * d.max_batch_size // STREAMS_PER_INGRESS)))
+    return max(1, min(MAX_DEFAULT_INGRESS, -(-d.max_replicas * d.max_batch_size // STREAMS_PER_INGRESS)))
 
 
 def max_requests(cfg: AppConfig) -> int:
@@ -108,8 +107,7 @@ def max_requests(cfg: AppConfig) -> int:
     if cfg.limits.max_requests is not None:
         return cfg.limits.max_requests
     d = cfg.decode
-    replicas = d.autoscaling.max_replicas if d.autoscaling is not None else (d.num_replicas or 1)
-    return -(-2 * replicas * d.ongoing_requests_cap // ingress_replicas(cfg))
+    return -(-2 * d.max_replicas * d.ongoing_requests_cap // ingress_replicas(cfg))
 
 
 def admit_by(cfg: AppConfig, arrived: float | None = None) -> float:

@@ -338,6 +338,11 @@ class RoleConfig(_Strict):
     def ongoing_requests_cap(self) -> int:
         return self.max_ongoing_requests or 2 * self.max_batch_size
 
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas the role runs: autoscaling's ``max_replicas``, else ``num_replicas`` (default 1)."""
+        return self.autoscaling.max_replicas if self.autoscaling is not None else (self.num_replicas or 1)
+
 
 class RouterConfig(_Strict):
     """How the ingress picks a decode replica and the decode replica a prefill replica."""

@@ -12,7 +12,7 @@
 # The parts hold one tar, dsa-pd's wheels first: the first three parts alone install dsa-pd's stack
 # (`DSA_ONLY=1 bash bench/peers/run_peer.sh install`). models/checkpoints/small-v32 (36 MiB) must be moved
 # out of the tree for the lease: the device tool carries the tracked tree (~6 MiB without it) plus one
-# part per call (64 MiB in all).
+# part per call (64 MiB in all): `bash bench/peers/checkpoint_aside.sh out`, and `... back` afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SHARED=${SHARED:-../shared/offline-wheels}

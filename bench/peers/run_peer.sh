@@ -35,7 +35,8 @@
 # Carry recipe: ../shared/offline-wheels (pack_wheels.py --groups kernels nixl ray; pack_vllm.sh).
 # Fewest calls: copy pack_vllm.sh's wheels (its $W/sel) and a transformers >= 5.23 wheel into .vllmsel, then
 #   PART_MIB=56 bash bench/pack_device_parts.sh .devicewheels/{kernels,nixl,ray1,ray2} .whl .whl2 .vllmsel
-# and, for the lease only, move models/checkpoints/small-v32 (36 MiB) out of the tree: the tree is then ~6 MiB
+# and, for the lease only, move models/checkpoints/small-v32 (36 MiB) out of the tree (bench/peers/checkpoint_aside.sh
+# out / back: commits made meanwhile keep it): the tree is then ~6 MiB
 # and seven 56 MiB parts carry everything (one `stage .devparts/pNN` call each, carry .devparts/pNN).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/stage /tmp/results /tmp/logs

@@ -68,14 +68,16 @@ steps_after() {  # ENGINE TAG: what the served engine did over the run -> $RES/T
     env $DSA_ENV python3 -m bench.peers.served_steps snapshot /tmp/steps_after.json
     env $DSA_ENV python3 -m bench.peers.served_steps diff /tmp/steps_before.json /tmp/steps_after.json \
         --json "$RES/$2.steps.json" | grep -E "step_seconds|kv_push_bytes|prefix_cache_hits"
-    # Where the run's wall time went in each replica: inside steps by kind, and between them.
+    # Where the run's wall time went in each replica: inside steps by kind, and between them; with the client's
+    # result, only the run's own steps (not the warm-ups') and how far the client's run outlasted them.
+    local RUN_JSON=""; [ -f "$RES/$2.json" ] && RUN_JSON="$RES/$2.json"
     for f in "$RES"/trace/*.jsonl; do
       [ -f "$f" ] || continue
       local skip; skip=$(awk -v f="$f" '$1 == f {print $2}' /tmp/trace_before 2>/dev/null); skip=${skip:-0}
       [ "$(wc -l < "$f")" -gt "$skip" ] || continue  # an earlier server's replica
       echo "trace $(basename "$f" .jsonl):"
       env $DSA_ENV python3 -m deployments.metrics.step_trace "$f" --skip "$skip" \
-          --json "$RES/$2.trace_$(basename "$f" .jsonl).json" | tail -4
+          ${RUN_JSON:+--run "$RUN_JSON"} --json "$RES/$2.trace_$(basename "$f" .jsonl).json" | tail -4
     done
   fi
 }

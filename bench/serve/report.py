@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -93,8 +94,12 @@ def result_document(*, summary: dict, results: Sequence[RequestResult], requests
     """The saved JSON: run description, summary, and per-request arrays (index i = request i)."""
     date = date or datetime.now()
     t0 = min((r.start for r in results), default=0.0)
+    # Request starts are perf_counter readings; the wall clock of the first lets a server-side trace
+    # (``deployments.metrics.step_trace``: ``time.time()`` end times) be laid beside the run.
+    epoch = time.time() - time.perf_counter()
     doc = {
         "date": date.strftime("%Y%m%d-%H%M%S"),
+        "started_at": t0 + epoch if results else None,
         "backend": "openai",
         "url": url,
         "model_id": model,

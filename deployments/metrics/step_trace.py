@@ -12,11 +12,14 @@ heartbeat, one line per step::
 ``ended`` is the wall-clock time the step returned, ``seconds`` its duration as the engine's thread
 measured it, ``tokens`` what `replica_stats.StepRecord` counts. Off (the default), nothing is written.
 
-    python -m deployments.metrics.step_trace FILE [--skip N] [--gap-s 2.0] [--json OUT]
+    python -m deployments.metrics.step_trace FILE [--skip N] [--run RESULT.json] [--gap-s 2.0] [--json OUT]
 
 summarizes the steps after the first ``N`` lines (a run's, when ``N`` was the line count before it),
 split into busy periods at idle gaps longer than ``--gap-s``: each period's wall time, the time inside
-steps by kind, and the time between steps.
+steps by kind, and the time between steps. ``--run``: only the steps that ran inside a
+``dsa-pd bench serve`` run (its result's ``started_at`` and ``duration``), and how the client's run
+compares with them: a run much longer than its steps waited on something else than the engine (the
+way out to the client, session 23's ingress).
 """
 
 from __future__ import annotations
@@ -99,14 +102,29 @@ def summarize(steps: list[dict]) -> dict:
             "kinds": kinds}
 
 
+def in_run(steps: list[dict], started_at: float, duration: float) -> list[dict]:
+    """The steps that started inside a client run (``started_at``, wall clock, lasting ``duration`` s)."""
+    return [s for s in steps if started_at <= s["ended"] - s["seconds"] <= started_at + duration]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Summarize a replica's step trace (DSA_PD_STEP_TRACE).")
     ap.add_argument("trace", type=Path)
     ap.add_argument("--skip", type=int, default=0, help="lines written before the window of interest")
     ap.add_argument("--gap-s", type=float, default=2.0, help="idle time that separates two busy periods")
+    ap.add_argument("--run", type=Path, help="a `dsa-pd bench serve` result: only the steps inside its run")
     ap.add_argument("--json", type=Path, help="write the periods' summaries here too")
     args = ap.parse_args(argv)
-    out = [summarize(p) for p in periods(read(args.trace, args.skip), args.gap_s)]
+    steps = read(args.trace, args.skip)
+    if args.run is not None:
+        run = json.loads(args.run.read_text())
+        steps = in_run(steps, run["started_at"], run["duration"])
+        if steps:
+            first = steps[0]["ended"] - steps[0]["seconds"] - run["started_at"]
+            last = run["started_at"] + run["duration"] - steps[-1]["ended"]
+            print(f"client run {run['duration']:.3f} s: its first step started {first:.3f} s in, its last step "
+                  f"ended {last:.3f} s before the client's last token")
+    out = [summarize(p) for p in periods(steps, args.gap_s)] if steps else []
     for i, p in enumerate(out):
         kinds = ", ".join(f"{name} {k['steps']} x {k['mean_ms']:.2f} ms ({k['tokens']} tokens)"
                           for name, k in sorted(p["kinds"].items()))

@@ -128,7 +128,9 @@ def test_run_limits_concurrency_warms_up_and_saves_json(tmp_path, capsys):
                   "--num-warmups", "2", "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el",
                   "--metric-percentiles", "50,90,99", "--goodput", "ttft:10000", "tpot:10000",
                   "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json", "--disable-tqdm"])
+    before = time.time()
     _summary, doc = asyncio.run(run_benchmark(args, transport=httpx.MockTransport(server)))
+    after = time.time()
     assert server.peak == 3  # never more than --max-concurrency in flight
     assert len(server.bodies) == 8 + 2  # 2 warm-ups, then the timed 8
     b = server.bodies[-1]
@@ -141,6 +143,9 @@ def test_run_limits_concurrency_warms_up_and_saves_json(tmp_path, capsys):
     assert saved["input_lens"] == [len(q["prompt"]) for q in server.bodies[2:]]
     assert saved["total_output_tokens"] == sum(saved["output_lens"])
     assert all(t <= e for t, e in zip(saved["ttfts"], saved["e2els"]))
+    # The first timed request's wall clock (after the warm-ups): start_times are offsets from it.
+    assert before < saved["started_at"] < after and min(saved["start_times"]) == 0
+    assert saved["started_at"] + max(saved["start_times"]) < after
     assert [len(g) for g in saved["itls"]] == [(n + 1) // 2 - 1 for n in saved["output_lens"]]
     assert saved["request_goodput"] == pytest.approx(saved["request_throughput"])
     for key in ("p50_ttft_ms", "p90_tpot_ms", "p99_itl_ms", "median_e2el_ms", "std_e2el_ms"):

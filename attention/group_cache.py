@@ -29,7 +29,10 @@ model's business (``models.v4.paged_state``). A group is stored either
   through ``v4_format``'s own token-offset rule (`v4_format.token_bytes_at`).
   Layer ``l``'s V4 pages of the group start ``l * fmt.page_bytes`` into each group
   page, one group page (``units_per_page * UNIT_BYTES``) apart: a kernel view is
-  ``v4_format.kernel_view``'s shape with that page stride.
+  ``v4_format.kernel_view``'s shape with that page stride; or
+* as fp8 indexer keys (`GroupLayout.fmt` a ``V4IndexFormat``, ``attention.v4_index_format``:
+  the ``csa_index`` group under ``"fp8"``): per layer one page of 256 keys' fp8 bytes, then
+  their fp32 scales, through the same token-offset rule.
 
 A group page's bytes are the group's declared ``page_bytes`` (``CacheGroup``) per
 layer, nothing else: `GroupLayout` refuses a group whose declared geometry is not
@@ -47,6 +50,7 @@ import torch
 from .cache import ALL_LAYERS, CacheRegion
 from .cache_groups import CacheGroup
 from .v4_format import V4CacheFormat, read_tokens, write_tokens
+from .v4_index_format import V4IndexFormat
 
 UNIT_BYTES = 4096
 """Bytes of one transfer unit. Small against a group page at real scale (the padding is under
@@ -63,14 +67,14 @@ class GroupLayout:
     group: the group, whose ``bytes_per_token`` / ``page_bytes`` must be what this layout stores;
     dtype: the stored element type (``torch.uint8`` with ``fmt``);
     width: values a position holds (read returns ``[n, width]``);
-    fmt:   None (unquantized: ``width`` x ``dtype`` a position) or the V4 fp8 token format
-           (``fmt.head_dim == width``, ``fmt.page_tokens == group.tokens_per_page``).
+    fmt:   None (unquantized: ``width`` x ``dtype`` a position), the V4 fp8 token format or the fp8
+           indexer-key format (``fmt.head_dim == width``, ``fmt.page_tokens == group.tokens_per_page``).
     """
 
     group: CacheGroup
     dtype: torch.dtype
     width: int
-    fmt: V4CacheFormat | None = None
+    fmt: V4CacheFormat | V4IndexFormat | None = None
 
     def __post_init__(self) -> None:
         g = self.group
@@ -78,7 +82,7 @@ class GroupLayout:
             want = (self.width * self.dtype.itemsize, g.tokens_per_page * self.width * self.dtype.itemsize)
         else:
             if self.dtype != torch.uint8 or self.fmt.head_dim != self.width or self.fmt.page_tokens != g.tokens_per_page:
-                raise ValueError(f"group {g.name!r}: a V4-format layout stores uint8 pages of {g.tokens_per_page} "
+                raise ValueError(f"group {g.name!r}: an fp8-format layout stores uint8 pages of {g.tokens_per_page} "
                                  f"tokens of width {self.width}, got dtype {self.dtype}, format {self.fmt}")
             want = (self.fmt.bytes_per_token, self.fmt.page_bytes)
         if (g.bytes_per_token, g.page_bytes) != want:
@@ -101,7 +105,7 @@ class GroupLayout:
     def describe(self) -> str:
         """The stored format, e.g. ``bfloat16x32`` or ``v4fp8[448+64]x584`` (compatibility checks)."""
         if self.fmt is not None:
-            return f"v4fp8[{self.fmt.nope_dim}+{self.fmt.rope_dim}]x{self.fmt.bytes_per_token}"
+            return self.fmt.describe()
         return f"{str(self.dtype).removeprefix('torch.')}x{self.width}"
 
 

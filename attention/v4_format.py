@@ -17,6 +17,10 @@ Scales are powers of two: ``2 ** ceil(log2(amax / 448))`` with ``amax`` clamped
 below at ``1e-4`` (DeepSeek's UE8M0 activation quantizer), so an all-zero tile
 stores zeros and a finite scale, never NaN. Slots are ``page * 256 + offset``,
 ``-1`` = none (skipped on write, zeros on read).
+
+The paged-token helpers (`token_bytes_at`, `write_tokens`, `read_tokens`, `round_trip_v4`) take any
+token format with this part / scale page geometry and ``quantize`` / ``dequantize`` methods: this one,
+or the fp8 indexer keys' (``attention.v4_index_format.V4IndexFormat``).
 """
 
 from __future__ import annotations
@@ -91,6 +95,17 @@ class V4CacheFormat:
         used = self.page_tokens * self.bytes_per_token
         return -(-used // self.part_bytes) * self.part_bytes
 
+    def describe(self) -> str:
+        return f"v4fp8[{self.nope_dim}+{self.rope_dim}]x{self.bytes_per_token}"
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`quantize_v4` in this format: what the paged-token helpers below call on any token format
+        (this one, or ``attention.v4_index_format.V4IndexFormat``)."""
+        return quantize_v4(x, self)
+
+    def dequantize(self, parts: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return dequantize_v4(parts, scales, self)
+
 
 def _check_tokens(x: torch.Tensor, fmt: V4CacheFormat) -> None:
     if x.dim() != 2 or x.shape[1] != fmt.head_dim:
@@ -161,7 +176,7 @@ def write_tokens(flat: torch.Tensor, base: torch.Tensor, off: torch.Tensor, x: t
                  fmt: V4CacheFormat) -> None:
     """Quantize tokens x ``[n, nope + rope]`` into the flat uint8 buffer ``flat`` (1-D, written in place)
     at pages starting at byte ``base`` int64 ``[n]``, offsets ``off`` int64 ``[n]`` (`token_bytes_at`)."""
-    parts, scales = quantize_v4(x, fmt)
+    parts, scales = fmt.quantize(x)
     part_at, scale_at = token_bytes_at(base, off, fmt)
     flat[part_at.reshape(-1)] = parts.reshape(-1)
     flat[scale_at.reshape(-1)] = scales.reshape(-1)
@@ -170,7 +185,7 @@ def write_tokens(flat: torch.Tensor, base: torch.Tensor, off: torch.Tensor, x: t
 def read_tokens(flat: torch.Tensor, base: torch.Tensor, off: torch.Tensor, fmt: V4CacheFormat) -> torch.Tensor:
     """Dequantized tokens f32 ``[n, nope + rope]`` stored in ``flat`` as `write_tokens` put them."""
     part_at, scale_at = token_bytes_at(base, off, fmt)
-    return dequantize_v4(flat[part_at], flat[scale_at], fmt)
+    return fmt.dequantize(flat[part_at], flat[scale_at])
 
 
 def round_trip_v4(x: torch.Tensor, fmt: V4CacheFormat) -> torch.Tensor:
@@ -180,8 +195,7 @@ def round_trip_v4(x: torch.Tensor, fmt: V4CacheFormat) -> torch.Tensor:
     read back from pages equals the one used in the forward that made it: re-quantizing a
     round-tripped token gives the same values (power-of-two scales; tests/attention/test_v4_format.py),
     and fp8 x 2^k and bf16 rope values are exact in bf16 / fp32 ``x``."""
-    _check_tokens(x, fmt)
-    return dequantize_v4(*quantize_v4(x, fmt), fmt).to(x.dtype)
+    return fmt.dequantize(*fmt.quantize(x)).to(x.dtype)
 
 
 def write_v4(pages: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, fmt: V4CacheFormat) -> None:

@@ -129,7 +129,7 @@ def _build_grouped_rank(spec: RankSpec, tp: TPContext, device: str) -> RankParts
     One rank; on the cuda backend its sparse attention runs on FlashMLA (`attention.cuda.v4_attention`)."""
     from attention.group_cache import GroupedPagedCache
     from models.registry import load_any_model
-    from models.v4.cache_spec import v4_group_layouts, v4_kv_format
+    from models.v4.cache_spec import v4_formats, v4_group_layouts
     from workers.v4_runner import V4ModelRunner
 
     limits = {"tensor parallel size": (tp.size, 1), "two_batch_overlap": (spec.two_batch_overlap, False)}
@@ -144,8 +144,8 @@ def _build_grouped_rank(spec: RankSpec, tp: TPContext, device: str) -> RankParts
 
         check_v4_dims(model.cfg.head_dim, model.cfg.num_attention_heads)
         model.set_attention_kernel(sparse_attention_with_sink)
-    # fp8 caches: the model rounds keys and entries through the pages' format as it makes them.
-    model.set_kv_cache_format(v4_kv_format(model.cfg, spec.kv_cache_dtype))
+    # fp8 caches: the model rounds keys, entries and indexer keys through the pages' formats as it makes them.
+    model.set_kv_cache_format(*v4_formats(model.cfg, spec.kv_cache_dtype))
     # The MTP layer's keys (when loaded) are one more layer of the swa group.
     layouts = v4_group_layouts(model.cfg, torch_dtype(spec.dtype), spec.kv_cache_dtype, with_mtp=len(model.mtp) > 0)
     cache = GroupedPagedCache(layouts, {lay.name: spec.num_pages for lay in layouts}, device)

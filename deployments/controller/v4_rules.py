@@ -20,7 +20,7 @@ What the DSA settings mean for V4, and what its engine runs today
 * caches: per cache group (``models.v4.cache_spec``), each holding
   ``num_pages`` pages; ``kv_cache_dtype`` ``auto`` (unquantized, model dtype) or
   ``fp8`` (sliding-window keys and compressed entries in the 584-byte V4 token
-  format; indexer keys in the model dtype and compressor state fp32 either way).
+  format, CSA indexer keys in fp8 with a float32 scale; compressor state fp32 either way).
   Prefill and decode must agree on it (``rules``, and the transfer handshake's
   per-group formats).
 * backend: ``reference``, or ``cuda`` when the attention has FlashMLA's shape
@@ -69,8 +69,8 @@ def v4_feature_rules(app_cfg: AppConfig, out: list[Violation]) -> None:
 def v4_agreement_rules(app_cfg: AppConfig, m: V4Config, out: list[Violation]) -> None:
     """PD: both roles' cache groups must be stored alike (pages are copied byte for byte). The generic rule
     (``rules._agreement_rules``) compares ``kv_cache_dtype`` and, under ``auto``, the model dtype; under
-    ``fp8`` V4's indexer keys still follow the model dtype (``models.v4.cache_spec``), so compare the
-    groups' formats themselves."""
+    ``fp8`` every group's format is compared itself (``models.v4.cache_spec``: today none follows the model
+    dtype, so roles of different dtypes store alike; a group that did would be caught here)."""
     from models.dtypes import torch_dtype
     from models.v4.cache_spec import v4_group_layouts
 
@@ -83,9 +83,8 @@ def v4_agreement_rules(app_cfg: AppConfig, m: V4Config, out: list[Violation]) ->
     if differ:
         out.append(Violation(
             "decode.dtype",
-            f"with kv_cache_dtype 'fp8' DeepSeek-V4 keeps its indexer keys in the model dtype: prefill "
-            f"{p.dtype!r} vs decode {d.dtype!r} stores {', '.join(differ)} differently; pages are copied byte for "
-            "byte, so use one dtype on both roles",
+            f"with kv_cache_dtype 'fp8' DeepSeek-V4's prefill ({p.dtype!r}) and decode ({d.dtype!r}) store "
+            f"{', '.join(differ)} differently; pages are copied byte for byte, so use one dtype on both roles",
         ))
 
 

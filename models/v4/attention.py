@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from attention.v4_attention import combined_index_row, sparse_attention_with_sink
 from attention.v4_format import V4CacheFormat, round_trip_v4
+from attention.v4_index_format import V4IndexFormat
 from models.parallel import ReplicatedLinear
 from models.v4.config import CSA, SLIDING, V4Config
 from models.v4.layers import V4RMSNorm, V4Rotary, grouped_linear, rope_tail, unweighted_rms_norm
@@ -45,9 +46,9 @@ class Compressor(nn.Module):
         self.wgate = ReplicatedLinear(hidden, width, dtype=dtype)
         self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32), requires_grad=False)
         self.norm = V4RMSNorm(dim, eps)
-        # The cache format the entries are stored in (fp8 caches: the attention compressor's only; the
-        # indexer's keys stay unquantized, models.v4.cache_spec). None: unquantized.
-        self.kv_format: V4CacheFormat | None = None
+        # The cache format the entries are stored in (fp8 caches: the V4 token for the attention's
+        # compressor, fp8 keys for the indexer's; models.v4.cache_spec). None: unquantized.
+        self.kv_format: V4CacheFormat | V4IndexFormat | None = None
 
     def new_state(self, device) -> CompressorState:
         dtype = self.wkv.weight.dtype

@@ -20,16 +20,17 @@ group              ``"auto"``                              ``"fp8"`` (the servin
 swa, csa/hca_kv    ``head_dim`` x model dtype              584-byte V4 token (``attention.v4_format``:
                                                            448 fp8 nope + 64 bf16 rope, 7 UE8M0 scales
                                                            padded to 8), V4 pages of 149,760 bytes
-csa_index          ``index_head_dim`` x model dtype        the same: unquantized
+csa_index          ``index_head_dim`` x model dtype        fp8 key + fp32 power-of-two scale
+                                                           (``attention.v4_index_format``: 132 bytes
+                                                           for 128-wide keys, pages of 33,792 bytes)
 state groups       fp32 rows                               the same: fp32
 =================  =====================================  ==========================================
 
-Kept unquantized under fp8, by decision: the indexer's compressed keys (DeepSeek's release keeps
-them in fp8 with a scale format of its own, which this project does not implement yet; they only
-rank entries for the top-k, never enter the attention values, and are ``index_head_dim`` wide, 1/4
-of a token's key at V4's shapes) and the compressor state (high precision, as in DeepSeek's
-release: it is the un-normed, un-gated sum's input, one page per sequence). With fp8 the model
-rounds every key and compressed entry through the format the moment it is made
+Kept in fp32 under fp8, by decision: the compressor state (high precision, as in DeepSeek's
+release: it is the un-normed, un-gated sum's input, one page per sequence). The indexer's keys are
+fp8 in the layout of DeepSeek-V3.2's indexer cache (per-key scale; DeepSeek's V4 release keeps them
+in fp8 with a scale layout of its own, not reproduced). With fp8 the model rounds every key,
+compressed entry and indexer key through its format the moment it is made
 (``DeepseekV4ForCausalLM.set_kv_cache_format``), so what a forward uses equals what pages give back.
 
 With ``with_mtp`` (the checkpoint's MTP layer loaded) the ``swa`` group holds one more layer per
@@ -43,6 +44,7 @@ import torch
 
 from attention.cache_groups import CacheGroup
 from attention.v4_format import PAGE_TOKENS, V4CacheFormat
+from attention.v4_index_format import V4IndexFormat
 from models.v4.config import CSA, HCA, V4Config
 
 _FP32 = 4
@@ -66,6 +68,17 @@ def v4_kv_format(cfg: V4Config, kv_cache_dtype: str) -> V4CacheFormat | None:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     return V4CacheFormat.for_head(cfg.head_dim, cfg.qk_rope_head_dim) if kv_cache_dtype == "fp8" else None
+
+
+def v4_index_format(cfg: V4Config, kv_cache_dtype: str) -> V4IndexFormat | None:
+    """The byte format of the CSA layers' indexer keys: fp8 keys for ``"fp8"``, None (unquantized, model
+    dtype) for ``"auto"``."""
+    return V4IndexFormat(cfg.index_head_dim) if v4_kv_format(cfg, kv_cache_dtype) is not None else None
+
+
+def v4_formats(cfg: V4Config, kv_cache_dtype: str) -> tuple[V4CacheFormat | None, V4IndexFormat | None]:
+    """(`v4_kv_format`, `v4_index_format`): what ``DeepseekV4ForCausalLM.set_kv_cache_format`` takes."""
+    return v4_kv_format(cfg, kv_cache_dtype), v4_index_format(cfg, kv_cache_dtype)
 
 
 def v4_cache_groups(cfg: V4Config, kv_cache_dtype: str = "fp8", dtype: torch.dtype = torch.bfloat16,
@@ -93,8 +106,10 @@ def v4_cache_groups(cfg: V4Config, kv_cache_dtype: str = "fp8", dtype: torch.dty
         overlap = kind == CSA
         groups.append(CacheGroup(f"{short}_kv", "compressed", PAGE_TOKENS, kv_token, kv_page, layers, ratio=m))
         if overlap:
-            ix = cfg.index_head_dim * item
-            groups.append(CacheGroup(f"{short}_index", "indexer", PAGE_TOKENS, ix, PAGE_TOKENS * ix, layers, ratio=m))
+            ifmt = v4_index_format(cfg, kv_cache_dtype)
+            ix = cfg.index_head_dim * item if ifmt is None else ifmt.bytes_per_token
+            ix_page = PAGE_TOKENS * ix if ifmt is None else ifmt.page_bytes
+            groups.append(CacheGroup(f"{short}_index", "indexer", PAGE_TOKENS, ix, ix_page, layers, ratio=m))
         slots = state_slots(m, overlap)
         width = (2 if overlap else 1) * cfg.head_dim
         per = 2 * width * _FP32  # kv + gate
@@ -111,20 +126,21 @@ def v4_group_layouts(cfg: V4Config, dtype: torch.dtype, kv_cache_dtype: str = "a
     Sliding-window keys and compressed entries: one ``head_dim`` row per position in the model
     ``dtype`` (``"auto"``: exact math, the engine's output equals the standalone model's), or one
     V4 fp8 token (``"fp8"``: ``GroupLayout.fmt``, quantized on write, dequantized on read). Indexer keys:
-    ``index_head_dim`` in ``dtype`` either way. State slots fp32: the compressor's raw ``wkv`` then
+    ``index_head_dim`` in ``dtype``, or fp8 keys (``"fp8"``: `v4_index_format`). State slots fp32: the compressor's raw ``wkv`` then
     ``wgate`` projection of one source position, ``2 * width`` values, position ``p`` in slot
     ``p % state_slots`` (``models.v4.paged_state``). ``GroupLayout`` checks each group's declared bytes
     against what it stores."""
     from attention.group_cache import GroupLayout
 
-    fmt = v4_kv_format(cfg, kv_cache_dtype)
+    fmt, ifmt = v4_formats(cfg, kv_cache_dtype)
     out = []
     for g in v4_cache_groups(cfg, kv_cache_dtype, dtype, with_mtp):
         if g.kind in ("swa", "compressed"):
             out.append(GroupLayout(g, torch.uint8, cfg.head_dim, fmt) if fmt is not None
                        else GroupLayout(g, dtype, cfg.head_dim))
         elif g.kind == "indexer":
-            out.append(GroupLayout(g, dtype, cfg.index_head_dim))
+            out.append(GroupLayout(g, torch.uint8, cfg.index_head_dim, ifmt) if ifmt is not None
+                       else GroupLayout(g, dtype, cfg.index_head_dim))
         else:  # state: bytes_per_token = (kv + gate) x width x fp32
             out.append(GroupLayout(g, torch.float32, g.bytes_per_token // _FP32))
     return tuple(out)

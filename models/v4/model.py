@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from attention.v4_format import V4CacheFormat
+from attention.v4_index_format import V4IndexFormat
 from models.parallel import ReplicatedLinear
 from models.v4.batch import V4Batch, sequence_positions
 from models.v4.block import V4Block
@@ -57,14 +58,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Attention layers that own cache pages: the main layers plus the MTP layers."""
         return self.cfg.num_hidden_layers + len(self.mtp)
 
-    def set_kv_cache_format(self, fmt: V4CacheFormat | None) -> None:
-        """Compute with the cache format ``fmt`` (``models.v4.cache_spec.v4_kv_format``): every
-        sliding-window key and compressed entry is rounded through it (``v4_format.round_trip_v4``)
-        when made, as a paged cache of that format stores it. None: unquantized (the default)."""
+    def set_kv_cache_format(self, fmt: V4CacheFormat | None, index_fmt: V4IndexFormat | None = None) -> None:
+        """Compute with the cache formats ``fmt`` and ``index_fmt`` (``models.v4.cache_spec.v4_formats``):
+        every sliding-window key and compressed entry is rounded through ``fmt``, every CSA indexer key
+        through ``index_fmt`` (``v4_format.round_trip_v4``), when made, as paged caches of those formats
+        store them. None: unquantized (the default)."""
         for block in [*self.layers, *self.mtp]:
             block.attn.kv_format = fmt
             if block.attn.compressor is not None:
                 block.attn.compressor.kv_format = fmt
+            if block.attn.indexer is not None:
+                block.attn.indexer.compressor.kv_format = index_fmt
 
     def set_attention_kernel(self, attend) -> None:
         """Run every block's sparse attention through ``attend`` (the signature of

@@ -162,11 +162,14 @@ def test_cache_groups_of_deepseek_v4():
     assert main_only["swa"] == tuple(range(cfg.num_hidden_layers))
     assert (c4.ratio, c128.ratio) == (4, 128) and c4.bytes_per_token == c128.bytes_per_token == 584
     assert set(c4.layers) | set(c128.layers) == set(range(cfg.num_hidden_layers))
-    # Indexer keys stay in the model dtype (bf16 x index_head_dim 128), state fp32 (models/v4/cache_spec.py).
-    assert groups["csa_index"].bytes_per_token == 256 and groups["csa_index"].layers == c4.layers
+    # Indexer keys in fp8 with a float32 scale (128 + 4 bytes; attention/v4_index_format.py), in the model dtype
+    # (bf16 x index_head_dim 128) with "auto"; state fp32 either way (models/v4/cache_spec.py).
+    ix = groups["csa_index"]
+    assert (ix.bytes_per_token, ix.page_bytes, ix.tokens_per_page) == (132, 256 * 132, 256) and ix.layers == c4.layers
     auto = {g.name: g for g in v4_cache_groups(cfg, "auto", torch.bfloat16)}
     assert (auto["swa"].bytes_per_token, auto["swa"].page_bytes) == (1024, 256 * 1024)
-    assert auto["csa_index"] == groups["csa_index"] and auto["csa_state"] == groups["csa_state"]
+    assert (auto["csa_index"].bytes_per_token, auto["csa_index"].page_bytes) == (256, 256 * 256)
+    assert auto["csa_state"] == groups["csa_state"]
     # State rings: the 2m (CSA) / m (HCA) source positions a resuming forward reads, and 2 more an MTP verify's
     # rejected drafts may have written past them (models/v4/cache_spec.py: state_slots).
     assert groups["csa_state"].tokens_per_page == 10 and groups["hca_state"].tokens_per_page == 130

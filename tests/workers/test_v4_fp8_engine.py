@@ -1,10 +1,11 @@
 """DeepSeek-V4 with fp8 caches (``kv_cache_dtype: fp8``): sliding-window keys and compressed entries in
 the 584-byte V4 token format (``attention.v4_format``; the tiny model's 32-wide keys: 16 fp8 + 16 bf16
-rope + 1 scale padded to 8 = 56 bytes), quantized on write, dequantized on read; indexer keys in the
-model dtype and compressor state fp32 (``models.v4.cache_spec``).
+rope + 1 scale padded to 8 = 56 bytes), quantized on write, dequantized on read; indexer keys as fp8 with a
+float32 power-of-two scale (``attention.v4_index_format``; 24 + 4 = 28 bytes) and compressor state fp32
+(``models.v4.cache_spec``).
 
-The reference is the standalone ``models.v4`` model rounding each key and entry through the same format
-when it makes it (``set_kv_cache_format``), whole prompt in one forward: the engine (chunks of 16, batched,
+The reference is the standalone ``models.v4`` model rounding each key, entry and indexer key through the same
+formats when it makes it (``set_kv_cache_format``), whole prompt in one forward: the engine (chunks of 16, batched,
 pages) must equal it token for token, monolithic and PD. Not transformers: it has no fp8 cache, and on
 this tiny random model any rounding of the keys changes the greedy output (bf16 rounding of the keys alone
 moves the teacher-forced logits by up to 4 of a 10 range), so a tolerance against the ``auto`` run would
@@ -18,9 +19,10 @@ import torch
 
 from attention.group_cache import UNIT_BYTES, GroupLayout
 from attention.v4_format import V4CacheFormat, quantize_v4
+from attention.v4_index_format import V4IndexFormat
 from models.batch import ForwardMode
 from models.registry import load_any_model
-from models.v4.cache_spec import v4_kv_format
+from models.v4.cache_spec import v4_formats, v4_kv_format
 from tests.workers.pd_aborts import abort_at_every_phase
 from tests.workers.prompts import random_prompt
 from tests.workers.v4_reference import standalone_greedy
@@ -37,7 +39,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def model_fp8(tiny_v4):
     model = load_any_model(tiny_v4, dtype=torch.float32)
-    model.set_kv_cache_format(v4_kv_format(model.cfg, "fp8"))
+    model.set_kv_cache_format(*v4_formats(model.cfg, "fp8"))
     return model
 
 
@@ -72,12 +74,17 @@ def test_fp8_pages_hold_the_format_bytes(tiny_v4, model_fp8):
     cache, cfg = llm.pool.cache, model_fp8.cfg
     fmt = V4CacheFormat.for_head(cfg.head_dim, cfg.qk_rope_head_dim)
     assert (fmt.part_bytes, fmt.scale_bytes, fmt.bytes_per_token) == (48, 8, 56)
+    ifmt = V4IndexFormat(cfg.index_head_dim)
+    assert (cfg.index_head_dim, ifmt.bytes_per_token, ifmt.page_bytes) == (24, 28, 256 * 28)
     for lay in cache.layouts.values():
         g = lay.group
         if g.kind in ("swa", "compressed"):
             assert lay.fmt == fmt and (g.bytes_per_token, g.page_bytes) == (56, fmt.page_bytes) == (56, 14_352)
             assert cache.view(g.name).shape == (4, len(g.layers), fmt.page_bytes)
-        else:  # indexer keys in the model dtype, state fp32
+        elif g.kind == "indexer":
+            assert lay.fmt == ifmt and (g.bytes_per_token, g.page_bytes) == (28, 7_168)
+            assert cache.view(g.name).shape == (4, len(g.layers), ifmt.page_bytes)
+        else:  # state fp32
             assert lay.fmt is None and lay.dtype == torch.float32
         # Storage = the declared bytes per layer; the transfer moves each group page as its whole units.
         assert lay.page_bytes == len(g.layers) * g.page_bytes
@@ -92,9 +99,13 @@ def test_fp8_pages_hold_the_format_bytes(tiny_v4, model_fp8):
     # Two forwards: the second reads the first's keys back from the pages.
     llm.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(p[:200]), 0, pages)])
     llm.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(p[200:]), 200, pages)])
+    # The standalone model in the same two forwards: a forward's values at a position may differ by a float32
+    # ulp with the forward's length (the MoE's and attention's matmul shapes), which a key's bf16 rope part
+    # can show.
     st = model_fp8.new_state()
     with torch.inference_mode():
-        model_fp8(torch.tensor(p), [len(p)], [st])
+        model_fp8(torch.tensor(p[:200]), [200], [st])
+        model_fp8(torch.tensor(p[200:]), [len(p) - 200], [st])
     n = len(p)
 
     def check(group: str, layer: int, first: int, values: torch.Tensor) -> None:
@@ -112,6 +123,20 @@ def test_fp8_pages_hold_the_format_bytes(tiny_v4, model_fp8):
         check("swa", layer, n - swa.shape[0], swa)
     check("csa_kv", 1, 0, st.layers[1].comp.entries)
     check("hca_kv", 2, 0, st.layers[2].comp.entries)
+    # Indexer keys: 24 fp8 bytes each, then the page's 256 float32 scales, powers of two.
+    keys = st.layers[1].index.entries
+    assert keys.shape[0] == n // 4
+    amax = keys.float().abs().amax(dim=-1).clamp(min=1e-4)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448)))
+    q = (keys.float() / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    slot = cache.layer_slot["csa_index"][1]
+    for i in range(keys.shape[0]):
+        page, off = divmod(i, 256)
+        row = cache.view("csa_index")[pages["csa_index"][page], slot]
+        assert torch.equal(row[off * 24:(off + 1) * 24], q[i]), i
+        assert row[256 * 24 + off * 4:256 * 24 + (off + 1) * 4].view(torch.float32).item() == scale[i].item(), i
+    # The model's keys are already rounded: they are what the page decodes to.
+    assert torch.equal(keys.float(), q.view(torch.float8_e4m3fn).float() * scale[:, None])
     assert st.layers[2].comp.entries.shape[0] == n // 8
     for g in ("swa", "csa_kv", "hca_kv"):  # the page's padding past the scale rows
         assert (cache.view(g)[:, :, 256 * 56:] == 0).all()
@@ -139,7 +164,8 @@ def test_group_layout_refuses_a_geometry_it_does_not_store(tiny_v4, model_fp8):
     auto = {g.name: g for g in v4_cache_groups(cfg, "auto", torch.float32)}
     fp8 = {g.name: g for g in v4_cache_groups(cfg, "fp8", torch.float32)}
     assert (auto["swa"].bytes_per_token, fp8["swa"].bytes_per_token) == (4 * 32, 56)
-    assert auto["csa_index"] == fp8["csa_index"] and auto["csa_state"] == fp8["csa_state"]
+    assert (auto["csa_index"].bytes_per_token, fp8["csa_index"].bytes_per_token) == (4 * 24, 28)
+    assert auto["csa_state"] == fp8["csa_state"]
     with pytest.raises(ValueError, match="declares 56 bytes"):
         GroupLayout(fp8["swa"], torch.float32, 32)
     with pytest.raises(ValueError, match="declares 128 bytes"):

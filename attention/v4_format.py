@@ -40,8 +40,34 @@ _AMAX_FLOOR = 1e-4
 _UE8M0_BIAS = 127
 
 
+def check_positive(fmt, *names: str) -> None:
+    """A format's integer fields must be positive ints (not bools)."""
+    for name in names:
+        v = getattr(fmt, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+class PartsThenScales:
+    """A token format whose page holds ``page_tokens`` parts of ``part_bytes``, then as many scale rows of
+    ``scale_bytes``: the geometry the page helpers below address (`token_bytes_at`)."""
+
+    page_tokens: int
+    part_bytes: int
+    scale_bytes: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.part_bytes + self.scale_bytes
+
+    @property
+    def scale_offset(self) -> int:
+        """Byte offset of the scale rows in a page."""
+        return self.page_tokens * self.part_bytes
+
+
 @dataclass(frozen=True)
-class V4CacheFormat:
+class V4CacheFormat(PartsThenScales):
     """Byte geometry of one V4 cache token and page (defaults: DeepSeek-V4, 584-byte tokens)."""
 
     nope_dim: int = 448
@@ -49,10 +75,7 @@ class V4CacheFormat:
     page_tokens: int = PAGE_TOKENS
 
     def __post_init__(self) -> None:
-        for name in ("nope_dim", "rope_dim", "page_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_positive(self, "nope_dim", "rope_dim", "page_tokens")
 
     @classmethod
     def for_head(cls, head_dim: int, rope_dim: int, page_tokens: int = PAGE_TOKENS) -> "V4CacheFormat":
@@ -79,15 +102,6 @@ class V4CacheFormat:
     def scale_bytes(self) -> int:
         """Scale bytes of a token: ``n_scales`` padded to a multiple of 8 (8 for DeepSeek-V4)."""
         return -(-self.n_scales // 8) * 8
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.part_bytes + self.scale_bytes
-
-    @property
-    def scale_offset(self) -> int:
-        """Byte offset of the scale rows in a page."""
-        return self.page_tokens * self.part_bytes
 
     @property
     def page_bytes(self) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.v4_format import PAGE_TOKENS
+from attention.v4_format import PAGE_TOKENS, PartsThenScales, check_positive
 
 FP8_MAX = 448.0
 _AMAX_FLOOR = 1e-4
@@ -29,17 +29,14 @@ _SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
-class V4IndexFormat:
+class V4IndexFormat(PartsThenScales):
     """Byte geometry of one fp8 indexer key and page (default: DeepSeek-V4's 128-wide keys)."""
 
     head_dim: int = 128
     page_tokens: int = PAGE_TOKENS
 
     def __post_init__(self) -> None:
-        for name in ("head_dim", "page_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_positive(self, "head_dim", "page_tokens")
 
     @property
     def part_bytes(self) -> int:
@@ -48,15 +45,6 @@ class V4IndexFormat:
     @property
     def scale_bytes(self) -> int:
         return _SCALE_BYTES
-
-    @property
-    def bytes_per_token(self) -> int:
-        return self.part_bytes + self.scale_bytes
-
-    @property
-    def scale_offset(self) -> int:
-        """Byte offset of the scales in a page."""
-        return self.page_tokens * self.part_bytes
 
     @property
     def page_bytes(self) -> int:

@@ -126,10 +126,10 @@ def v4_group_layouts(cfg: V4Config, dtype: torch.dtype, kv_cache_dtype: str = "a
     Sliding-window keys and compressed entries: one ``head_dim`` row per position in the model
     ``dtype`` (``"auto"``: exact math, the engine's output equals the standalone model's), or one
     V4 fp8 token (``"fp8"``: ``GroupLayout.fmt``, quantized on write, dequantized on read). Indexer keys:
-    ``index_head_dim`` in ``dtype``, or fp8 keys (``"fp8"``: `v4_index_format`). State slots fp32: the compressor's raw ``wkv`` then
-    ``wgate`` projection of one source position, ``2 * width`` values, position ``p`` in slot
-    ``p % state_slots`` (``models.v4.paged_state``). ``GroupLayout`` checks each group's declared bytes
-    against what it stores."""
+    ``index_head_dim`` in ``dtype``, or fp8 keys (``"fp8"``: `v4_index_format`). State slots fp32: the
+    compressor's raw ``wkv`` then ``wgate`` projection of one source position, ``2 * width`` values,
+    position ``p`` in slot ``p % state_slots`` (``models.v4.paged_state``). ``GroupLayout`` checks each
+    group's declared bytes against what it stores."""
     from attention.group_cache import GroupLayout
 
     fmt, ifmt = v4_formats(cfg, kv_cache_dtype)

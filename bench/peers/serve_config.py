@@ -22,12 +22,12 @@ from attention.formats import pages_for_tokens
 def serve_config(checkpoint: str | Path, mode: str, *, max_model_len: int = 9216, max_batch_size: int = 128,
                  gpu_memory_gib: float = 80.0, chunk_size: int = 8192, port: int = 8000,
                  name: str = "peer-model", prefix_caching: bool = True, engine_process: bool | None = None,
-                 gil_switch_interval_ms: float | None = None, ingress_replicas: int = 1,
+                 gil_switch_interval_ms: float | None = None, ingress_replicas: int | None = None,
                  stream_items_per_s: float | None = None) -> dict:
     """The `serve run` document (one application) for ``checkpoint`` in ``mode`` ("monolithic" | "pd");
     ``prefix_caching=False``: the prefix cache off (the shared-prefix comparison's baseline);
     ``engine_process`` / ``gil_switch_interval_ms``: those role options on every role (None: the default);
-    ``ingress_replicas``: ``ingress.num_replicas``; ``stream_items_per_s``: the decode role's (None: its default)."""
+    ``ingress_replicas``: ``ingress.num_replicas`` (None: its default, one per 32 decode streams); ``stream_items_per_s``: the decode role's (None: its default)."""
     if mode not in ("monolithic", "pd"):
         raise ValueError(f"mode must be 'monolithic' or 'pd', got {mode!r}")
     # Every request of a full batch at its longest, plus one bucket's slack; page ids are shared by all layers.
@@ -45,7 +45,7 @@ def serve_config(checkpoint: str | Path, mode: str, *, max_model_len: int = 9216
                   "decode": decode}
     if not prefix_caching:
         args["features"] = {"prefix_caching": False}
-    if ingress_replicas != 1:
+    if ingress_replicas is not None:
         args["ingress"] = {"num_replicas": ingress_replicas}
     if stream_items_per_s is not None:
         decode["stream_items_per_s"] = stream_items_per_s
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-process", choices=["on", "off"], default=None,
                     help="each replica's engine in a process of its own (default: the config's default, on for cuda)")
     ap.add_argument("--gil-switch-interval-ms", type=float, default=None)
-    ap.add_argument("--ingress-replicas", type=int, default=1)
+    ap.add_argument("--ingress-replicas", type=int, default=None)
     ap.add_argument("--stream-items-per-s", type=float, default=None)
     args = ap.parse_args(argv)
     doc = serve_config(args.checkpoint, args.mode, max_model_len=args.max_model_len,

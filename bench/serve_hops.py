@@ -7,7 +7,9 @@ first item (``/stream``, the way the ingress waits for a decode replica's first 
 request's TTFT minus ``/stream`` minus the engine's prefill step is what dsa-pd's own path costs
 (docs/perf.md, session 23).
 
-    python -m bench.serve_hops [--requests 50] [--port 8123]
+    python -m bench.serve_hops [--requests 50] [--port 8123] [--http-frontend haproxy|serve-proxy]
+
+``--http-frontend`` (deployments/http_frontend.py; default: Serve's proxy) puts HAProxy in front instead.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=50)
     ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--http-frontend", choices=["haproxy", "serve-proxy"], default="serve-proxy")
     args = ap.parse_args(argv)
+    from deployments.http_frontend import describe, serve_run_env
     work = tempfile.mkdtemp(prefix="serve-hops-")
     with open(os.path.join(work, "hops_app.py"), "w") as f:
         f.write(APP)
@@ -74,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         f.write(f"http_options: {{host: 127.0.0.1, port: {args.port}}}\n"
                 "applications:\n  - name: hops\n    route_prefix: /\n    import_path: hops_app:app\n")
     ray_tmp = tempfile.mkdtemp(prefix="hops-", dir="/tmp")  # Ray's socket paths must stay short
-    env = dict(os.environ, RAY_ADDRESS="local", RAY_TMPDIR=ray_tmp, PYTHONPATH=work)
+    env = dict(serve_run_env(args.http_frontend), RAY_ADDRESS="local", RAY_TMPDIR=ray_tmp, PYTHONPATH=work)
+    print(describe(args.http_frontend))
     proc = subprocess.Popen(["serve", "run", "config.yaml"], cwd=work, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{args.port}"
@@ -90,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             if time.monotonic() > end or proc.poll() is not None:
                 raise SystemExit("the hop app did not start")
             time.sleep(0.5)
+        # HAProxy answers from Serve's fallback proxy first, then reloads (dropping open connections) once
+        # the ingress replica's own server is up: let that settle.
+        time.sleep(5 if args.http_frontend == "haproxy" else 0)
+        client = httpx.Client(timeout=30)
         for path in ("local", "unary", "stream"):
             for _ in range(10):
                 client.get(f"{url}/{path}")

@@ -4,7 +4,7 @@
     dsa-pd generate MODEL_DIR [--prompt TEXT | --token-ids 1,2,3] [--max-new-tokens N] ...
     dsa-pd generate --tiny ARCH ...   (makes the tiny model into a cache dir first)
     dsa-pd check CONFIG.yaml [...] [--gpu-memory-gib G]   (validate serve configs offline)
-    dsa-pd serve CONFIG.yaml [SERVE RUN OPTIONS]   (check, then `serve run`; exit 1 on a violation)
+    dsa-pd serve [--http-frontend haproxy|serve-proxy] CONFIG.yaml [SERVE RUN OPTIONS]   (check, then `serve run`; exit 1 on a violation)
     dsa-pd bench serve [--base-url URL] [--num-prompts N] ...   (load an OpenAI-compatible server; docs/benchmarking.md)
     dsa-pd bench offline --model CKPT [--backend cuda ...]   (the offline engine, per-step timeline)
     dsa-pd bench soak [--base-url URL] [--duration S] ...    (a bounded soak of a running server; docs/reliability.md)
@@ -104,12 +104,17 @@ def _serve(args) -> int:
     code = _check(check)
     if code:
         return code
+    from deployments import http_frontend
+
     exe = shutil.which("serve")
     if exe is None:
         print("error: the `serve` command (ray[serve]) is not on PATH", file=sys.stderr)
         return 2
+    choice = args.http_frontend or http_frontend.default_choice()
+    env = http_frontend.serve_run_env(choice)
+    print(http_frontend.describe(choice))
     sys.stdout.flush()
-    os.execv(exe, [exe, "run", args.config, *args.serve_args])
+    os.execve(exe, [exe, "run", args.config, *args.serve_args], env)
     return 0  # not reached
 
 
@@ -198,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="passed on to `serve run`")
     p.add_argument("--gpu-memory-gib", type=float, default=None,
                    help="memory of one GPU for the budget rule (default: each role's gpu_memory_gib)")
+    p.add_argument("--http-frontend", choices=["haproxy", "serve-proxy"], default=None,
+                   help="what answers HTTP in front of the ingress replicas when `serve run` starts its own Ray "
+                        "cluster (deployments/http_frontend.py): haproxy (default when its binary is installed, "
+                        "unless RAY_SERVE_ENABLE_HA_PROXY says otherwise) or serve-proxy (Ray Serve's Python proxy)")
     p.set_defaults(func=_serve)
 
     _add_bench(sub)

@@ -40,6 +40,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 
+from deployments import http_frontend
 from deployments.admission import InFlight, PoolFit, admit_by, max_requests
 from deployments.app_config import AppConfig
 from deployments.auth import BearerAuth, load_api_key, set_api_key
@@ -246,6 +247,8 @@ class OpenAIIngress:
         self.directory = directory
         self.created = int(time.time())
         self.metrics = IngressMetrics(self.model_name)
+        self.http_frontend = http_frontend.active()  # Ray read the same variable when this process started
+        log.info(http_frontend.describe(self.http_frontend))
 
     # ---------------------------------------------------------------- probes
     @app.get("/health")
@@ -263,9 +266,11 @@ class OpenAIIngress:
     @app.get("/stats")
     async def stats(self) -> dict[str, Any]:
         """Every prefill and decode replica's entry in the peer directory (``prefill``, ``decode``),
-        and ``ingress``: the ingress replica that answered (its process id, requests in flight)."""
+        and ``ingress``: the ingress replica that answered (its process id, requests in flight, the HTTP
+        front end before it: ``haproxy`` or ``serve-proxy``)."""
         snap = await self.directory.snapshot.remote()
-        return {**snap, "ingress": {"pid": os.getpid(), "in_flight": self.in_flight.count}}
+        return {**snap, "ingress": {"pid": os.getpid(), "in_flight": self.in_flight.count,
+                                    "http_frontend": self.http_frontend}}
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:

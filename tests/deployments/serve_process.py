@@ -35,6 +35,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def haproxy_env() -> dict[str, str]:
+    """The environment of a server behind HAProxy (deployments/http_frontend.py): HAProxy on the server's
+    HTTP port, and its other ports (Serve's fallback proxy, HAProxy's stats and metrics pages: fixed
+    defaults in Ray) moved to free ones, so that it can start while another test's server runs."""
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port())}
+
+
 @functools.cache
 def shared_cache_dir() -> Path:
     """One tiny-model cache for every server (and offline reference) of this test run: a tiny

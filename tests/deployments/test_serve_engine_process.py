@@ -1,11 +1,13 @@
-"""`serve run` of ``configs/tiny_pd.yaml`` with ``engine_process: true`` on both roles (and two ingress
-replicas, ``ingress.num_replicas``): each replica's
+"""`serve run` of ``configs/tiny_pd.yaml`` with ``engine_process: true`` on both roles, two ingress
+replicas (``ingress.num_replicas``) and HAProxy in front of them (``RAY_SERVE_ENABLE_HA_PROXY=1``,
+deployments/http_frontend.py: the shape a GPU deployment runs): each replica's
 worker (engine, page pool, NIXL agent) runs in a child process of its own
 (`deployments.engine_process`), and pages still move prefill -> decode over NIXL between those children.
 
 Through the official openai client: concurrent and streamed greedy completions equal the offline engine's,
-`/stats` names each replica's engine process (not the replica's own) and is answered by both ingress replicas,
-both pools end where they started,
+`/stats` names each replica's engine process (not the replica's own) and is answered by both ingress replicas
+(each behind HAProxy), both pools end where they started, a client that hangs up mid-stream has its request
+aborted through HAProxy (the pages come back long before its tokens would have ended),
 each replica's step trace (``DSA_PD_STEP_TRACE``) holds its steps, and killing the decode replica's engine process fails its replica's health check (Serve replaces it).
 """
 
@@ -24,7 +26,7 @@ from deployments.app_config import AppConfig
 from deployments.metrics.step_trace import periods, read, summarize
 from tests.deployments.app_fixtures import merged, yaml_args
 from tests.deployments.offline_reference import prompt_ids
-from tests.deployments.serve_process import served_greedy_texts, stats, wait_until
+from tests.deployments.serve_process import haproxy_env, served_greedy_texts, stats, wait_until
 from tests.deployments.shared_servers import ServerSpec, served_and_offline_fixtures
 
 pytestmark = pytest.mark.slow
@@ -38,7 +40,7 @@ TOKENS = 10
 
 TRACE = Path(tempfile.mkdtemp(prefix="dsapd-steptrace-"))
 SERVER = ServerSpec("serve-engine-process", args=RAW, config_name="tiny_pd_engine_process.yaml",
-                    env={"DSA_PD_STEP_TRACE": str(TRACE)})
+                    env={"DSA_PD_STEP_TRACE": str(TRACE), **haproxy_env()})
 server, reference = served_and_offline_fixtures(SERVER, ARGS, PROMPTS, TOKENS)
 
 
@@ -61,10 +63,37 @@ def test_engine_processes_answer_like_the_offline_engine(server, reference):
         assert f"engine process {entry['engine_pid']} (replica {entry['pid']})" in logs, logs[-3000:]
     texts, streamed = served_greedy_texts(server, MODEL, PROMPTS, TOKENS, streamed=3)
     assert texts == reference and streamed == reference[3]
-    # ingress.num_replicas 2: Serve's proxy spreads requests over both (each answers /stats with its own pid).
-    pids = {stats(server)["ingress"]["pid"] for _ in range(40)}
-    assert len(pids) == 2, pids
+    # ingress.num_replicas 2: HAProxy spreads requests over both (each answers /stats with its own pid), each
+    # on its own HTTP server (Serve's direct ingress), with no Python proxy in between.
+    answers = [stats(server)["ingress"] for _ in range(40)]
+    assert len({a["pid"] for a in answers}) == 2, answers
+    assert {a["http_frontend"] for a in answers} == {"haproxy"}
+    assert "HAProxy started successfully" in server.log()
     wait_until(lambda: _whole(server), 30, "both pools back at their start counts")
+
+
+def test_a_client_hanging_up_mid_stream_aborts_its_request(server, reference):
+    """HAProxy closes its connection to the ingress replica when the client's goes: the ingress sees the
+    disconnect and aborts the request (decode stops, prefill's and decode's pages come back)."""
+    import httpx
+
+    server.wait_ready(timeout=300)
+    wait_until(lambda: _whole(server), 30, "both pools at their start counts")
+    tokens_before = stats(server)["decode"][0]["stats"]["decode_tokens"]
+    want = 2048 - len(PROMPTS[0]) - 1  # the tiny model's whole context
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": want, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", server.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 3:
+                break  # hang up: leaving the block closes the connection
+    wait_until(lambda: _whole(server), 60, "both pools back at their start counts after the hang-up")
+    time.sleep(1.5)  # the replica's last counters reach the directory at its next heartbeats
+    decoded = stats(server)["decode"][0]["stats"]["decode_tokens"] - tokens_before
+    assert decoded < want // 2, f"{decoded} of {want} tokens decoded: the hang-up did not abort the request"
 
 
 def test_the_step_trace_has_every_replicas_steps(server, reference):

@@ -433,6 +433,15 @@ def test_auth_from_a_secret():
     assert all(e["name"] != "DSA_PD_API_KEY" for c in ray_containers(off).values() for e in c.get("env", []))
 
 
+@pytest.mark.parametrize("frontend, value", [(None, "1"), ("haproxy", "1"), ("serve-proxy", "0")])
+def test_the_http_front_end_is_set_in_every_ray_pod(frontend, value):
+    """httpFrontend (default haproxy): RAY_SERVE_ENABLE_HA_PROXY in every Ray container, which Ray reads as its
+    processes start (the controller picks HAProxy or its Python proxy; ingress replicas open their own ports)."""
+    r = render({} if frontend is None else {"httpFrontend": frontend})
+    for group, c in ray_containers(r).items():
+        assert {"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": value} in c["env"], group
+
+
 def test_auth_from_a_secret_mounted_as_a_file(tmp_path):
     """auth.source file: every Ray container mounts only the Secret's key, read-only, where the serve
     config's api_key_file points (no key in any environment), and the ingress's own loader reads
@@ -549,6 +558,7 @@ DSV32 = {"serveConfig": {"preset": "dsv32_pd"}}
     ({"decode": {"autoscaling": {"minReplicas": 2}}}, "missing property 'maxReplicas'"),
     ({"service": {"type": "External"}}, "at '/service/type'"),
     ({"head": {"memory": "8 GB"}}, "at '/head/memory'"),
+    ({"httpFrontend": "nginx"}, "at '/httpFrontend': value must be one of"),
 ])
 def test_bad_values_fail_the_render_naming_the_value(values, message):
     with pytest.raises((helm_python.HelmRenderError, helm_python.HelmValuesError)) as e:

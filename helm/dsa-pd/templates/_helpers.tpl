@@ -280,6 +280,8 @@ Args: dict root plan group.
 */}}
 {{- define "dsa-pd.env" -}}
 {{- $root := .root -}}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: {{ eq $root.Values.httpFrontend "haproxy" | ternary "1" "0" | quote }}
 {{- if .plan.tinyModel }}
 - name: DSA_PD_CACHE
   value: {{ .plan.tinyCache | quote }}

@@ -4,7 +4,10 @@ with a timestamp per engine step.
 Workloads (the peer's offline mode runs the same ones: ``bench/peers/vllm_offline.py``):
 
 * prefill ``BxL``: B prompts of L random tokens, one new token each; tokens/s = B*L over
-  the time from the first step to the last prefill step.
+  the time from the first step to the last prefill step. ``BxL+C``: each prompt is one shared
+  C-token prefix, cached beforehand (an untimed request), then L new tokens (the first the same in
+  every prompt, the rest random): the prefill of a prefix-cache hit (only the L new tokens count; C a
+  multiple of the page size is cached whole).
 * decode at batch B: B prompts of ``--input-len`` tokens generating ``--output-len`` tokens
   each (ignore EOS, greedy). TPOT is read from the step timeline, not from totals: the
   median (and mean) duration of the steps that ran no prefill chunk while all B requests
@@ -80,11 +83,36 @@ def timed_run(llm, prompts: list[list[int]], max_new_tokens: int, tag: str, gram
             "total_s": steps[-1]["end_s"] if steps else 0.0}
 
 
-def prefill_case(llm, batch: int, length: int, seed: int) -> dict:
-    run = timed_run(llm, random_prompts(batch, length, seed), 1, f"prefill{batch}x{length}")
+def parse_prefill_case(text: str) -> tuple[int, int, int]:
+    """``"BxL"`` or ``"BxL+C"`` -> (batch, new tokens per prompt, cached prefix tokens)."""
+    head, _, cached = text.lower().partition("+")
+    try:
+        batch, length = (int(x) for x in head.split("x"))
+        prefix = int(cached) if cached else 0
+    except ValueError:
+        raise SystemExit(f"--prefill {text!r}: expected BxL or BxL+C (e.g. 8x4096, 1x256+8192)") from None
+    if batch < 1 or length < 1 or prefix < 0:
+        raise SystemExit(f"--prefill {text!r}: B and L must be positive, C not negative")
+    return batch, length, prefix
+
+
+def prefill_case(llm, batch: int, length: int, seed: int, cached: int = 0, warm: bool = True) -> dict:
+    """B prompts of ``length`` new tokens; with ``cached`` > 0, after one shared prefix of that many tokens
+    (the same for every seed) which an untimed request puts in the prefix cache first (``warm``; a caller
+    that warmed it already, as a profile does outside its window, passes False)."""
+    # Every prompt continues the prefix with the same token (a chat template's next marker does the
+    # same): a cached page's key covers the token after it (`workers.prefix_cache.LOOKAHEAD`), so the
+    # prefix's last page is a hit only for prompts that agree on that token.
+    prefix = random_prompts(1, cached + 1, 7919)[0] if cached else []
+    if cached and warm:
+        timed_run(llm, [prefix], 1, f"prefix{cached}-{seed}")  # its full pages stay cached
+    tag = f"prefill{batch}x{length}" + (f"+{cached}" if cached else "")
+    suffixes = random_prompts(batch, length - 1 if cached else length, seed)
+    run = timed_run(llm, [prefix + p for p in suffixes], 1, tag)
     last_prefill = max(s["end_s"] for s in run["steps"] if s["prefill_tokens"])
-    return {"case": f"prefill {batch}x{length}", "batch": batch, "input_len": length,
-            "prefill_tokens_per_s": batch * length / last_prefill, "prefill_s": last_prefill, **run}
+    return {"case": f"prefill {batch}x{length}" + (f" over {cached} cached" if cached else ""), "batch": batch,
+            "input_len": length, "cached_prefix": cached, "prefill_tokens_per_s": batch * length / last_prefill,
+            "prefill_s": last_prefill, **run}
 
 
 def decode_case(llm, batch: int, input_len: int, output_len: int, seed: int, grammar=None) -> dict:
@@ -107,7 +135,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--kv-cache-dtype", default="fp8", choices=["auto", "fp8"])
-    p.add_argument("--prefill", nargs="*", default=["8x4096", "1x16000"], help="prefill cases BxL")
+    p.add_argument("--prefill", nargs="*", default=["8x4096", "1x16000"], help="prefill cases BxL, or BxL+C: L new tokens after a cached C-token prefix")
     p.add_argument("--batch-sizes", nargs="*", type=int, default=[1, 32, 128], help="decode batch sizes")
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens of the decode cases")
     p.add_argument("--output-len", type=int, default=256, help="tokens generated per decode request")
@@ -143,11 +171,11 @@ def run(args) -> int:
     from workers.structured import GrammarSpec
 
     grammar = None if args.grammar_regex is None else GrammarSpec("regex", args.grammar_regex)
-    cases = [tuple(int(x) for x in c.lower().split("x")) for c in args.prefill]
-    need = max([b * pages_for_tokens(n + 1) for b, n in cases]
+    cases = [parse_prefill_case(c) for c in args.prefill]
+    need = max([pages_for_tokens(c) + b * pages_for_tokens(n + 1) for b, n, c in cases]
                + [b * pages_for_tokens(args.input_len + args.output_len) for b in args.batch_sizes] + [1])
     num_pages = args.num_pages or need + 16
-    max_batch = max([b for b, _ in cases] + args.batch_sizes + [1])
+    max_batch = max([b for b, _, _ in cases] + args.batch_sizes + [1])
     t0 = time.perf_counter()
     llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype,
               kv_cache_dtype=args.kv_cache_dtype, num_pages=num_pages, chunk_size=args.chunk_size,
@@ -172,14 +200,14 @@ def _run_cases(args, llm, cases, grammar, startup: float, num_pages: int) -> int
     # One untimed pass of every case first: kernels compile (Triton JIT) on a shape's first use. Its
     # speed is printed as the first prompts after start-up see it (start-up warms the prefill kernels
     # on the cuda backend: workers/kernel_warmup.py).
-    for b, n in cases:
-        cold = prefill_case(llm, b, n, args.seed + 99)
+    for b, n, c in cases:
+        cold = prefill_case(llm, b, n, args.seed + 99, c)
         out.setdefault("first_pass", []).append({k: cold[k] for k in ("case", "prefill_tokens_per_s", "prefill_s")})
         print(f"{cold['case']} (first pass after start-up): {cold['prefill_tokens_per_s']:,.0f} tokens/s", flush=True)
     for b in args.batch_sizes:
         decode_case(llm, b, args.input_len, 4, args.seed + 98, grammar)
-    for b, n in cases:
-        c = prefill_case(llm, b, n, args.seed)
+    for b, n, cached in cases:
+        c = prefill_case(llm, b, n, args.seed, cached)
         out["cases"].append(c)
         print(f"{c['case']}: {c['prefill_tokens_per_s']:,.0f} tokens/s ({c['prefill_s']:.3f} s)", flush=True)
     for b in args.batch_sizes:
@@ -199,8 +227,8 @@ def _run_cases(args, llm, cases, grammar, startup: float, num_pages: int) -> int
         from bench.step_profile import print_prefill_profile, profile_prefill
 
         out["prefill_profiles"] = []
-        for b, n in cases:
-            prof = profile_prefill(llm, b, n)
+        for b, n, cached in cases:
+            prof = profile_prefill(llm, b, n, cached=cached)
             print_prefill_profile(prof)
             out["prefill_profiles"].append(prof)
     out["two_batch_forwards"] = llm.stats()["two_batch_forwards"]

@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         f.write(f"http_options: {{host: 127.0.0.1, port: {args.port}}}\n"
                 "applications:\n  - name: hops\n    route_prefix: /\n    import_path: hops_app:app\n")
     ray_tmp = tempfile.mkdtemp(prefix="hops-", dir="/tmp")  # Ray's socket paths must stay short
-    env = dict(serve_run_env(args.http_frontend), RAY_ADDRESS="local", RAY_TMPDIR=ray_tmp, PYTHONPATH=work)
+    env = serve_run_env(args.http_frontend)
+    env.update(RAY_ADDRESS="local", RAY_TMPDIR=ray_tmp,  # the app's module first, then whatever ray came from
+               PYTHONPATH=os.pathsep.join(p for p in (work, env.get("PYTHONPATH", "")) if p))
     print(describe(args.http_frontend))
     proc = subprocess.Popen(["serve", "run", "config.yaml"], cwd=work, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)

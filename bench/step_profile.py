@@ -56,8 +56,9 @@ def _gpu_time(prof, top: int) -> tuple[float, float, list[tuple[float, int, str]
     return busy_us, sum(e.time_range.end - e.time_range.start for e in gpu), kernels
 
 
-def profile_prefill(llm, batch: int, length: int, seed: int = 11, top: int = 20) -> dict:
-    """One prefill of ``batch`` random prompts of ``length`` tokens (1 output token each) under
+def profile_prefill(llm, batch: int, length: int, seed: int = 11, top: int = 20, cached: int = 0) -> dict:
+    """One prefill of ``batch`` random prompts of ``length`` tokens (after a cached ``cached``-token prefix,
+    `bench.offline.prefill_case`; 1 output token each) under
     ``torch.profiler``: wall, GPU busy, the kernel sum and the ``top`` kernels (ms per prefill), so
     a lease shows where prefill time goes against the peer's in one call."""
     from torch.profiler import ProfilerActivity, profile
@@ -66,22 +67,24 @@ def profile_prefill(llm, batch: int, length: int, seed: int = 11, top: int = 20)
 
     cuda = llm.runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cached:
+        prefill_case(llm, 1, 1, seed + 3, cached)  # the shared prefix into the cache, outside the profiles
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
-        case = prefill_case(llm, batch, length, seed)
+        case = prefill_case(llm, batch, length, seed, cached, warm=False)
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     busy_us, kernel_sum_us, kernels = _gpu_time(prof, top)
     runtime = _runtime_calls(prof)
     idle = _gpu_idle(prof)
-    syncs = _sync_points(lambda: prefill_case(llm, batch, length, seed + 2)) if cuda else []
+    syncs = _sync_points(lambda: prefill_case(llm, batch, length, seed + 2, cached, warm=False)) if cuda else []
     # The same prefill under cProfile: where the host's time goes (a read-back shows as a wait in
     # `synchronize`, `item`, `tolist` or `cpu`, and the device idles after it while the host launches).
     host = cProfile.Profile()
     t0 = time.perf_counter()
     host.enable()
-    prefill_case(llm, batch, length, seed + 1)  # new prompts: the same ones would hit the prefix cache
+    prefill_case(llm, batch, length, seed + 1, cached, warm=False)  # new prompts: the same ones would hit the prefix cache
     if cuda:
         torch.cuda.synchronize()
     host.disable()
@@ -89,7 +92,7 @@ def profile_prefill(llm, batch: int, length: int, seed: int = 11, top: int = 20)
     buf = io.StringIO()
     stats = pstats.Stats(host, stream=buf)
     stats.sort_stats("tottime").print_stats(25)
-    return {"case": f"prefill {batch}x{length}", "wall_ms": wall * 1e3, "gpu_busy_ms": busy_us / 1e3,
+    return {"case": case["case"], "wall_ms": wall * 1e3, "gpu_busy_ms": busy_us / 1e3,
             "kernel_sum_ms": kernel_sum_us / 1e3, "tokens_per_s_profiled": case["prefill_tokens_per_s"],
             "top_kernels": [{"name": k[:120], "calls": n, "ms": t / 1e3} for t, n, k in kernels],
             "runtime_calls": runtime, "gpu_idle": idle, "sync_points": syncs,

@@ -38,6 +38,25 @@ def test_offline_timeline_counts_every_token_and_ids_match_generate(llm):
     p = prefill_case(llm, batch=2, length=100, seed=3)  # 100 > chunk_size: two chunks each
     assert p["prefill_tokens_per_s"] > 0 and sum(s["prefill_tokens"] for s in p["steps"]) == 200
     assert llm.pool.free_count == llm.pool.num_pages
+    # BxL+C: after a cached prefix of C tokens (whole pages), the timed run computes only the new tokens.
+    from attention.formats import PAGE_SIZE
+
+    hit = prefill_case(llm, batch=2, length=30, seed=4, cached=2 * PAGE_SIZE)
+    assert hit["case"] == f"prefill 2x30 over {2 * PAGE_SIZE} cached" and hit["cached_prefix"] == 2 * PAGE_SIZE
+    assert sum(s["prefill_tokens"] for s in hit["steps"]) == 2 * 30
+    again = prefill_case(llm, batch=1, length=30, seed=5, cached=2 * PAGE_SIZE, warm=False)  # still cached
+    assert sum(s["prefill_tokens"] for s in again["steps"]) == 30
+    assert llm.pool.free_count == llm.pool.num_pages
+
+
+def test_prefill_case_text():
+    from bench.offline import parse_prefill_case
+
+    assert parse_prefill_case("8x4096") == (8, 4096, 0)
+    assert parse_prefill_case("1X256+8192") == (1, 256, 8192)
+    for bad in ("8", "8x", "0x10", "1x10+-1", "1x10+a"):
+        with pytest.raises(SystemExit, match="--prefill"):
+            parse_prefill_case(bad)
 
 
 def test_offline_bench_command_writes_its_cases(tmp_path, capsys):

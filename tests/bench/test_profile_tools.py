@@ -50,3 +50,6 @@ def test_profile_prefill_runs_one_prefill_and_frees_its_pages(tiny):
     assert any("models/model.py" in r for r in p["repo_cumulative"]), p["repo_cumulative"]
     assert p["gpu_idle"]["kernels"] == 0 and p["sync_points"] == []
     print_prefill_profile(p)
+    hit = profile_prefill(llm, 1, 20, cached=64)  # after a cached 64-token prefix (bench offline's 1x20+64)
+    assert hit["case"] == "prefill 1x20 over 64 cached" and hit["wall_ms"] > 0
+    assert llm.pool.free_count == free

@@ -58,6 +58,14 @@ class ForwardBatch:
     seq_lens_host: tuple[int, ...] | None = None
     q_lens_host: tuple[int, ...] | None = None
     _packed: "list[PackedContext] | None" = field(default=None, init=False, repr=False, compare=False)
+    _invariant: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def layer_invariant(self, key, make):
+        """``make()``, computed once per forward under ``key`` and shared by every layer that asks (what a
+        layer derives from the batch alone, e.g. the whole-window selection: no per-layer kernels for it)."""
+        if key not in self._invariant:
+            self._invariant[key] = make()
+        return self._invariant[key]
 
     @property
     def num_requests(self) -> int:

@@ -34,11 +34,13 @@ class SelectedTokens:
 
     slots:     int64 ``[T, topk]`` cache slots, ``-1`` = none (decode path input)
     positions: int64 ``[T, topk]`` token positions within the request, ``-1`` = none
-               (prefill path input)
+    packed:    a PREFILL forward's selection as the sparse prefill call takes it: per packed context
+               (`ForwardBatch.packed_contexts`, in order) int32 ``[t, topk]`` packed indices, ``-1`` = none
+               (``positions + row_start``); None: derive them from ``positions`` (a row subset, decode)
     """
 
-    def __init__(self, slots: torch.Tensor, positions: torch.Tensor):
-        self.slots, self.positions = slots, positions
+    def __init__(self, slots: torch.Tensor, positions: torch.Tensor, packed: list[torch.Tensor] | None = None):
+        self.slots, self.positions, self.packed = slots, positions, packed
 
 
 class Indexer(nn.Module):
@@ -117,7 +119,9 @@ class Indexer(nn.Module):
         return SelectedTokens(slots.long(), positions.long())
 
     def _whole_windows(self, batch: ForwardBatch) -> SelectedTokens:
-        return _joined([ctx.local(ctx.whole_windows(self.topk)) for ctx in batch.packed_contexts()])
+        # The same for every layer of the forward (it depends on the batch alone): built once.
+        return batch.layer_invariant(("whole_windows", self.topk), lambda: _joined(
+            [ctx.whole_windows(self.topk) for ctx in batch.packed_contexts()], batch))
 
     def _select_extend(self, q, weights, batch, cache, layer, backend) -> SelectedTokens:
         # The keys of a group of requests in one gather and one logits + top-k call over their packed
@@ -129,15 +133,18 @@ class Indexer(nn.Module):
             t = ctx.tokens
             packed, _ = backend.ragged_topk(q[t], keys, None, weights[t], ctx.row_start, ctx.row_end, self.topk,
                                             None, windows_host=(ctx.row_start_host, ctx.row_end_host))
-            groups.append(ctx.local(packed))
-        return _joined(groups)
+            groups.append(packed)
+        return _joined(groups, batch)
 
 
-def _joined(groups: list[tuple[torch.Tensor, torch.Tensor]]) -> SelectedTokens:
-    """The per-group ``(slots, positions)`` of a PREFILL forward's packed contexts, in token order."""
+def _joined(packed: list[torch.Tensor], batch: ForwardBatch) -> SelectedTokens:
+    """A PREFILL forward's selection from each packed context's packed indices ``[t, k]`` (in order): the
+    slots and request-local positions in token order, the packed indices kept for the attention call."""
+    packed = [p.to(torch.int32) for p in packed]
+    groups = [ctx.local(p) for ctx, p in zip(batch.packed_contexts(), packed)]
     if len(groups) == 1:
-        return SelectedTokens(*groups[0])
-    return SelectedTokens(torch.cat([s for s, _ in groups]), torch.cat([p for _, p in groups]))
+        return SelectedTokens(*groups[0], packed=packed)
+    return SelectedTokens(torch.cat([s for s, _ in groups]), torch.cat([p for _, p in groups]), packed=packed)
 
 
 def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,12 +110,15 @@ class MLAttention(nn.Module):
         # backends' top-k): columns past the group's widest window hold only -1, and the kernel would
         # still attend over them (a 1024-token prompt with top-k 2048: half the kernel's work).
         outs = []
-        for ctx in batch.packed_contexts():
+        for i, ctx in enumerate(batch.packed_contexts()):
             kv = cache.read_mla(layer, ctx.slots, checked=False)
             t = ctx.tokens
-            positions = selected.positions[t][:, : max(1, ctx.max_window)]
-            out, _, _ = backend.sparse_mla_prefill(q_full[t], kv[:, None, :],
-                                                   ctx.packed_indices(positions)[:, None, :],
+            width = max(1, ctx.max_window)
+            if selected.packed is not None:  # the indexer's (or a shared layer's) packed indices as they came
+                indices = selected.packed[i][:, :width].contiguous()
+            else:
+                indices = ctx.packed_indices(selected.positions[t][:, :width])
+            out, _, _ = backend.sparse_mla_prefill(q_full[t], kv[:, None, :], indices[:, None, :],
                                                    self.scale, self.rank)
             outs.append(out)
         return outs[0] if len(outs) == 1 else torch.cat(outs)

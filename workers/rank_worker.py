@@ -47,7 +47,8 @@ def move_to(obj, device: torch.device):
         return dataclasses.replace(obj, **{f.name: _moved(getattr(obj, f.name), device)
                                            for f in dataclasses.fields(obj) if f.init})
     if hasattr(obj, "slots") and hasattr(obj, "positions"):  # models.indexer.SelectedTokens
-        return type(obj)(to_device(obj.slots, device), to_device(obj.positions, device))
+        packed = None if obj.packed is None else [to_device(p, device) for p in obj.packed]
+        return type(obj)(to_device(obj.slots, device), to_device(obj.positions, device), packed)
     raise TypeError(f"cannot move a {type(obj).__name__} to {device}")
 
 

@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the inter-arrival times (1: Poisson; < 1 burstier, > 1 more regular)")
     g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
-    g.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent (and awaited) before the run")
+    g.add_argument("--num-warmups", type=int, default=0, help="untimed requests sent (and awaited) before the run: the dataset's kind and "
+                   "shapes from another seed, so that none shares a prompt with the timed ones")
 
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -134,7 +135,7 @@ async def run_benchmark(args, transport=None) -> tuple[dict, dict]:
     import httpx
 
     from bench.serve.client import is_chat, request_body, send_request
-    from bench.serve.datasets import build_requests
+    from bench.serve.datasets import build_requests, warm_up_requests
     from bench.serve.loadgen import run_load, warm_up
     from bench.serve.metrics import parse_goodput, summarize
     from bench.serve.progress import Progress
@@ -180,7 +181,7 @@ async def run_benchmark(args, transport=None) -> tuple[dict, dict]:
               file=sys.stderr)
         if args.num_warmups > 0:
             bar = Progress(args.num_warmups, "warm-up", disable=args.disable_tqdm)
-            warm = await warm_up(requests, send, args.num_warmups, args.max_concurrency, bar)
+            warm = await warm_up(warm_up_requests(args), send, args.num_warmups, args.max_concurrency, bar)
             bar.close()
             bad = [r.error for r in warm if not r.success]
             print(f"warm-up: {len(warm)} requests, {len(bad)} failed" + (f" (first: {bad[0]})" if bad else ""),

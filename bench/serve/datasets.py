@@ -20,6 +20,7 @@ Lengths are in tokens. A text prompt's token count is unknown here
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from dataclasses import dataclass
@@ -100,6 +101,20 @@ def jsonl_requests(path: str | Path, num_prompts: int | None, default_output_len
     if num_prompts is None:
         return rows
     return [rows[i % len(rows)] for i in range(num_prompts)]
+
+
+WARMUP_SEED_OFFSET = 7_654_321
+"""Warm-up prompts are drawn with ``--seed`` plus this: none is a timed prompt (or shares its prefix), so a
+server with prefix caching does not start the timed run with some of its prompts cached."""
+
+
+def warm_up_requests(args) -> list[SampleRequest]:
+    """``--num-warmups`` requests of the same dataset and shape as the timed ones, from another seed (a
+    ``jsonl`` dataset has one set of prompts: its first rows)."""
+    if args.num_warmups <= 0:
+        return []
+    return build_requests(argparse.Namespace(**{**vars(args), "seed": args.seed + WARMUP_SEED_OFFSET,
+                                                "num_prompts": args.num_warmups}))
 
 
 def build_requests(args) -> list[SampleRequest]:

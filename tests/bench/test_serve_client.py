@@ -133,6 +133,9 @@ def test_run_limits_concurrency_warms_up_and_saves_json(tmp_path, capsys):
     after = time.time()
     assert server.peak == 3  # never more than --max-concurrency in flight
     assert len(server.bodies) == 8 + 2  # 2 warm-ups, then the timed 8
+    # The warm-ups' prompts are their own: none is a timed prompt (a prefix cache would serve it as a hit).
+    timed = [q["prompt"] for q in server.bodies[2:]]
+    assert all(w["prompt"] not in timed and w["prompt"][:4] not in [t[:4] for t in timed] for w in server.bodies[:2])
     b = server.bodies[-1]
     assert b["model"] == "fake-model" and b["stream"] and b["stream_options"] == {"include_usage": True}
     assert b["ignore_eos"] is True and b["temperature"] == 0.0 and isinstance(b["prompt"], list)

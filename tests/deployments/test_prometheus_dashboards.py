@@ -58,10 +58,12 @@ MODEL = "tiny-deepseek-v32"
 """configs/tiny_pd.yaml's served_model_name."""
 CANCELLED_PROMPT = 40
 """Prompt tokens of the stream the client leaves (before the load)."""
-# Three 128-token prefixes shared by 12 prompts: the prefix-cache panels move too.
+# Three 128-token prefixes shared by 12 prompts: the prefix-cache panels move too. 40 output tokens each keep
+# requests decoding for most of the load, so that the decode batch gauge (sampled at each heartbeat, twice a
+# second) reads non-zero at some scrape even on a busy 2-core machine (with 12 it once read 0 throughout).
 LOAD = ["--num-prompts", "12", "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "128",
         "--prefix-repetition-suffix-len", "40", "--prefix-repetition-num-prefixes", "3",
-        "--prefix-repetition-output-len", "12", "--request-rate", "4", "--max-concurrency", "4", "--ignore-eos",
+        "--prefix-repetition-output-len", "40", "--request-rate", "4", "--max-concurrency", "4", "--ignore-eos",
         "--temperature", "0", "--seed", "7", "--percentile-metrics", "ttft,tpot,itl,e2el"]
 
 

@@ -71,8 +71,9 @@ async def run_load(requests: Sequence[SampleRequest], send: Send, *, request_rat
 
 async def warm_up(requests: Sequence[SampleRequest], send: Send, num: int, max_concurrency: int | None,
                   progress: Progress | None = None) -> list[RequestResult]:
-    """``num`` untimed requests (``requests`` from the start, cycling), all at once
-    up to ``max_concurrency``; their results are not part of the benchmark."""
+    """``num`` untimed requests (``requests`` from the start, cycling: `bench.serve.datasets.warm_up_requests`,
+    none of them a timed prompt), all at once up to ``max_concurrency``; their results are not part of the
+    benchmark."""
     if num <= 0 or not requests:
         return []
     # Independent of each other: a warm-up request waits for no turn before it.

@@ -143,6 +143,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int, default=None, help="default: what the largest case needs")
     p.add_argument("--mtp-draft-tokens", type=int, default=0)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--prefill-graph-max-tokens", type=int, default=None,
+                   help="prefills of one new prompt up to this many tokens replay a CUDA graph "
+                        "(workers/prefill_graphs.py; default 1024 capped by index_topk and --chunk-size; 0: off)")
     p.add_argument("--no-overlap", action="store_true", help="read every step back before the next (no overlap scheduling)")
     p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks (one Ray actor per GPU; the routed experts are split across them too)")
@@ -181,7 +184,7 @@ def run(args) -> int:
               kv_cache_dtype=args.kv_cache_dtype, num_pages=num_pages, chunk_size=args.chunk_size,
               max_batch_size=max_batch, mtp_draft_tokens=args.mtp_draft_tokens,
               cuda_graphs=False if args.no_cuda_graphs else None, overlap_scheduling=not args.no_overlap,
-              tp_size=args.tp_size, two_batch_overlap=args.two_batch_overlap)
+              prefill_graph_max_tokens=args.prefill_graph_max_tokens, tp_size=args.tp_size, two_batch_overlap=args.two_batch_overlap)
     try:
         return _run_cases(args, llm, cases, grammar, time.perf_counter() - t0, num_pages)
     finally:
@@ -194,6 +197,8 @@ def _run_cases(args, llm, cases, grammar, startup: float, num_pages: int) -> int
     out = {"model": args.model, "backend": args.backend, "device": args.device, "dtype": args.dtype,
            "overlap_scheduling": not args.no_overlap, "grammar_regex": args.grammar_regex,
            "tp_size": args.tp_size, "two_batch_overlap": args.two_batch_overlap,
+           "prefill_graph_buckets": list(llm.runner.prefill_graphs.plan.buckets)
+           if getattr(llm.runner, "prefill_graphs", None) is not None else [],
            "kv_cache_dtype": args.kv_cache_dtype, "startup_s": startup, "num_pages": num_pages, "cases": []}
     if torch.cuda.is_available() and args.device.startswith("cuda"):
         out["gpu"] = torch.cuda.get_device_name()

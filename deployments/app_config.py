@@ -269,7 +269,8 @@ class RoleConfig(_Strict):
     cuda_graphs: bool | None = Field(
         None,
         description="Decode steps from one captured CUDA graph per batch-size bucket (decode role; with "
-        "tensor_parallel_size > 1 every rank captures its own). Default: on for backend 'cuda' on a GPU, except "
+        "tensor_parallel_size > 1 every rank captures its own), and short prefills of one prompt per token bucket "
+        "(both roles, one rank: prefill_graph_max_tokens). Default: on for backend 'cuda' on a GPU, except "
         "tensor parallel with MTP drafts; True elsewhere is an error.",
     )
     overlap_scheduling: bool = Field(
@@ -301,6 +302,13 @@ class RoleConfig(_Strict):
     cuda_graph_max_context: int | None = Field(
         None, ge=64, description="Longest context a captured decode step serves (longer ones run eagerly); "
         "default: what the page pool holds for one request, capped by the model's max positions.",
+    )
+    prefill_graph_max_tokens: int | None = Field(
+        None, ge=0, description="With cuda_graphs on (either role): a prefill of one new prompt (no cached prefix) of "
+        "up to this many tokens pads to a token bucket (16, 32, 64, 128, then every 128) and replays that bucket's "
+        "captured CUDA graph instead of launching every kernel from the host (workers/prefill_graphs.py). Default "
+        "(null): 1024, capped by the model's index_topk and chunk_size; 0: off. Longer, batched or prefix-hit "
+        "prefills run eagerly. Not built for tensor_parallel_size > 1 or DeepSeek-V4 (a value > 0 there is an error).",
     )
     max_ongoing_requests: int | None = Field(
         None, ge=1, description="Serve's per-replica request cap; default 2 x max_batch_size (one batch queued)."

@@ -24,6 +24,7 @@ from deployments.prefill_thread import PrefillThread
 from deployments.worker_thread import WorkerThread
 from workers.decode_graphs import graphs_wanted
 from workers.decode_worker import DecodeWorker
+from workers.prefill_graphs import prefill_graph_tokens
 from workers.prefill_worker import PrefillWorker
 from workers.push_tuning import PushTuning
 from workers.rank_build import uses_cache_groups
@@ -75,6 +76,13 @@ def build_prefill_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: s
     role_cfg = app_cfg.prefill
     p = _build(app_cfg, "prefill", model_dir, worker_id, app_cfg.transfer.push_tuning().for_prefill())
     grammars = GrammarCompiler.for_checkpoint(model_dir, p.model.cfg.vocab_size, p.model.cfg.eos_token_ids)
+    graphs = graphs_wanted(role_cfg.cuda_graphs, role_cfg.backend, role_cfg.device, role_cfg.tensor_parallel_size,
+                           cache_groups=uses_cache_groups(str(model_dir)))
+    tokens = _prefill_graph_tokens(role_cfg, graphs, p, model_dir)
+    if tokens:
+        p.runner.enable_prefill_graphs(tokens, capture=True)
+        log.info("%s: prefills of one new prompt from CUDA graphs, buckets %s", worker_id,
+                 p.runner.prefill_graphs.plan.buckets)
     return PrefillWorker(p.runner, p.pool, p.link, role_cfg.chunk_size, mtp=role_cfg.has_mtp,
                          deadline_s=app_cfg.transfer.deadline_s, grammars=grammars)
 
@@ -89,8 +97,15 @@ def build_decode_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: st
                             mtp_draft_tokens=role_cfg.mtp_draft_tokens, overlap=role_cfg.overlap_scheduling)
     graphs = graphs_wanted(role_cfg.cuda_graphs, role_cfg.backend, role_cfg.device, role_cfg.tensor_parallel_size,
                            mtp=role_cfg.mtp_draft_tokens > 0, cache_groups=uses_cache_groups(str(model_dir)))
-    engine = build_engine(p, model_dir, sched, app_cfg.features.mtp_topk_reuse, graphs, role_cfg.cuda_graph_max_context)
+    engine = build_engine(p, model_dir, sched, app_cfg.features.mtp_topk_reuse, graphs, role_cfg.cuda_graph_max_context,
+                          _prefill_graph_tokens(role_cfg, graphs, p, model_dir))
     return DecodeWorker(engine, p.link, deadline_s=app_cfg.transfer.deadline_s)
+
+
+def _prefill_graph_tokens(role_cfg, graphs: bool, parts: ReplicaParts, model_dir) -> int:
+    """The role's `workers.prefill_graphs.prefill_graph_tokens` (0: prefills all eager)."""
+    return prefill_graph_tokens(role_cfg.prefill_graph_max_tokens, graphs, parts.model.cfg, role_cfg.chunk_size,
+                                role_cfg.tensor_parallel_size, uses_cache_groups(str(model_dir)))
 
 
 def build_worker_thread(app_cfg: AppConfig, role: str, model_dir: str | Path, worker_id: str) -> WorkerThread:

@@ -202,12 +202,19 @@ class Engine:
         req.finish(FinishReason.ABORT)
         return True
 
-    def enable_cuda_graphs(self, max_context: int, capture: bool = True) -> None:
+    def enable_cuda_graphs(self, max_context: int, capture: bool = True, prefill_tokens: int = 0) -> None:
         """Run this engine's target decode steps (width 1, or ``k + 1`` with MTP)
         through per-bucket CUDA graphs for up to ``max_batch_size`` requests
         with contexts up to ``max_context`` tokens (``workers.decode_graphs``),
         and with MTP the draft forwards too (``workers.draft_graphs``);
-        ``capture=False`` runs the same static-buffer path eagerly."""
+        ``capture=False`` runs the same static-buffer path eagerly.
+        ``prefill_tokens``: also prefills of one new prompt of up to that many tokens
+        (``workers.prefill_graphs``; `prefill_graph_tokens` resolves it; 0: none)."""
+        if prefill_tokens:
+            self.runner.enable_prefill_graphs(prefill_tokens, capture)
+            log.info("prefills of one new prompt: %s for %s tokens",
+                     "CUDA graphs captured" if capture else "static buffers",
+                     self.runner.prefill_graphs.plan.buckets)
         self.runner.enable_decode_graphs((self.k + 1,), self.cfg.max_batch_size, max_context, capture)
         g = self.runner.decode_graphs[self.k + 1]
         if self.k:

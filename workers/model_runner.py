@@ -13,6 +13,7 @@ from models.model import DsaForCausalLM
 from workers.decode_graphs import DecodeGraphPlan, DecodeGraphs, patch_tokens
 from workers.host_copy import to_device
 from workers.page_tables import frozen_pages
+from workers.prefill_graphs import PrefillGraphPlan, PrefillGraphs
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,8 @@ class ModelRunner:
         # width -> DecodeGraphs: decode steps of that width run through static
         # buffers / CUDA graphs when they fit (see enable_decode_graphs).
         self.decode_graphs: dict[int, DecodeGraphs] = {}
+        # Prefills of one short new prompt through static buffers / CUDA graphs (enable_prefill_graphs).
+        self.prefill_graphs: PrefillGraphs | None = None
 
     def enable_decode_graphs(self, widths: tuple[int, ...], max_batch_size: int, max_context: int,
                              capture: bool) -> None:
@@ -140,6 +143,18 @@ class ModelRunner:
             graphs = DecodeGraphs(self.model, self.cache, self.backend, plan, self.device, capture)
             graphs.capture_all()
             self.decode_graphs[w] = graphs
+
+    def enable_prefill_graphs(self, max_tokens: int, capture: bool) -> None:
+        """Run PREFILL forwards of one prompt with no cached prefix and at most ``max_tokens`` tokens
+        through per-bucket static buffers (``workers.prefill_graphs``), captured as CUDA graphs when
+        ``capture``; every other prefill runs eagerly. ``max_tokens`` 0: none."""
+        self.prefill_graphs = None
+        if max_tokens < 1:
+            return
+        graphs = PrefillGraphs(self.model, self.cache, self.backend, PrefillGraphPlan.for_limits(max_tokens),
+                               self.device, capture)
+        graphs.capture_all()
+        self.prefill_graphs = graphs
 
     def build_batch(self, mode: ForwardMode, items: list[WorkItem]) -> ForwardBatch:
         if mode is ForwardMode.DECODE:
@@ -161,7 +176,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, mode: ForwardMode, items: list[WorkItem]) -> tuple[ForwardBatch, torch.Tensor]:
-        """Run the target model eagerly; returns the batch and normed hidden ``[T, hidden]``."""
+        """Run the target model; returns the batch and normed hidden ``[T, hidden]``. A prefill the
+        prefill graphs cover replays one (its hidden states are then a view valid until the next such
+        prefill: clone what must outlive the step); everything else runs eagerly."""
+        graphs = self.prefill_graphs
+        if mode is ForwardMode.PREFILL and graphs is not None and graphs.covers(items):
+            return graphs.run(items)
         batch = self.build_batch(mode, items)
         return batch, self.model(batch, self.cache, self.backend)
 

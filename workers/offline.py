@@ -17,6 +17,7 @@ from workers.decode_worker import DecodeWorker
 from workers.model_runner import WorkItem
 from workers.page_pool import PoolExhausted
 from workers.page_tables import frozen_pages
+from workers.prefill_graphs import prefill_graph_tokens
 from workers.prefill_worker import PrefillTask, PrefillWorker
 from workers.rank_build import RankSpec, uses_cache_groups
 from workers.rank_group import RankGroup
@@ -40,6 +41,9 @@ class LLM:
     engine; `shutdown` ends them.
     two_batch_overlap: with ``tp_size > 1``, run each eager forward as two micro-batches whose
     all-reduces overlap the other's compute (`models.two_batch`).
+    prefill_graph_max_tokens: with CUDA graphs on, a prefill of one new prompt of up to this many
+    tokens replays a captured graph (`workers.prefill_graphs`; None: 1024, capped by the model's
+    ``index_topk`` and ``chunk_size``; 0: off).
     prefix_caching: keep finished requests' full pages in each pool's prefix cache
     (`workers.prefix_cache`): a prompt's cached prefix is neither computed again
     nor, with ``pd=True``, pushed again; outputs are the same either way.
@@ -50,7 +54,8 @@ class LLM:
                  hadamard: bool | None = None, mtp_draft_tokens: int = 0, mtp_topk_reuse: bool = False,
                  chunk_size: int = 256, max_batch_size: int = 64, pd: bool = False,
                  transfer_deadline_s: float = 600.0, cuda_graphs: bool | None = None,
-                 cuda_graph_max_context: int | None = None, tp_size: int = 1, overlap_scheduling: bool = True,
+                 cuda_graph_max_context: int | None = None, prefill_graph_max_tokens: int | None = None,
+                 tp_size: int = 1, overlap_scheduling: bool = True,
                  prefix_caching: bool = True, two_batch_overlap: bool = False):
         if kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
@@ -77,7 +82,10 @@ class LLM:
         self.cfg = self.model.cfg
         sched = SchedulerConfig(max_batch_size=max_batch_size, chunk_size=chunk_size, mtp_draft_tokens=mtp_draft_tokens,
                                 overlap=overlap_scheduling)
-        self.engine = build_engine(decode, self.model_dir, sched, mtp_topk_reuse, want_graphs, cuda_graph_max_context)
+        prefill_tokens = prefill_graph_tokens(prefill_graph_max_tokens, want_graphs, self.cfg, chunk_size, tp_size,
+                                              uses_cache_groups(str(self.model_dir)))
+        self.engine = build_engine(decode, self.model_dir, sched, mtp_topk_reuse, want_graphs, cuda_graph_max_context,
+                                   prefill_tokens)
         self._next_id = 0
         self.pd = None
         if pd:

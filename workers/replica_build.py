@@ -95,17 +95,19 @@ def _build_parts(spec: RankSpec, tp_size: int, worker_id: str | None, actor_opti
 
 
 def build_engine(parts: ReplicaParts, model_dir: str | Path, sched: SchedulerConfig, mtp_topk_reuse: bool,
-                 cuda_graphs: bool, cuda_graph_max_context: int | None = None) -> Engine:
+                 cuda_graphs: bool, cuda_graph_max_context: int | None = None, prefill_graph_tokens: int = 0) -> Engine:
     """The continuous-batching engine over ``parts`` (stop strings through the checkpoint's tokenizer).
 
     cuda_graphs: capture decode steps (as resolved by ``workers.decode_graphs.graphs_wanted``), for
     contexts up to ``cuda_graph_max_context`` tokens (default: what the page pool holds for one
-    request, capped by the model's positions).
+    request, capped by the model's positions); and prefills of one new prompt of up to
+    ``prefill_graph_tokens`` tokens (`workers.prefill_graphs.prefill_graph_tokens`; 0: none).
     """
     cfg = parts.model.cfg
     engine = Engine(parts.runner, parts.pool, sched, cfg.eos_token_ids, mtp_topk_reuse,
                     detokenize=load_detokenizer(model_dir),
                     grammars=GrammarCompiler.for_checkpoint(model_dir, cfg.vocab_size, cfg.eos_token_ids))
     if cuda_graphs:
-        engine.enable_cuda_graphs(cuda_graph_max_context or default_graph_context(parts.model.cfg, parts.pool.num_pages))
+        engine.enable_cuda_graphs(cuda_graph_max_context or default_graph_context(parts.model.cfg, parts.pool.num_pages),
+                                  prefill_tokens=prefill_graph_tokens)
     return engine

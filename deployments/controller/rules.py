@@ -84,6 +84,17 @@ def _device_rules(role: str, role_cfg: RoleConfig, out: list[Violation]) -> None
             f"mtp_draft_tokens is {role_cfg.mtp_draft_tokens}: set cuda_graphs to null (graphs off) or "
             "mtp_draft_tokens to 0",
         ))
+    if role_cfg.prefill_graph_max_tokens:
+        graphs_on = role_cfg.cuda_graphs is not False and role_cfg.backend == "cuda" and role_cfg.device == "cuda"
+        if not graphs_on or tp > 1:
+            why = (f"tensor_parallel_size is {tp} (prefill graphs are built for one rank)" if graphs_on else
+                   f"CUDA graphs are off (cuda_graphs {role_cfg.cuda_graphs}, backend {role_cfg.backend!r}, "
+                   f"device {role_cfg.device!r})")
+            out.append(Violation(
+                f"{role}.prefill_graph_max_tokens",
+                f"{role_cfg.prefill_graph_max_tokens} asks for captured prefills, but {why}: set it to 0 or leave it "
+                "unset",
+            ))
     if role_cfg.page_size != PAGE_SIZE:
         out.append(Violation(
             f"{role}.page_size",

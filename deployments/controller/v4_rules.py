@@ -108,6 +108,11 @@ def v4_role_rules(role: str, role_cfg: RoleConfig, app_cfg: AppConfig, m: V4Conf
             f"{role}.cuda_graphs",
             "CUDA graphs are not built for DeepSeek-V4 (its runner is eager): leave cuda_graphs unset or false",
         ))
+    if role_cfg.prefill_graph_max_tokens:
+        out.append(Violation(
+            f"{role}.prefill_graph_max_tokens",
+            "prefill graphs are not built for DeepSeek-V4 (its runner is eager): set it to 0 or leave it unset",
+        ))
     if role_cfg.tensor_parallel_size != 1:
         out.append(Violation(
             f"{role}.tensor_parallel_size",

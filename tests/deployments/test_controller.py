@@ -262,6 +262,24 @@ def test_cuda_graphs_need_the_cuda_backend_and_no_mtp_at_tensor_parallel():
     assert "tensor_parallel_size 2" in v.message and "mtp_draft_tokens is 1" in v.message
 
 
+def test_prefill_graphs_need_cuda_graphs_and_one_rank():
+    v = only(validate(app(merged(CPU, decode={"prefill_graph_max_tokens": 512})), tiny_model()),
+             "decode.prefill_graph_max_tokens")
+    assert "CUDA graphs are off" in v.message and "backend 'reference'" in v.message
+    for role in ("prefill", "decode"):
+        vs = validate(app(merged(GPU, **{role: {"prefill_graph_max_tokens": 512}})), gpu_model())
+        assert not [v for v in vs if v.path.endswith("prefill_graph_max_tokens")], [str(v) for v in vs]
+        v = only(validate(app(merged(GPU, **{role: {"prefill_graph_max_tokens": 512, "cuda_graphs": False}})),
+                          gpu_model()), f"{role}.prefill_graph_max_tokens")
+        assert "cuda_graphs False" in v.message
+    tp2 = {"tensor_parallel_size": 2, "num_gpus": 2, "mtp_draft_tokens": 0}
+    vs = validate(app(merged(GPU, prefill={**tp2, "prefill_graph_max_tokens": 256}, decode=tp2)), gpu_model())
+    assert "tensor_parallel_size is 2" in only(vs, "prefill.prefill_graph_max_tokens").message
+    # 0 (off) is always fine
+    vs = validate(app(merged(CPU, decode={"prefill_graph_max_tokens": 0})), tiny_model())
+    assert not [v for v in vs if v.path.endswith("prefill_graph_max_tokens")]
+
+
 def test_cpu_device_holds_no_gpus():
     v = only(validate(app(merged(CPU, decode={"num_gpus": 1})), tiny_model()), "decode.num_gpus")
     assert "device 'cpu'" in v.message

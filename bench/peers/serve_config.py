@@ -23,11 +23,12 @@ def serve_config(checkpoint: str | Path, mode: str, *, max_model_len: int = 9216
                  gpu_memory_gib: float = 80.0, chunk_size: int = 8192, port: int = 8000,
                  name: str = "peer-model", prefix_caching: bool = True, engine_process: bool | None = None,
                  gil_switch_interval_ms: float | None = None, ingress_replicas: int | None = None,
-                 stream_items_per_s: float | None = None) -> dict:
+                 stream_items_per_s: float | None = None, prefill_graph_max_tokens: int | None = None) -> dict:
     """The `serve run` document (one application) for ``checkpoint`` in ``mode`` ("monolithic" | "pd");
     ``prefix_caching=False``: the prefix cache off (the shared-prefix comparison's baseline);
     ``engine_process`` / ``gil_switch_interval_ms``: those role options on every role (None: the default);
-    ``ingress_replicas``: ``ingress.num_replicas`` (None: its default, one per 32 decode streams); ``stream_items_per_s``: the decode role's (None: its default)."""
+    ``ingress_replicas``: ``ingress.num_replicas`` (None: its default, one per 32 decode streams); ``stream_items_per_s``: the decode role's (None: its default);
+    ``prefill_graph_max_tokens``: that role option on every role (None: the default; 0: captured prefills off)."""
     if mode not in ("monolithic", "pd"):
         raise ValueError(f"mode must be 'monolithic' or 'pd', got {mode!r}")
     # Every request of a full batch at its longest, plus one bucket's slack; page ids are shared by all layers.
@@ -38,6 +39,8 @@ def serve_config(checkpoint: str | Path, mode: str, *, max_model_len: int = 9216
         role["engine_process"] = engine_process
     if gil_switch_interval_ms is not None:
         role["gil_switch_interval_ms"] = gil_switch_interval_ms
+    if prefill_graph_max_tokens is not None:
+        role["prefill_graph_max_tokens"] = prefill_graph_max_tokens
     # Graphs sized for the served context, not the model's 160k positions.
     decode = dict(role, num_gpus=1.0 if mode == "monolithic" else 0.5, max_batch_size=max_batch_size,
                   max_ongoing_requests=2 * max_batch_size, cuda_graph_max_context=max_model_len)
@@ -76,12 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gil-switch-interval-ms", type=float, default=None)
     ap.add_argument("--ingress-replicas", type=int, default=None)
     ap.add_argument("--stream-items-per-s", type=float, default=None)
+    ap.add_argument("--prefill-graph-max-tokens", type=int, default=None, help="0: captured prefills off")
     args = ap.parse_args(argv)
     doc = serve_config(args.checkpoint, args.mode, max_model_len=args.max_model_len,
                        max_batch_size=args.max_batch_size, gpu_memory_gib=args.gpu_memory_gib, name=args.name,
                        prefix_caching=not args.no_prefix_caching, engine_process=None if args.engine_process is None else args.engine_process == "on",
                        gil_switch_interval_ms=args.gil_switch_interval_ms, ingress_replicas=args.ingress_replicas,
-                       stream_items_per_s=args.stream_items_per_s)
+                       stream_items_per_s=args.stream_items_per_s,
+                       prefill_graph_max_tokens=args.prefill_graph_max_tokens)
     Path(args.out).write_text(yaml.safe_dump(doc, sort_keys=False))
     print(args.out)
     return 0

@@ -40,10 +40,14 @@ import time
 
 
 def random_prompts(n: int, length: int, seed: int, vocab: int = 256) -> list[list[int]]:
-    """``n`` prompts of ``length`` token ids in ``[0, vocab)``, from ``seed`` (the bench serve default range)."""
+    """``n`` prompts of ``length`` token ids in ``[0, vocab)``, from ``seed`` (the bench serve default range).
+
+    The generator's seed mixes in ``n`` and ``length``: drawn from ``seed`` alone, the cases of one run
+    (1 x 1024, then 1 x 512 with the same seed) shared their leading tokens, and every case after the
+    first was a prefix-cache hit, not the prefill it is named after."""
     import torch
 
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + n * 10_007 + length) % (1 << 63))
     return torch.randint(0, vocab, (n, length), generator=g).tolist()
 
 

@@ -132,3 +132,13 @@ def test_table_divides_by_the_peer(tmp_path):
     md = table(load(tmp_path), ["vllm", "dsa-mono"])
     row = md.splitlines()[2].split(" | ")
     assert row[:3] == ["| bf16", "1024/256", "32"] and row[-3:-1] == ["0.50", "2.00"]
+
+
+def test_cases_of_one_seed_share_no_prefix():
+    """Cases of one run draw from one seed: none may start with another's tokens (the prefix cache
+    would serve the later one, and it would not time the prefill it names)."""
+    long, short = random_prompts(1, 1024, 1)[0], random_prompts(1, 512, 1)[0]
+    assert long[:64] != short[:64]
+    small, big = random_prompts(32, 64, 1), random_prompts(128, 64, 1)
+    assert not {tuple(p[:16]) for p in small} & {tuple(p[:16]) for p in big}
+    assert random_prompts(2, 40, 3) == random_prompts(2, 40, 3)  # still a function of its arguments

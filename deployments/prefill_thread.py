@@ -164,6 +164,7 @@ class PrefillThread(WorkerThread):
             queued_tokens=queued_tokens,
             completed=self.completed,
             known_decodes=len(w.link.peers.peers()),
+            prefill_graph_replays=getattr(getattr(w.runner, "prefill_graphs", None), "replays", 0),
         )
 
     def fail_all(self, message: str) -> None:

@@ -99,12 +99,14 @@ class PrefixKeys:
 @dataclass(frozen=True)
 class PrefillStats(ReplicaStats):
     """``active``: tasks being prefilled; ``queued_tokens``: prompt tokens not computed yet (queued
-    and active); ``completed``: prefills answered since start; ``known_decodes``: handshaked decode agents."""
+    and active); ``completed``: prefills answered since start; ``known_decodes``: handshaked decode agents;
+    ``prefill_graph_replays``: prefill forwards replayed from CUDA graphs (`workers.prefill_graphs`)."""
 
     active: int
     queued_tokens: int
     completed: int
     known_decodes: int
+    prefill_graph_replays: int
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,8 @@ class DecodeStats(ReplicaStats):
     flight; ``held_pages``: ended requests' pages until prefill settles them; ``requests``:
     running + awaiting KV + queued; ``queued_prompt_pages``: pages the queued prompts will need
     (waiting for pages to be reserved, or in the engine's queue for a prefill); the engine's counters
-    (``decode_tokens``, MTP drafts and acceptances, ``preemptions``, ``decode_graph_replays``);
+    (``decode_tokens``, MTP drafts and acceptances, ``preemptions``, ``decode_graph_replays``,
+    ``prefill_graph_replays``: prefills replayed from CUDA graphs, `workers.prefill_graphs`);
     ``known_prefills``: handshaked prefill agents (0 in monolithic mode: no link)."""
 
     reserved_pages: int
@@ -130,6 +133,7 @@ class DecodeStats(ReplicaStats):
     preemptions: int
     decode_graph_replays: int
     known_prefills: int
+    prefill_graph_replays: int
 
     @property
     def waiting(self) -> int:

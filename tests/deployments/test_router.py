@@ -65,7 +65,7 @@ def _replica(rid: str, pool: PagePool, requests: int):
                         **PrefixKeys(pool).fields(), reserved_pages=0, running=requests, awaiting_kv=0,
                         held_pages=0, requests=requests, queued_prompt_pages=0, decode_tokens=0, mtp_drafted=0,
                         mtp_accepted=0, mtp_acceptance_rate=0.0, preemptions=0, decode_graph_replays=0,
-                        known_prefills=1)
+                        known_prefills=1, prefill_graph_replays=0)
     return SimpleNamespace(replica_id=ReplicaID(rid, DeploymentID("DecodeServer", "app")),
                            routing_stats=stats.to_dict(), replica_metadata={"agent": rid})
 

@@ -22,7 +22,7 @@ from deployments.controller import RolePlacement, plan_placement
 from deployments.decode_thread import DecodeThread
 from deployments.prefill_thread import PrefillThread
 from deployments.worker_thread import WorkerThread
-from workers.decode_graphs import graphs_wanted
+from workers.decode_graphs import default_graph_context, graphs_wanted
 from workers.decode_worker import DecodeWorker
 from workers.prefill_graphs import prefill_graph_tokens
 from workers.prefill_worker import PrefillWorker
@@ -80,9 +80,11 @@ def build_prefill_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: s
                            cache_groups=uses_cache_groups(str(model_dir)))
     tokens = _prefill_graph_tokens(role_cfg, graphs, p, model_dir)
     if tokens:
-        p.runner.enable_prefill_graphs(tokens, capture=True)
-        log.info("%s: prefills of one new prompt from CUDA graphs, buckets %s", worker_id,
-                 p.runner.prefill_graphs.plan.buckets)
+        context = role_cfg.cuda_graph_max_context or default_graph_context(p.model.cfg, p.pool.num_pages)
+        p.runner.enable_prefill_graphs(tokens, capture=True, max_context=context)
+        plan = p.runner.prefill_graphs.plan
+        log.info("%s: prefills of one prompt from CUDA graphs: new prompts of %s tokens, %s tokens over a cached "
+                 "prefix (contexts up to %d)", worker_id, plan.buckets, plan.suffix_buckets, plan.max_context)
     return PrefillWorker(p.runner, p.pool, p.link, role_cfg.chunk_size, mtp=role_cfg.has_mtp,
                          deadline_s=app_cfg.transfer.deadline_s, grammars=grammars)
 

@@ -288,6 +288,34 @@ class DecodeInputs:
         )
 
 
+def capture_forwards(model, cache, backend, device: torch.device, buckets, make_batch
+                     ) -> dict[int, tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]]:
+    """One captured target-model forward per bucket, largest first, sharing one memory pool:
+    ``{bucket: (graph, its batch, its output)}``. ``make_batch(bucket)`` builds the forward's batch
+    from static buffers that currently hold all-padding inputs (nothing is written to the cache).
+
+    Each bucket first runs twice eagerly on a side stream: that compiles the Triton and DeepGEMM
+    kernels of its shapes and makes FlashMLA's scheduling metadata outside the capture. The batch
+    is rebuilt inside the capture, so what it derives from the buffers (positions, slots) is part
+    of the graph."""
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    out = {}
+    for bucket in sorted(buckets, reverse=True):
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                model(make_batch(bucket), cache, backend)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            batch = make_batch(bucket)
+            hidden = model(batch, cache, backend)
+        out[bucket] = (graph, batch, hidden)
+    torch.cuda.synchronize(device)
+    return out
+
+
 class DecodeGraphs:
     """Runs the target model's DECODE forwards of one width through static
     buffers, as captured CUDA graphs (``capture=True``) or eagerly."""
@@ -310,31 +338,15 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture one graph per bucket, largest first, sharing one memory pool.
-
-        Every bucket first runs eagerly on all-padding inputs (which writes
-        nothing into the cache): that compiles the Triton and DeepGEMM kernels
-        and makes FlashMLA's scheduling metadata outside the graph.
-        """
+        """Capture one graph per bucket (`capture_forwards`) on all-padding inputs."""
         if not self.capture:
             return
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
         self.inputs.clear()
         self.inputs.write_step([], [], [])
-        for bucket in sorted(self.plan.batch_sizes, reverse=True):
-            batch = self.inputs.batch(bucket)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.model(batch, self.cache, self.backend)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                # The batch is rebuilt inside the capture: its positions and slots are graph kernels.
-                self.outputs[bucket] = self.model(self.inputs.batch(bucket), self.cache, self.backend)
-            self.graphs[bucket] = graph
-        torch.cuda.synchronize(self.device)
+        captured = capture_forwards(self.model, self.cache, self.backend, self.device, self.plan.batch_sizes,
+                                    self.inputs.batch)
+        for bucket, (graph, _, hidden) in captured.items():
+            self.graphs[bucket], self.outputs[bucket] = graph, hidden
 
     @torch.inference_mode()
     def run(self, keys: list[str], tokens: list[int], seq_lens: list[int],

@@ -144,15 +144,17 @@ class ModelRunner:
             graphs.capture_all()
             self.decode_graphs[w] = graphs
 
-    def enable_prefill_graphs(self, max_tokens: int, capture: bool) -> None:
-        """Run PREFILL forwards of one prompt with no cached prefix and at most ``max_tokens`` tokens
-        through per-bucket static buffers (``workers.prefill_graphs``), captured as CUDA graphs when
-        ``capture``; every other prefill runs eagerly. ``max_tokens`` 0: none."""
+    def enable_prefill_graphs(self, max_tokens: int, capture: bool, max_context: int = 0) -> None:
+        """Run PREFILL forwards of one prompt through per-bucket static buffers (``workers.prefill_graphs``),
+        captured as CUDA graphs when ``capture``: a new prompt of at most ``max_tokens`` tokens, and with
+        ``max_context`` > 0 new tokens over a cached prefix (at most ``min(max_tokens,
+        SUFFIX_MAX_ROWS)``, contexts up to ``max_context``); every other prefill runs eagerly.
+        ``max_tokens`` 0: none."""
         self.prefill_graphs = None
         if max_tokens < 1:
             return
-        graphs = PrefillGraphs(self.model, self.cache, self.backend, PrefillGraphPlan.for_limits(max_tokens),
-                               self.device, capture)
+        graphs = PrefillGraphs(self.model, self.cache, self.backend,
+                               PrefillGraphPlan.for_limits(max_tokens, max_context), self.device, capture)
         graphs.capture_all()
         self.prefill_graphs = graphs
 

@@ -1,29 +1,37 @@
-"""Small prefills of one new prompt through static per-bucket buffers, replayed as CUDA graphs.
+"""Small prefills of one prompt through static per-bucket buffers, replayed as CUDA graphs.
 
 A prefill step of a short prompt costs far more host time than GPU time: on the H200 a
 1024-token prefill of the 2-layer benchmark model kept the GPU busy 6.2 of 26.9 ms, the rest
 the host launching ~140 kernels a layer (docs/perf.md, session 24). So a PREFILL forward of one
-request with no cached prefix and at most `PrefillGraphPlan.max_tokens` tokens is padded to the
-smallest token bucket that holds it and replayed from that bucket's captured graph: one launch.
+request whose new tokens fit a token bucket replays that bucket's captured graph: one launch.
+Two kinds, each its own graphs (`PrefillGraphPlan`):
 
-Why the whole forward can be one graph (where vLLM and SGLang break theirs around the attention
-and indexer calls): with no cached prefix, every token's causal window is within the bucket, and
-a bucket is never wider than the indexer's top-k (`prefill_graph_tokens` caps it there), so the
-indexer's selection is each token's whole window (`models.indexer.Indexer._whole_windows`), a
-function of the positions alone; the keys the sparse prefill reads are the prompt's own, gathered
-through its page table; the MoE's contiguous layout sizes everything from the token count
-(`models.moe.dispatch`). No shape depends on a value and nothing is read back.
+* **A new prompt** (no cached prefix, at most ``max_tokens`` tokens): the prefill forward itself,
+  padded. With no cached prefix every token's causal window is within the bucket, and a bucket is
+  never wider than the indexer's top-k (`prefill_graph_tokens` caps it there), so the indexer's
+  selection is each token's whole window (`models.indexer.Indexer._whole_windows`), a function of
+  the positions alone; the keys the sparse prefill reads are the prompt's own, gathered through its
+  page table; the MoE's contiguous layout sizes everything from the token count
+  (`models.moe.dispatch`). No shape depends on a value and nothing is read back, so the whole
+  forward, attention and indexer included, is one graph (vLLM and SGLang break theirs around those
+  calls). A pad token sits at the next positions, reads page 0 (harmless reads) and writes no cache
+  entry (slot ``-1``).
+* **New tokens over a cached prefix** (a prefix-cache hit; at most ``suffix_rows`` of them, the
+  context at most ``max_context``): laid out as a decode step with one row per new token, each row
+  the same request's page table and its own context length (its position + 1), run by the decode
+  path's kernels (DeepGEMM's paged indexer logits, the radix top-k, FlashMLA's sparse decode over
+  the paged fp8 cache), which take variable contexts inside a graph; the MoE takes its masked
+  fixed-shape layout (`ForwardBatch.static_shapes`). Every row's KV is written before any row
+  attends, so a row sees the new tokens before it as a prefill would. Pad rows are the decode
+  graphs' padding rows: position 0, context 1, slot ``-1``.
 
-The bucket's forward is the prompt's forward plus pad tokens after it: a pad token sits at the
-next positions, reads page 0 (harmless reads) and writes no cache entry (slot ``-1``: the cuda
-backend's writes skip it, like the decode graphs' padding rows). Causal windows keep every real
-token blind to the pads, so the real rows are the unpadded prompt's, up to the rounding of GEMMs
-of another row count. ``capture=False`` runs the very same code eagerly on the same buffers: on
-CPU (tests) and as the reference the replayed graphs are checked against, bit for bit
-(tests/workers/test_prefill_graphs_gpu.py).
+Real rows equal the unpadded eager prefill up to float rounding (GEMMs over another row count; the
+decode kernels instead of the prefill ones for a suffix). ``capture=False`` runs the very same code
+eagerly on the same buffers: on CPU (tests) and as the reference the replayed graphs are checked
+against, bit for bit (tests/workers/test_prefill_graphs_gpu.py).
 
-Longer prompts, prompts over a cached prefix (a prefix-cache hit, a later chunk), batched prompts,
-tensor parallel and DeepSeek-V4 run eagerly as before.
+Longer prompts and suffixes, several prompts in one step, tensor parallel and DeepSeek-V4 run
+eagerly as before.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import torch
 
 from attention.formats import PAGE_SIZE, pages_for_tokens
 from models.batch import ForwardBatch, ForwardMode
+from workers.decode_graphs import capture_forwards
 from workers.host_copy import to_device
 
 log = logging.getLogger(__name__)
@@ -84,22 +93,42 @@ def prefill_graph_tokens(setting: int | None, graphs: bool, cfg, chunk_size: int
     return max(0, min(want, int(cfg.index_topk), int(chunk_size), int(cfg.max_position_embeddings)))
 
 
+SUFFIX_MAX_ROWS = 256
+"""Most new tokens over a cached prefix that a graph serves (`PrefillGraphPlan.for_limits`): each row
+holds indexer logits over the whole graph context (fp32 ``[rows, max_context]``, 9 MiB at 9,216
+positions); issue 24's shared-prefix load sends 256-token suffixes."""
+
+
 @dataclass(frozen=True)
 class PrefillGraphPlan:
-    """Which prefills have a graph: one request, no cached prefix, at most ``buckets[-1]`` tokens.
+    """Which prefills have a graph: one request, and either a new prompt of at most ``buckets[-1]``
+    tokens, or at most ``suffix_buckets[-1]`` new tokens over a cached prefix in a context of at most
+    ``max_context`` tokens.
 
-    buckets: ascending token counts, one graph each
+    buckets:        ascending token counts of new prompts, one graph each
+    suffix_buckets: ascending token counts over a cached prefix, one graph each (empty: none)
+    max_context:    the longest context of a suffix graph (its indexer's logits width)
     """
 
     buckets: tuple[int, ...]
+    suffix_buckets: tuple[int, ...] = ()
+    max_context: int = 0
 
     def __post_init__(self) -> None:
-        if not self.buckets or list(self.buckets) != sorted(set(self.buckets)) or self.buckets[0] < 1:
-            raise ValueError(f"buckets must be ascending distinct positive ints, got {self.buckets}")
+        for name in ("buckets", "suffix_buckets"):
+            b = getattr(self, name)
+            if (name == "buckets" and not b) or list(b) != sorted(set(b)) or (b and b[0] < 1):
+                raise ValueError(f"{name} must be ascending distinct positive ints, got {b}")
+        if self.suffix_buckets and self.max_context < PAGE_SIZE:
+            raise ValueError(f"suffix graphs need max_context >= {PAGE_SIZE}, got {self.max_context}")
 
     @classmethod
-    def for_limits(cls, max_tokens: int) -> "PrefillGraphPlan":
-        return cls(prefill_buckets(max_tokens))
+    def for_limits(cls, max_tokens: int, max_context: int = 0) -> "PrefillGraphPlan":
+        """New prompts up to ``max_tokens`` (`prefill_buckets`); with ``max_context`` > 0 also suffixes of
+        up to ``min(max_tokens, SUFFIX_MAX_ROWS)`` tokens in contexts up to ``max_context``."""
+        rows = min(max_tokens, SUFFIX_MAX_ROWS)
+        return cls(prefill_buckets(max_tokens), prefill_buckets(rows) if max_context > 0 else (),
+                   max_context if max_context > 0 else 0)
 
     @property
     def max_tokens(self) -> int:
@@ -107,26 +136,50 @@ class PrefillGraphPlan:
 
     @property
     def max_pages(self) -> int:
-        """Page-table width of the largest bucket."""
+        """Page-table width of the largest new-prompt bucket."""
         return pages_for_tokens(self.max_tokens)
 
-    def bucket(self, num_tokens: int) -> int | None:
-        """The smallest bucket holding ``num_tokens`` tokens, or None."""
-        for b in self.buckets:
-            if b >= num_tokens:
+    @property
+    def context_pages(self) -> int:
+        """Page-table width of the suffix graphs (``max_context`` tokens)."""
+        return pages_for_tokens(self.max_context)
+
+    @staticmethod
+    def _bucket(buckets: tuple[int, ...], n: int) -> int | None:
+        for b in buckets:
+            if b >= n:
                 return b
         return None
 
-    def covers(self, items) -> bool:
-        """Whether a PREFILL forward over ``items`` (`workers.model_runner.WorkItem` s) runs here."""
-        if len(items) != 1:
-            return False
+    def bucket(self, num_tokens: int) -> int | None:
+        """The smallest new-prompt bucket holding ``num_tokens`` tokens, or None."""
+        return self._bucket(self.buckets, num_tokens)
+
+    def suffix_bucket(self, num_tokens: int) -> int | None:
+        """The smallest suffix bucket holding ``num_tokens`` tokens, or None."""
+        return self._bucket(self.suffix_buckets, num_tokens)
+
+    def kind(self, items) -> str | None:
+        """``"prompt"`` or ``"suffix"``: which graphs serve a PREFILL forward over ``items``
+        (`workers.model_runner.WorkItem` s), or None (it runs eagerly)."""
+        if len(items) != 1 or not isinstance(items[0].page_table, tuple):
+            return None
         it = items[0]
-        return it.start == 0 and isinstance(it.page_table, tuple) and 1 <= len(it.token_ids) <= self.max_tokens
+        n = len(it.token_ids)
+        if n < 1:
+            return None
+        if it.start == 0:
+            return "prompt" if n <= self.max_tokens else None
+        if self.suffix_buckets and n <= self.suffix_buckets[-1] and it.end <= self.max_context:
+            return "suffix"
+        return None
+
+    def covers(self, items) -> bool:
+        return self.kind(items) is not None
 
 
-class PrefillInputs:
-    """The captured prefills' inputs, on the device, sized for the largest bucket ``T``.
+class PromptInputs:
+    """A new prompt's inputs, on the device, sized for the largest bucket ``T``.
 
     ``packed`` int64 ``[T + 1 + P]``: the prompt's tokens (pad tokens 0), its length ``n``, its
     page ids (``P`` = `PrefillGraphPlan.max_pages`, unused entries 0); one host-to-device copy a
@@ -152,8 +205,7 @@ class PrefillInputs:
         `pages_for_tokens` pages are read), or none (``tokens`` empty: every row is a pad)."""
         T, P = self.plan.max_tokens, self.plan.max_pages
         n = len(tokens)
-        need = pages_for_tokens(n)
-        if n > T or len(page_table) < need:
+        if n > T or len(page_table) < pages_for_tokens(n):
             raise ValueError(f"a prompt of {n} tokens in {len(page_table)} pages is outside this plan "
                              f"({T} tokens)")
         pages = list(page_table[:P])
@@ -166,8 +218,7 @@ class PrefillInputs:
         pads, slot ``-1``."""
         T = self.plan.max_tokens
         p = self.packed
-        pages = pages_for_tokens(bucket)
-        table = p[T + 1: T + 1 + pages]
+        table = p[T + 1: T + 1 + pages_for_tokens(bucket)]
         pos = self.positions[:bucket]
         slots = table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
         out_slots = torch.where(pos < p[T], slots, -1)
@@ -176,6 +227,71 @@ class PrefillInputs:
             mode=ForwardMode.PREFILL, input_ids=p[:bucket], positions=pos, out_slots=out_slots,
             page_tables=table.to(torch.int32)[None], seq_lens=lens, q_lens=lens, max_seq_len=bucket,
             seq_lens_host=(bucket,), q_lens_host=(bucket,),
+        )
+
+    def real(self, full: ForwardBatch, n: int) -> ForwardBatch:
+        """The prompt's own rows of ``full`` (views), its lengths on the host and the device."""
+        return ForwardBatch(
+            mode=ForwardMode.PREFILL, input_ids=full.input_ids[:n], positions=full.positions[:n],
+            out_slots=full.out_slots[:n], page_tables=full.page_tables, seq_lens=self.length, q_lens=self.length,
+            max_seq_len=n, seq_lens_host=(n,), q_lens_host=(n,),
+        )
+
+
+class SuffixInputs:
+    """New tokens over a cached prefix, laid out as a decode step of one row per token, on the device,
+    sized for the largest suffix bucket ``B``.
+
+    ``packed`` int64 ``[B + 3 + P]``: the new tokens (pads 0), the prefix length ``start``, the new
+    token count ``n``, the context after them ``start + n``, the request's page ids (``P`` =
+    `PrefillGraphPlan.context_pages`, unused entries 0); one host-to-device copy a step.
+    """
+
+    def __init__(self, plan: PrefillGraphPlan, device: torch.device):
+        self.plan, self.device = plan, device
+        B, P = plan.suffix_buckets[-1], plan.context_pages
+        self.rows_max = B
+        self.packed = torch.zeros(B + 3 + P, dtype=torch.int64, device=device)
+        self.rows = torch.arange(B, dtype=torch.int64, device=device)
+        self.q_lens = torch.ones(B, dtype=torch.int64, device=device)
+
+    def write(self, tokens: tuple[int, ...], start: int, page_table: tuple[int, ...]) -> None:
+        """``len(tokens)`` new tokens at positions ``start ..`` held in ``page_table``, or none
+        (``tokens`` empty: every row is a pad)."""
+        B, P = self.rows_max, self.plan.context_pages
+        n = len(tokens)
+        end = start + n
+        if n > B or end > self.plan.max_context or len(page_table) < pages_for_tokens(end):
+            raise ValueError(f"{n} new tokens after {start} cached in {len(page_table)} pages are outside this plan "
+                             f"({B} tokens, contexts up to {self.plan.max_context})")
+        pages = list(page_table[:P])
+        host = list(tokens) + [0] * (B - n) + [start, n, end] + pages + [0] * (P - len(pages))
+        self.packed.copy_(to_device(torch.tensor(host, dtype=torch.int64), self.device))
+
+    def batch(self, bucket: int) -> ForwardBatch:
+        """The DECODE forward of ``bucket`` rows: row ``i < n`` is the token at ``start + i`` with context
+        ``start + i + 1``; the rest are padding rows (position 0, context 1, slot ``-1``)."""
+        B, P = self.rows_max, self.plan.context_pages
+        p = self.packed
+        start, n = p[B], p[B + 1]
+        table = p[B + 3: B + 3 + P]
+        live = self.rows[:bucket] < n
+        pos = torch.where(live, start + self.rows[:bucket], 0)
+        slots = table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=p[:bucket], positions=pos, out_slots=torch.where(live, slots, -1),
+            page_tables=table.to(torch.int32)[None].expand(bucket, P).contiguous(), seq_lens=pos + 1,
+            q_lens=self.q_lens[:bucket], max_seq_len=self.plan.max_context, static_shapes=True,
+        )
+
+    def real(self, full: ForwardBatch, start: int, n: int) -> ForwardBatch:
+        """The suffix's PREFILL description (what callers read: the rows, lengths on the host and the
+        device), from the bucket's views."""
+        B = self.rows_max
+        return ForwardBatch(
+            mode=ForwardMode.PREFILL, input_ids=full.input_ids[:n], positions=full.positions[:n],
+            out_slots=full.out_slots[:n], page_tables=full.page_tables[:1], seq_lens=self.packed[B + 2: B + 3],
+            q_lens=self.packed[B + 1: B + 2], max_seq_len=start + n, seq_lens_host=(start + n,), q_lens_host=(n,),
         )
 
 
@@ -189,10 +305,10 @@ class PrefillGraphs:
         if capture and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         self.capture = capture
-        self.inputs = PrefillInputs(plan, self.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.batches: dict[int, ForwardBatch] = {}
+        self.inputs = PromptInputs(plan, self.device)
+        self.suffix_inputs = SuffixInputs(plan, self.device) if plan.suffix_buckets else None
+        # kind -> bucket -> (graph, its batch, its hidden output)
+        self.graphs: dict[str, dict[int, tuple]] = {"prompt": {}, "suffix": {}}
         self.replays = 0
 
     def covers(self, items) -> bool:
@@ -200,52 +316,45 @@ class PrefillGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """One graph per bucket, largest first, in one memory pool. Each bucket first runs eagerly
-        twice with every row a pad (nothing is written to the cache): that compiles the Triton and
-        DeepGEMM kernels of its shapes outside the capture."""
+        """One graph per bucket of each kind (`workers.decode_graphs.capture_forwards`), on all-pad inputs."""
         if not self.capture:
             return
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
         self.inputs.write((), ())
-        for bucket in sorted(self.plan.buckets, reverse=True):
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.model(self.inputs.batch(bucket), self.cache, self.backend)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                batch = self.inputs.batch(bucket)  # inside: its slots are graph kernels
-                self.outputs[bucket] = self.model(batch, self.cache, self.backend)
-            self.graphs[bucket], self.batches[bucket] = graph, batch
-        torch.cuda.synchronize(self.device)
+        self.graphs["prompt"] = capture_forwards(self.model, self.cache, self.backend, self.device,
+                                                 self.plan.buckets, self.inputs.batch)
+        if self.suffix_inputs is not None:
+            self.suffix_inputs.write((), 0, ())
+            self.graphs["suffix"] = capture_forwards(self.model, self.cache, self.backend, self.device,
+                                                     self.plan.suffix_buckets, self.suffix_inputs.batch)
 
     @torch.inference_mode()
     def run(self, items) -> tuple[ForwardBatch, torch.Tensor]:
-        """The PREFILL forward over ``items`` (one prompt of ``n`` tokens from position 0, `covers`):
-        (its batch, normed hidden ``[n, hidden]``). The hidden states are a view of the graph's
-        output buffer, valid until the next prefill through these graphs (clone to keep); the batch's
-        tensors are views of the bucket's buffers (the prompt's rows), its lengths on the host."""
-        if not self.covers(items):
+        """The PREFILL forward over ``items`` (one prompt's ``n`` new tokens, `covers`): (its batch,
+        normed hidden ``[n, hidden]``). The hidden states are a view of the graph's output buffer,
+        valid until the next prefill through these graphs (clone to keep); the batch's tensors are
+        views of the bucket's buffers (the prompt's rows), its lengths on the host."""
+        kind = self.plan.kind(items)
+        if kind is None:
             raise ValueError(f"a prefill of {[len(it.token_ids) for it in items]} tokens starting at "
-                             f"{[it.start for it in items]} is outside this plan ({self.plan.max_tokens} tokens, "
-                             f"one prompt from position 0)")
+                             f"{[it.start for it in items]} is outside this plan (one prompt: new, up to "
+                             f"{self.plan.max_tokens} tokens; over a cached prefix, up to "
+                             f"{self.plan.suffix_buckets[-1] if self.plan.suffix_buckets else 0} tokens)")
         it = items[0]
         n = len(it.token_ids)
-        bucket = self.plan.bucket(n)
-        self.inputs.write(it.token_ids, it.page_table)
-        if self.capture:
-            self.graphs[bucket].replay()
-            self.replays += 1
-            hidden, full = self.outputs[bucket], self.batches[bucket]
+        if kind == "prompt":
+            bucket = self.plan.bucket(n)
+            self.inputs.write(it.token_ids, it.page_table)
+            make = self.inputs.batch
         else:
-            full = self.inputs.batch(bucket)
+            bucket = self.plan.suffix_bucket(n)
+            self.suffix_inputs.write(it.token_ids, it.start, it.page_table)
+            make = self.suffix_inputs.batch
+        if self.capture:
+            graph, full, hidden = self.graphs[kind][bucket]
+            graph.replay()
+            self.replays += 1
+        else:
+            full = make(bucket)
             hidden = self.model(full, self.cache, self.backend)
-        length = self.inputs.length  # n, on the device already
-        batch = ForwardBatch(
-            mode=ForwardMode.PREFILL, input_ids=full.input_ids[:n], positions=full.positions[:n],
-            out_slots=full.out_slots[:n], page_tables=full.page_tables, seq_lens=length, q_lens=length,
-            max_seq_len=n, seq_lens_host=(n,), q_lens_host=(n,),
-        )
+        batch = self.inputs.real(full, n) if kind == "prompt" else self.suffix_inputs.real(full, it.start, n)
         return batch, hidden[:n]

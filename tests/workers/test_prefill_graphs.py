@@ -46,13 +46,22 @@ def test_buckets_plan_and_coverage():
     assert [plan.bucket(n) for n in (1, 16, 17, 129, 256, 257, 300, 301)] == [16, 16, 32, 256, 256, 300, 300, None]
     assert plan.max_pages == 5
     one = WorkItem((1,) * 40, 0, (3,))
-    assert plan.covers([one])
+    assert plan.kind([one]) == "prompt"
     assert not plan.covers([one, one])                              # batched prompts: eager
-    assert not plan.covers([WorkItem((1,) * 40, 64, (3, 4))])       # over a cached prefix: eager
+    assert not plan.covers([WorkItem((1,) * 40, 64, (3, 4))])       # over a cached prefix: no suffix graphs here
     assert not plan.covers([WorkItem((1,) * 301, 0, tuple(range(5)))])  # longer than the largest bucket
     assert not plan.covers([WorkItem((1,) * 40, 0, {"swa": (3,)})])  # a grouped (DeepSeek-V4) page table
     with pytest.raises(ValueError, match="ascending"):
         PrefillGraphPlan((32, 16))
+    plan = PrefillGraphPlan.for_limits(1024, max_context=640)
+    assert plan.suffix_buckets == (16, 32, 64, 128, 256) and plan.context_pages == 10  # SUFFIX_MAX_ROWS
+    assert plan.kind([WorkItem((1,) * 40, 64, (3, 4))]) == "suffix"
+    assert plan.kind([WorkItem((1,) * 256, 384, tuple(range(10)))]) == "suffix"   # context 640: the limit
+    assert plan.kind([WorkItem((1,) * 200, 448, tuple(range(11)))]) is None       # context 648 > 640
+    assert plan.kind([WorkItem((1,) * 257, 64, tuple(range(6)))]) is None         # more than 256 new tokens
+    assert PrefillGraphPlan.for_limits(100, max_context=640).suffix_buckets == (16, 32, 64, 100)
+    with pytest.raises(ValueError, match="max_context"):
+        PrefillGraphPlan((16,), (16,), 0)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         PrefillGraphs(None, None, None, plan, "cpu", capture=True)
 
@@ -139,7 +148,7 @@ def test_pads_never_write_the_cache(tiny):
 @pytest.mark.parametrize("k", [0, 1])
 def test_engine_output_is_unchanged_with_prefill_graphs(tiny, k):
     # Prompts that fit a bucket and ones that do not (longer than top-k: eager), and one long enough
-    # to be chunked (its chunks after the first sit over a cached prefix: eager).
+    # to be chunked (its 256-token first chunk eager; its last 44 tokens over the first: a suffix graph).
     prompts = [random_prompt(n, 300, 40 + n) for n in (3, 16, 33, 120, TOPK, TOPK + 1, 300)]
     kw = dict(mtp_draft_tokens=k, max_batch_size=4, chunk_size=256, num_pages=64)
     want = LLM(tiny, **kw).generate(prompts, max_new_tokens=6, ignore_eos=True)
@@ -154,6 +163,88 @@ def test_engine_output_is_unchanged_with_prefill_graphs(tiny, k):
     # One at a time (every prompt alone in its prefill step), then all together (batched: eager).
     got = [llm.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
     assert got == want
-    assert sorted(served) == [3, 16, 33, 120, TOPK], served
+    assert sorted(served) == [3, 16, 33, 44, 120, TOPK], served
     assert llm.generate(prompts, max_new_tokens=6, ignore_eos=True) == want
+    assert llm.pool.free_count == llm.pool.num_pages
+
+
+SUFFIX_CASES = [(64, 1), (64, 16), (100, 37), (150, 100), (300, 150)]  # (cached, new): some windows past top-k
+
+
+@pytest.mark.parametrize("cached,n", SUFFIX_CASES)
+def test_static_suffix_equals_eager_suffix(tiny, cached, n):
+    """New tokens over a cached prefix, as a decode step of one row per token, against the eager prefill
+    over the same prefix (the reference backend's ragged indexer and sparse prefill)."""
+    llm = LLM(tiny, num_pages=32)
+    runner = llm.runner
+    prompt = random_prompt(cached + n, 300, 7 * cached + n)
+    pages = tuple(llm.pool.allocate_for_tokens(cached + n))
+    try:
+        runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(prompt[:cached]), 0, pages)])
+        item = WorkItem(tuple(prompt[cached:]), cached, pages)
+        want_batch, want = runner.forward(ForwardMode.PREFILL, [item])
+        want_mla = [t.clone() for t in llm.cache.mla]
+        runner.enable_prefill_graphs(TOPK, capture=False, max_context=512)
+        assert runner.prefill_graphs.plan.kind([item]) == "suffix"
+        batch, got = runner.forward(ForwardMode.PREFILL, [item])
+        assert runner.prefill_graphs.suffix_inputs is not None
+        assert got.shape == want.shape == (n, llm.cfg.hidden_size)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for a, b in zip(want_mla, llm.cache.mla):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert batch.num_tokens == n and batch.query_ranges() == want_batch.query_ranges() == [(0, n)]
+        assert batch.host_lens() == ((cached + n,), (n,))
+        assert batch.seq_lens.tolist() == [cached + n] and batch.q_lens.tolist() == [n]
+        assert torch.equal(batch.out_slots, want_batch.out_slots)
+        assert torch.equal(batch.positions, want_batch.positions)
+    finally:
+        llm.pool.free(list(pages))
+
+
+def test_suffix_pads_never_write_the_cache(tiny):
+    llm = LLM(tiny, num_pages=16)
+    runner = llm.runner
+    runner.enable_prefill_graphs(TOPK, capture=False, max_context=512)
+    pages = tuple(llm.pool.allocate(3))
+    cached, n = 100, 20  # bucket 32: 12 padding rows (position 0, slot -1)
+    prompt = random_prompt(cached + n, 300, 11)
+    runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(prompt[:cached]), 0, pages)])  # a new prompt: graphs
+    L = llm.cfg.num_hidden_layers
+    pools = [*llm.cache.mla[:L], *(t for t in llm.cache.index[:L] if t is not None)]
+    before = [t.clone() for t in pools]
+    suffix = {pages[(cached + i) // 64] * 64 + (cached + i) % 64 for i in range(n)}
+    try:
+        runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(prompt[cached:]), cached, pages)])
+        for a, b in zip(before, pools):
+            changed = set((a.reshape(llm.cache.spec.num_slots, -1) != b.reshape(llm.cache.spec.num_slots, -1))
+                          .any(-1).nonzero().flatten().tolist())
+            assert changed == suffix, sorted(changed ^ suffix)[:8]
+    finally:
+        llm.pool.free(list(pages))
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_engine_output_is_unchanged_with_suffix_graphs(tiny, k):
+    """Prompts that share a cached prefix (prefix-cache hits: their suffixes take the suffix graphs) give
+    the eager engine's greedy output."""
+    base = random_prompt(200, 300, 5)
+    prompts = [base + random_prompt(m, 300, 60 + m) for m in (1, 9, 40, 130)]
+    kw = dict(mtp_draft_tokens=k, max_batch_size=4, chunk_size=256, num_pages=64)
+    plain = LLM(tiny, **kw)
+    plain.generate([base], max_new_tokens=2, ignore_eos=True)  # the same cache state in both engines
+    want = [plain.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
+    llm = LLM(tiny, **kw)
+    llm.engine.enable_cuda_graphs(default_graph_context(llm.cfg, llm.pool.num_pages), capture=False,
+                                  prefill_tokens=TOPK)
+    graphs = llm.runner.prefill_graphs
+    assert graphs.plan.suffix_buckets == (16, 32, 64, 128, TOPK)
+    kinds = []
+    run = graphs.run
+    graphs.run = lambda items: kinds.append((graphs.plan.kind(items), items[0].start)) or run(items)
+    llm.generate([base], max_new_tokens=2, ignore_eos=True)
+    got = [llm.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
+    assert got == want
+    # base (200 tokens, wider than top-k) eagerly; then each prompt's suffix after the cached pages of base
+    # (3 full pages: 192 tokens; a page's key covers the token after it, so the 4th is not shared)
+    assert kinds == [("suffix", 192)] * len(prompts), kinds
     assert llm.pool.free_count == llm.pool.num_pages

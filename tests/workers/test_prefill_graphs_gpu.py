@@ -1,9 +1,11 @@
 """CUDA-graph prefills on the GPU: every replayed prefill equals the same static-buffer prefill run eagerly.
 
 A tiny model with the serving attention dims on the cuda backend (bf16 weights, fp8 caches, Triton
-MoE, FlashMLA sparse prefill). Prompts of many lengths go through the engine one at a time: those
-that fit a bucket replay its graph, which must give the same hidden states, bit for bit, as the
-very same code run eagerly on the same inputs; the rest run eagerly. Outputs against the plain
+MoE, FlashMLA sparse prefill and decode, DeepGEMM's paged indexer). Prompts of many lengths go
+through the engine one at a time, then prompts over a shared cached prefix: those that fit a bucket
+replay its graph (a new prompt's, or a suffix's over the cached pages), which must give the same
+hidden states, bit for bit, as the very same code run eagerly on the same inputs; the rest run
+eagerly. Outputs against the plain
 eager prefill are printed, not asserted (bf16 GEMMs over a padded row count round differently).
 """
 
@@ -41,20 +43,30 @@ def test_prefill_graph_replay_equals_eager_gpu(arch, k, tmp_path):
         batch, got = replay(items)
         got = got.clone()
         _, want = eager.run(items)
-        served.append(len(items[0].token_ids))
+        served.append(len(items[0].token_ids) if items[0].start == 0 else ("suffix", len(items[0].token_ids)))
         if not torch.equal(got, want):
             mismatches.append((served[-1], float((got.float() - want.float()).abs().max())))
         return batch, got
 
     graphs.run = checked_run
     prompts = [random_prompt(n, 300, 70 + n) for n in LENGTHS]
-    outs = [llm.generate([p], max_new_tokens=8, ignore_eos=True)[0] for p in prompts]
+    # Then prompts over a shared cached prefix: base (300 tokens, eager) leaves 4 full pages cached (a
+    # page's key covers the token after it); each prompt's suffix after them takes a suffix graph.
+    base = random_prompt(300, 300, 3)
+    prompts += [base + random_prompt(m, 300, 90 + m) for m in (1, 20, 100, 200)]
+    outs = [llm.generate([p], max_new_tokens=8, ignore_eos=True)[0] for p in prompts[:len(LENGTHS)]]
+    llm.generate([base], max_new_tokens=2, ignore_eos=True)
+    outs += [llm.generate([p], max_new_tokens=8, ignore_eos=True)[0] for p in prompts[len(LENGTHS):]]
     assert not mismatches, mismatches
-    assert sorted(served) == [n for n in LENGTHS if n <= 256], served
+    new = [x for x in served if not isinstance(x, tuple)]
+    assert sorted(new) == [n for n in LENGTHS if n <= 256], served
+    assert [x for x in served if isinstance(x, tuple)] == [("suffix", 300 - 256 + m) for m in (1, 20, 100, 200)], served
     assert graphs.replays == len(served)
     assert llm.pool.free_count == llm.pool.num_pages
     plain = LLM(model, cuda_graphs=True, prefill_graph_max_tokens=0, **kw)
-    want = [plain.generate([p], max_new_tokens=8, ignore_eos=True)[0] for p in prompts]
+    want = [plain.generate([p], max_new_tokens=8, ignore_eos=True)[0] for p in prompts[:len(LENGTHS)]]
+    plain.generate([base], max_new_tokens=2, ignore_eos=True)
+    want += [plain.generate([p], max_new_tokens=8, ignore_eos=True)[0] for p in prompts[len(LENGTHS):]]
     same = sum(a == b for a, b in zip(outs, want))
-    print(f"PREFILL GRAPHS {arch} k={k}: {graphs.replays} replays, lengths {sorted(served)}; "
+    print(f"PREFILL GRAPHS {arch} k={k}: {graphs.replays} replays, lengths {served}; "
           f"{same}/{len(prompts)} outputs equal to the eager prefill's")

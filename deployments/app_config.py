@@ -300,15 +300,18 @@ class RoleConfig(_Strict):
         "this long, once per wait, several times a step (docs/perf.md, \"The engine thread and the GIL\").",
     )
     cuda_graph_max_context: int | None = Field(
-        None, ge=64, description="Longest context a captured decode step serves (longer ones run eagerly); "
-        "default: what the page pool holds for one request, capped by the model's max positions.",
+        None, ge=64, description="Longest context a captured decode step, or a captured prefill over a cached "
+        "prefix, serves (longer ones run eagerly); default: what the page pool holds for one request, capped by "
+        "the model's max positions.",
     )
     prefill_graph_max_tokens: int | None = Field(
-        None, ge=0, description="With cuda_graphs on (either role): a prefill of one new prompt (no cached prefix) of "
-        "up to this many tokens pads to a token bucket (16, 32, 64, 128, then every 128) and replays that bucket's "
-        "captured CUDA graph instead of launching every kernel from the host (workers/prefill_graphs.py). Default "
-        "(null): 1024, capped by the model's index_topk and chunk_size; 0: off. Longer, batched or prefix-hit "
-        "prefills run eagerly. Not built for tensor_parallel_size > 1 or DeepSeek-V4 (a value > 0 there is an error).",
+        None, ge=0, description="With cuda_graphs on (either role): a prefill of one new prompt of up to this many "
+        "tokens, or of up to min(this, 256) new tokens over a cached prefix (a prefix-cache hit, a prompt's last "
+        "chunk) in a context up to cuda_graph_max_context, pads to a token bucket (16, 32, 64, 128, then every 128) "
+        "and replays that bucket's captured CUDA graph instead of launching every kernel from the host "
+        "(workers/prefill_graphs.py). Default (null): 1024, capped by the model's index_topk and chunk_size; 0: off. "
+        "Longer or batched prefills run eagerly. Not built for tensor_parallel_size > 1 or DeepSeek-V4 (a value > 0 "
+        "there is an error).",
     )
     max_ongoing_requests: int | None = Field(
         None, ge=1, description="Serve's per-replica request cap; default 2 x max_batch_size (one batch queued)."

@@ -34,7 +34,8 @@ def test_prefill_graph_replay_equals_eager_gpu(arch, k, tmp_path):
     llm = LLM(model, cuda_graphs=True, prefill_graph_max_tokens=256, **kw)
     graphs = llm.runner.prefill_graphs
     assert graphs.plan.buckets == (16, 32, 64, 128, 256)
-    assert set(graphs.graphs) == set(graphs.plan.buckets)
+    assert set(graphs.graphs["prompt"]) == set(graphs.plan.buckets)
+    assert set(graphs.graphs["suffix"]) == set(graphs.plan.suffix_buckets) == {16, 32, 64, 128, 256}
     eager = PrefillGraphs(llm.model, llm.cache, llm.runner.backend, graphs.plan, "cuda", capture=False)
     replay = graphs.run
     served, mismatches = [], []

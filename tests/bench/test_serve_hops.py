@@ -16,6 +16,6 @@ def test_serve_hops_times_each_path(capsys):
     out = capsys.readouterr().out
     times = {m.group(1): float(m.group(2)) for m in re.finditer(r"^/(\w+): p50 ([0-9.]+) ms", out, re.M)}
     assert set(times) == {"local", "unary", "stream"}, out
-    assert all(t > 0 for t in times.values())
-    # A handle call to another replica costs more than answering in the ingress alone.
-    assert times["stream"] > times["local"] and times["unary"] > times["local"], times
+    # Each path timed; which costs more is the bench's finding on an idle host (docs/perf.md), not a unit
+    # test's: on a loaded 2-core CI runner the order flipped (local 14.7 ms, stream 10.3).
+    assert all(t > 0 for t in times.values()), times

@@ -110,9 +110,11 @@ def test_the_step_trace_has_every_replicas_steps(server, reference):
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=TOKENS, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == TOKENS
-    # The replicas hand their steps on at their heartbeats (twice a second).
-    wait_until(lambda: all(f.exists() and len(read(f)) > before[r] for r, f in files.items()), 15,
-               "both replicas' new steps in the trace")
+    # The replicas hand their steps on at their heartbeats (twice a second): the decode steps may arrive
+    # over several, so wait for all of the request's tokens, not the first new line.
+    want = {"prefill": len(prompt), "decode": TOKENS - 1}
+    wait_until(lambda: all(f.exists() and sum(x["tokens"] for x in read(f, skip=before[r])) >= want[r]
+                           for r, f in files.items()), 15, "both replicas' steps of the request in the trace")
     pre = read(files["prefill"], skip=before["prefill"])
     assert {r["kind"] for r in pre} == {"prefill"} and sum(r["tokens"] for r in pre) == len(prompt)
     dec = read(files["decode"], skip=before["decode"])

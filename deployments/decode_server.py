@@ -40,6 +40,7 @@ from ray.exceptions import RayActorError
 
 from deployments.app_config import AppConfig
 from deployments.decode_thread import Reserved, error_output
+from deployments.metrics import hop_trace
 from deployments.metrics.replica import DecodeMetrics
 from deployments.replica_server import ReplicaServer
 from deployments.worker_thread import ENGINE_FAILED
@@ -127,6 +128,7 @@ class DecodeServer(ReplicaServer):
         prefill replica, as a new attempt (`retry_id`: new pages, a new receive; the dead attempt's
         pages stay held until no WRITE of it can land). A second fault ends it with the error."""
         start = time.monotonic()
+        hop_trace.mark(request_id, "decode.entered")
         attempt_id = request_id
         self._streams[attempt_id] = self.thread.open_stream(attempt_id)
         prefill_call = waiter = None
@@ -164,6 +166,7 @@ class DecodeServer(ReplicaServer):
                 finished = out.finished
                 if finished:
                     self.metrics.finished(out)
+                hop_trace.mark(request_id, "decode.yielded")
                 yield out.to_wire()
         except asyncio.CancelledError:
             log.info("decode %s: request %s cancelled", self.agent, request_id)

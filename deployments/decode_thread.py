@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from attention.formats import pages_for_tokens
 from deployments.admission import overload_message, timeout_detail, waited
+from deployments.metrics import hop_trace
 from deployments.replica_stats import DecodeStats, PrefixKeys, StepRecord
 from deployments.worker_thread import WorkerThread
 from workers.decode_worker import DecodeWorker
@@ -93,6 +94,7 @@ class DecodeThread(WorkerThread):
         """Monolithic mode: queue ``req`` for the engine's own chunked prefill, then decode.
         A request the pool can never hold (or a duplicate id, or one past ``admit_by``) gets its
         error output now."""
+        hop_trace.mark(req.request_id, "engine.added")
         if self._late(req.request_id, admit_by):
             return
         try:

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from deployments.metrics import hop_trace
 from deployments.replica_stats import ReplicaStats, StepRecord, take_records
 from deployments.stream_table import StreamTable
 from deployments.worker_thread import ENGINE_FAILED, WorkerThread, WorkerThreadFailed
@@ -266,6 +267,10 @@ class EngineProcess:
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "emit":
+            if hop_trace.active():
+                for key, item in msg[1]:
+                    if hop_trace.carries_tokens(item):
+                        hop_trace.mark(key, f"{self.role}.received")
             self._streams.deliver(msg[1])
         elif kind == "stats":
             self.stats = msg[1]

@@ -44,6 +44,7 @@ from deployments import http_frontend
 from deployments.admission import InFlight, PoolFit, admit_by, max_requests
 from deployments.app_config import AppConfig
 from deployments.auth import BearerAuth, load_api_key, set_api_key
+from deployments.metrics import hop_trace
 from deployments.metrics.ingress import IngressMetrics, RequestTrace
 from deployments.openai.chat_output import ChatOutput
 from deployments.openai.errors import (
@@ -368,11 +369,13 @@ class OpenAIIngress:
     async def _run(self, kind: str, body, ids: list[int], params, trace: RequestTrace,
                    chat: ChatOutput | None = None) -> Response:
         job = _ClientRequest(kind, body, len(ids), self.tokenizer, trace, chat)
+        hop_trace.mark(job.id, "ingress.parsed")
         try:
             job.slot = self.in_flight.enter(job)  # 429 past limits.max_requests
         except Overloaded as e:
             return self._refuse(trace, e)
         trace.admitted(len(ids))
+        hop_trace.mark(job.id, "ingress.dispatched")
         job.responses = self.decode.generate.remote(job.id, ids, params,
                                                     prefix_keys=self.prompt_keys(ids),
                                                     admit_by=admit_by(self.app_cfg))
@@ -383,6 +386,7 @@ class OpenAIIngress:
             except StopAsyncIteration:
                 return self._refuse(trace, OpenAIError("the decode replica ended the request without output"))
             trace.output(len(first.token_ids))
+            hop_trace.mark(job.id, "ingress.first_output")
             if first.finish_reason == "error":
                 return self._refuse(trace, output_error(first))
             if body.stream:

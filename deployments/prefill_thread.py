@@ -29,6 +29,8 @@ log = logging.getLogger("ray.serve")  # Serve's logger: replica log files and th
 
 
 class PrefillThread(WorkerThread):
+    EMITTED_POINT = "prefill.emitted"
+
     def __init__(self, worker: PrefillWorker, warm_up: bool = True, queue_timeout_s: float = 0.0):
         """``queue_timeout_s``: ``limits.queue_timeout_s`` as resolved, named in queue-timeout refusals."""
         super().__init__(f"prefill:{worker.link.agent.worker_id}")

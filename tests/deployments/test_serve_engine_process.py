@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from deployments.app_config import AppConfig
+from deployments.metrics import hop_trace
 from deployments.metrics.step_trace import periods, read, summarize
 from tests.deployments.app_fixtures import merged, yaml_args
 from tests.deployments.offline_reference import prompt_ids
@@ -39,8 +40,9 @@ PROMPTS = [prompt_ids(n, seed=900 + n) for n in (150, 7, 64, 300)]
 TOKENS = 10
 
 TRACE = Path(tempfile.mkdtemp(prefix="dsapd-steptrace-"))
+HOPS = Path(tempfile.mkdtemp(prefix="dsapd-hops-"))
 SERVER = ServerSpec("serve-engine-process", args=RAW, config_name="tiny_pd_engine_process.yaml",
-                    env={"DSA_PD_STEP_TRACE": str(TRACE), **haproxy_env()})
+                    env={"DSA_PD_STEP_TRACE": str(TRACE), "DSA_PD_HOP_TRACE": str(HOPS), **haproxy_env()})
 server, reference = served_and_offline_fixtures(SERVER, ARGS, PROMPTS, TOKENS)
 
 
@@ -121,6 +123,12 @@ def test_the_step_trace_has_every_replicas_steps(server, reference):
     assert {r["kind"] for r in dec} == {"decode"} and sum(r["tokens"] for r in dec) == TOKENS - 1  # token 1: prefill's
     for r in pre + dec:
         assert t0 < r["ended"] - r["seconds"] < r["ended"] < time.time() and r["role"] in files
+    # DSA_PD_HOP_TRACE: the request's points, written by the ingress, the decode replica and its engine
+    # process, in the order of its path.
+    (hops,) = [h for h in hop_trace.read(HOPS).values() if min(h.values()) > t0]
+    order = ["ingress.parsed", "ingress.dispatched", "decode.entered", "prefill.emitted", "prefill.received",
+             "engine.emitted", "decode.received", "decode.yielded", "ingress.first_output"]
+    assert sorted(hops, key=hops.get) == order, hops
     (p,) = periods(dec, gap_s=5.0)
     summary = summarize(p)
     assert summary["kinds"]["decode"]["steps"] == len(dec)

@@ -113,6 +113,11 @@ def _serve(args) -> int:
     choice = args.http_frontend or http_frontend.default_choice()
     env = http_frontend.serve_run_env(choice)
     print(http_frontend.describe(choice))
+    if choice == "haproxy":
+        stopped = http_frontend.stop_stale_haproxies()
+        if stopped:
+            print(f"stopped {len(stopped)} HAProxy process(es) left by an earlier Ray Serve (pids "
+                  f"{', '.join(map(str, stopped))}): they held the HTTP port")
     sys.stdout.flush()
     os.execve(exe, [exe, "run", args.config, *args.serve_args], env)
     return 0  # not reached

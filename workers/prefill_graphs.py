@@ -93,10 +93,22 @@ def prefill_graph_tokens(setting: int | None, graphs: bool, cfg, chunk_size: int
     return max(0, min(want, int(cfg.index_topk), int(chunk_size), int(cfg.max_position_embeddings)))
 
 
-SUFFIX_MAX_ROWS = 256
-"""Most new tokens over a cached prefix that a graph serves (`PrefillGraphPlan.for_limits`): each row
-holds indexer logits over the whole graph context (fp32 ``[rows, max_context]``, 9 MiB at 9,216
-positions); issue 24's shared-prefix load sends 256-token suffixes."""
+SUFFIX_MAX_ROWS = 512
+"""Most new tokens over a cached prefix that a graph serves. Issue 24's shared-prefix load computes
+320 of them (a 256-token suffix, and the prefix's last page: a page's key covers the token after it,
+`workers.prefix_cache.LOOKAHEAD`, so the page before a new suffix never hits)."""
+
+SUFFIX_LOGITS_BYTES = 64 << 20
+"""What the suffix graphs' indexer logits may take (fp32 ``[rows, max_context]``, one buffer in the graph
+pool): `suffix_rows` lowers the row cap for long contexts (512 rows at 9,216 positions take 18 MiB;
+at 163,840 positions the cap is 96 rows)."""
+
+
+def suffix_rows(max_tokens: int, max_context: int) -> int:
+    """The most new tokens over a cached prefix a graph serves: ``min(max_tokens, SUFFIX_MAX_ROWS)``, lowered
+    (to a multiple of 16, at least 16) so their logits fit `SUFFIX_LOGITS_BYTES`."""
+    fit = SUFFIX_LOGITS_BYTES // (4 * max(max_context, 1))
+    return max(16, min(max_tokens, SUFFIX_MAX_ROWS, fit // 16 * 16))
 
 
 @dataclass(frozen=True)
@@ -125,8 +137,8 @@ class PrefillGraphPlan:
     @classmethod
     def for_limits(cls, max_tokens: int, max_context: int = 0) -> "PrefillGraphPlan":
         """New prompts up to ``max_tokens`` (`prefill_buckets`); with ``max_context`` > 0 also suffixes of
-        up to ``min(max_tokens, SUFFIX_MAX_ROWS)`` tokens in contexts up to ``max_context``."""
-        rows = min(max_tokens, SUFFIX_MAX_ROWS)
+        up to `suffix_rows` tokens in contexts up to ``max_context``."""
+        rows = suffix_rows(max_tokens, max_context)
         return cls(prefill_buckets(max_tokens), prefill_buckets(rows) if max_context > 0 else (),
                    max_context if max_context > 0 else 0)
 

@@ -24,6 +24,7 @@ from workers.prefill_graphs import (
     PrefillGraphs,
     prefill_buckets,
     prefill_graph_tokens,
+    suffix_rows,
 )
 
 TOPK = 160  # the tiny models' index_topk raised, so prompts up to 160 tokens have a bucket
@@ -54,12 +55,15 @@ def test_buckets_plan_and_coverage():
     with pytest.raises(ValueError, match="ascending"):
         PrefillGraphPlan((32, 16))
     plan = PrefillGraphPlan.for_limits(1024, max_context=640)
-    assert plan.suffix_buckets == (16, 32, 64, 128, 256) and plan.context_pages == 10  # SUFFIX_MAX_ROWS
+    assert plan.suffix_buckets == (16, 32, 64, 128, 256, 384, 512) and plan.context_pages == 10
     assert plan.kind([WorkItem((1,) * 40, 64, (3, 4))]) == "suffix"
-    assert plan.kind([WorkItem((1,) * 256, 384, tuple(range(10)))]) == "suffix"   # context 640: the limit
+    assert plan.kind([WorkItem((1,) * 320, 320, tuple(range(10)))]) == "suffix"   # context 640: the limit
     assert plan.kind([WorkItem((1,) * 200, 448, tuple(range(11)))]) is None       # context 648 > 640
-    assert plan.kind([WorkItem((1,) * 257, 64, tuple(range(6)))]) is None         # more than 256 new tokens
+    assert plan.kind([WorkItem((1,) * 513, 64, tuple(range(10)))]) is None        # more than 512 new tokens
     assert PrefillGraphPlan.for_limits(100, max_context=640).suffix_buckets == (16, 32, 64, 100)
+    # Long contexts: fewer rows, so that their fp32 logits stay within SUFFIX_LOGITS_BYTES.
+    assert suffix_rows(1024, 9216) == 512 and suffix_rows(1024, 163840) == 96 and suffix_rows(1024, 1 << 24) == 16
+    assert PrefillGraphPlan.for_limits(1024, max_context=163840).suffix_buckets == (16, 32, 64, 96)
     with pytest.raises(ValueError, match="max_context"):
         PrefillGraphPlan((16,), (16,), 0)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):

@@ -83,8 +83,8 @@ def build_prefill_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: s
         context = role_cfg.cuda_graph_max_context or default_graph_context(p.model.cfg, p.pool.num_pages)
         p.runner.enable_prefill_graphs(tokens, capture=True, max_context=context)
         plan = p.runner.prefill_graphs.plan
-        log.info("%s: prefills of one prompt from CUDA graphs: new prompts of %s tokens, %s tokens over a cached "
-                 "prefix (contexts up to %d)", worker_id, plan.buckets, plan.suffix_buckets, plan.max_context)
+        log.info("%s: prefills from CUDA graphs: one new prompt of %s tokens, rows of %s tokens over cached "
+                 "prefixes (contexts up to %d)", worker_id, plan.buckets, plan.row_buckets, plan.max_context)
     return PrefillWorker(p.runner, p.pool, p.link, role_cfg.chunk_size, mtp=role_cfg.has_mtp,
                          deadline_s=app_cfg.transfer.deadline_s, grammars=grammars)
 

@@ -208,14 +208,14 @@ class Engine:
         with contexts up to ``max_context`` tokens (``workers.decode_graphs``),
         and with MTP the draft forwards too (``workers.draft_graphs``);
         ``capture=False`` runs the same static-buffer path eagerly.
-        ``prefill_tokens``: also prefills of one prompt, new (up to that many tokens) or over a cached
-        prefix in a context up to ``max_context`` (``workers.prefill_graphs``; `prefill_graph_tokens`
-        resolves it; 0: none)."""
+        ``prefill_tokens``: also small prefills: one new prompt up to that many tokens, or the new tokens
+        of a few requests over cached prefixes in contexts up to ``max_context`` (``workers.prefill_graphs``;
+        `prefill_graph_tokens` resolves it; 0: none)."""
         if prefill_tokens:
             self.runner.enable_prefill_graphs(prefill_tokens, capture, max_context)
             plan = self.runner.prefill_graphs.plan
-            log.info("prefills of one prompt: %s for new prompts of %s tokens and %s tokens over a cached prefix",
-                     "CUDA graphs captured" if capture else "static buffers", plan.buckets, plan.suffix_buckets)
+            log.info("prefills: %s for one new prompt of %s tokens, and rows of %s tokens over cached prefixes",
+                     "CUDA graphs captured" if capture else "static buffers", plan.buckets, plan.row_buckets)
         self.runner.enable_decode_graphs((self.k + 1,), self.cfg.max_batch_size, max_context, capture)
         g = self.runner.decode_graphs[self.k + 1]
         if self.k:

@@ -147,8 +147,9 @@ class ModelRunner:
     def enable_prefill_graphs(self, max_tokens: int, capture: bool, max_context: int = 0) -> None:
         """Run PREFILL forwards of one prompt through per-bucket static buffers (``workers.prefill_graphs``),
         captured as CUDA graphs when ``capture``: a new prompt of at most ``max_tokens`` tokens, and with
-        ``max_context`` > 0 new tokens over a cached prefix (at most `workers.prefill_graphs.suffix_rows`,
-        contexts up to ``max_context``); every other prefill runs eagerly.
+        ``max_context`` > 0 the new tokens of several requests over cached prefixes (at most
+        `workers.prefill_graphs.row_cap` in all, contexts up to ``max_context``); every other prefill runs
+        eagerly.
         ``max_tokens`` 0: none."""
         self.prefill_graphs = None
         if max_tokens < 1:

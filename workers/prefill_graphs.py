@@ -1,9 +1,9 @@
-"""Small prefills of one prompt through static per-bucket buffers, replayed as CUDA graphs.
+"""Small prefills through static per-bucket buffers, replayed as CUDA graphs.
 
 A prefill step of a short prompt costs far more host time than GPU time: on the H200 a
 1024-token prefill of the 2-layer benchmark model kept the GPU busy 6.2 of 26.9 ms, the rest
-the host launching ~140 kernels a layer (docs/perf.md, session 24). So a PREFILL forward of one
-request whose new tokens fit a token bucket replays that bucket's captured graph: one launch.
+the host launching ~140 kernels a layer (docs/perf.md, session 24). So a PREFILL forward whose new
+tokens fit a token bucket replays that bucket's captured graph: one launch.
 Two kinds, each its own graphs (`PrefillGraphPlan`):
 
 * **A new prompt** (no cached prefix, at most ``max_tokens`` tokens): the prefill forward itself,
@@ -16,22 +16,22 @@ Two kinds, each its own graphs (`PrefillGraphPlan`):
   forward, attention and indexer included, is one graph (vLLM and SGLang break theirs around those
   calls). A pad token sits at the next positions, reads page 0 (harmless reads) and writes no cache
   entry (slot ``-1``).
-* **New tokens over a cached prefix** (a prefix-cache hit; at most ``suffix_rows`` of them, the
-  context at most ``max_context``): laid out as a decode step with one row per new token, each row
-  the same request's page table and its own context length (its position + 1), run by the decode
-  path's kernels (DeepGEMM's paged indexer logits, the radix top-k, FlashMLA's sparse decode over
-  the paged fp8 cache), which take variable contexts inside a graph; the MoE takes its masked
-  fixed-shape layout (`ForwardBatch.static_shapes`). Every row's KV is written before any row
-  attends, so a row sees the new tokens before it as a prefill would. Pad rows are the decode
-  graphs' padding rows: position 0, context 1, slot ``-1``.
+* **Rows** (up to `ROW_MAX_REQUESTS` requests' new tokens, `row_cap` in all, each over any cached prefix
+  -- a prefix-cache hit, a long prompt's last chunk, several short prompts arriving together -- in
+  contexts of at most ``max_context``): laid out as a decode step with one row per new token, each row
+  its request's page table and its own context length (its position + 1), run by the decode path's
+  kernels (DeepGEMM's paged indexer logits, the radix top-k, FlashMLA's sparse decode over the paged
+  fp8 cache), which take variable contexts inside a graph; the MoE takes its masked fixed-shape layout
+  (`ForwardBatch.static_shapes`). Every row's KV is written before any row attends, so a row sees the
+  new tokens before it as a prefill would. Pad rows are the decode graphs' padding rows: position 0,
+  context 1, slot ``-1``.
 
 Real rows equal the unpadded eager prefill up to float rounding (GEMMs over another row count; the
-decode kernels instead of the prefill ones for a suffix). ``capture=False`` runs the very same code
+decode kernels instead of the prefill ones for rows). ``capture=False`` runs the very same code
 eagerly on the same buffers: on CPU (tests) and as the reference the replayed graphs are checked
 against, bit for bit (tests/workers/test_prefill_graphs_gpu.py).
 
-Longer prompts and suffixes, several prompts in one step, tensor parallel and DeepSeek-V4 run
-eagerly as before.
+Larger prefills, tensor parallel and DeepSeek-V4 run eagerly as before.
 """
 
 from __future__ import annotations
@@ -93,52 +93,55 @@ def prefill_graph_tokens(setting: int | None, graphs: bool, cfg, chunk_size: int
     return max(0, min(want, int(cfg.index_topk), int(chunk_size), int(cfg.max_position_embeddings)))
 
 
-SUFFIX_MAX_ROWS = 512
-"""Most new tokens over a cached prefix that a graph serves. Issue 24's shared-prefix load computes
-320 of them (a 256-token suffix, and the prefix's last page: a page's key covers the token after it,
+ROW_MAX_TOKENS = 512
+"""Most new tokens a rows graph serves (`row_cap`). Issue 24's shared-prefix load computes 320 a request (a
+256-token suffix, and the prefix's last page: a page's key covers the token after it,
 `workers.prefix_cache.LOOKAHEAD`, so the page before a new suffix never hits)."""
 
-SUFFIX_LOGITS_BYTES = 64 << 20
-"""What the suffix graphs' indexer logits may take (fp32 ``[rows, max_context]``, one buffer in the graph
-pool): `suffix_rows` lowers the row cap for long contexts (512 rows at 9,216 positions take 18 MiB;
-at 163,840 positions the cap is 96 rows)."""
+ROW_MAX_REQUESTS = 32
+"""Most requests in one rows graph step (their page tables are one host-to-device copy)."""
+
+ROW_LOGITS_BYTES = 64 << 20
+"""What the rows graphs' indexer logits may take (fp32 ``[rows, max_context]``, one buffer in the graph
+pool): `row_cap` lowers the row cap for long contexts (512 rows at 9,216 positions take 18 MiB; at
+163,840 positions the cap is 96 rows)."""
 
 
-def suffix_rows(max_tokens: int, max_context: int) -> int:
-    """The most new tokens over a cached prefix a graph serves: ``min(max_tokens, SUFFIX_MAX_ROWS)``, lowered
-    (to a multiple of 16, at least 16) so their logits fit `SUFFIX_LOGITS_BYTES`."""
-    fit = SUFFIX_LOGITS_BYTES // (4 * max(max_context, 1))
-    return max(16, min(max_tokens, SUFFIX_MAX_ROWS, fit // 16 * 16))
+def row_cap(max_tokens: int, max_context: int) -> int:
+    """The most new tokens a rows graph serves: ``min(max_tokens, ROW_MAX_TOKENS)``, lowered (to a multiple
+    of 16, at least 16) so that their logits fit `ROW_LOGITS_BYTES`."""
+    fit = ROW_LOGITS_BYTES // (4 * max(max_context, 1))
+    return max(16, min(max_tokens, ROW_MAX_TOKENS, fit // 16 * 16))
 
 
 @dataclass(frozen=True)
 class PrefillGraphPlan:
-    """Which prefills have a graph: one request, and either a new prompt of at most ``buckets[-1]``
-    tokens, or at most ``suffix_buckets[-1]`` new tokens over a cached prefix in a context of at most
-    ``max_context`` tokens.
+    """Which prefills have a graph: one new prompt of at most ``buckets[-1]`` tokens (a "prompt" graph),
+    or up to `ROW_MAX_REQUESTS` requests' new tokens, ``row_buckets[-1]`` in all, over any cached prefix,
+    each in a context of at most ``max_context`` tokens (a "rows" graph).
 
-    buckets:        ascending token counts of new prompts, one graph each
-    suffix_buckets: ascending token counts over a cached prefix, one graph each (empty: none)
-    max_context:    the longest context of a suffix graph (its indexer's logits width)
+    buckets:     ascending token counts of new prompts, one graph each
+    row_buckets: ascending token counts of the rows graphs, one graph each (empty: none)
+    max_context: the longest context of a rows graph (its indexer's logits width)
     """
 
     buckets: tuple[int, ...]
-    suffix_buckets: tuple[int, ...] = ()
+    row_buckets: tuple[int, ...] = ()
     max_context: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("buckets", "suffix_buckets"):
+        for name in ("buckets", "row_buckets"):
             b = getattr(self, name)
             if (name == "buckets" and not b) or list(b) != sorted(set(b)) or (b and b[0] < 1):
                 raise ValueError(f"{name} must be ascending distinct positive ints, got {b}")
-        if self.suffix_buckets and self.max_context < PAGE_SIZE:
-            raise ValueError(f"suffix graphs need max_context >= {PAGE_SIZE}, got {self.max_context}")
+        if self.row_buckets and self.max_context < PAGE_SIZE:
+            raise ValueError(f"rows graphs need max_context >= {PAGE_SIZE}, got {self.max_context}")
 
     @classmethod
     def for_limits(cls, max_tokens: int, max_context: int = 0) -> "PrefillGraphPlan":
-        """New prompts up to ``max_tokens`` (`prefill_buckets`); with ``max_context`` > 0 also suffixes of
-        up to `suffix_rows` tokens in contexts up to ``max_context``."""
-        rows = suffix_rows(max_tokens, max_context)
+        """New prompts up to ``max_tokens`` (`prefill_buckets`); with ``max_context`` > 0 also rows graphs of
+        up to `row_cap` tokens in contexts up to ``max_context``."""
+        rows = row_cap(max_tokens, max_context)
         return cls(prefill_buckets(max_tokens), prefill_buckets(rows) if max_context > 0 else (),
                    max_context if max_context > 0 else 0)
 
@@ -153,7 +156,7 @@ class PrefillGraphPlan:
 
     @property
     def context_pages(self) -> int:
-        """Page-table width of the suffix graphs (``max_context`` tokens)."""
+        """Page-table width of the rows graphs (``max_context`` tokens)."""
         return pages_for_tokens(self.max_context)
 
     @staticmethod
@@ -167,23 +170,21 @@ class PrefillGraphPlan:
         """The smallest new-prompt bucket holding ``num_tokens`` tokens, or None."""
         return self._bucket(self.buckets, num_tokens)
 
-    def suffix_bucket(self, num_tokens: int) -> int | None:
-        """The smallest suffix bucket holding ``num_tokens`` tokens, or None."""
-        return self._bucket(self.suffix_buckets, num_tokens)
+    def row_bucket(self, num_tokens: int) -> int | None:
+        """The smallest rows bucket holding ``num_tokens`` tokens, or None."""
+        return self._bucket(self.row_buckets, num_tokens)
 
     def kind(self, items) -> str | None:
-        """``"prompt"`` or ``"suffix"``: which graphs serve a PREFILL forward over ``items``
+        """``"prompt"`` or ``"rows"``: which graphs serve a PREFILL forward over ``items``
         (`workers.model_runner.WorkItem` s), or None (it runs eagerly)."""
-        if len(items) != 1 or not isinstance(items[0].page_table, tuple):
+        if not items or not all(isinstance(it.page_table, tuple) and it.token_ids for it in items):
             return None
-        it = items[0]
-        n = len(it.token_ids)
-        if n < 1:
-            return None
-        if it.start == 0:
-            return "prompt" if n <= self.max_tokens else None
-        if self.suffix_buckets and n <= self.suffix_buckets[-1] and it.end <= self.max_context:
-            return "suffix"
+        if len(items) == 1 and items[0].start == 0 and len(items[0].token_ids) <= self.max_tokens:
+            return "prompt"
+        if (self.row_buckets and len(items) <= ROW_MAX_REQUESTS
+                and sum(len(it.token_ids) for it in items) <= self.row_buckets[-1]
+                and all(it.end <= self.max_context for it in items)):
+            return "rows"
         return None
 
     def covers(self, items) -> bool:
@@ -250,60 +251,78 @@ class PromptInputs:
         )
 
 
-class SuffixInputs:
-    """New tokens over a cached prefix, laid out as a decode step of one row per token, on the device,
-    sized for the largest suffix bucket ``B``.
+class RowInputs:
+    """A PREFILL forward laid out as a decode step of one row per new token, on the device, sized for
+    ``B`` rows (the largest rows bucket) of up to `ROW_MAX_REQUESTS` requests.
 
-    ``packed`` int64 ``[B + 3 + P]``: the new tokens (pads 0), the prefix length ``start``, the new
-    token count ``n``, the context after them ``start + n``, the request's page ids (``P`` =
-    `PrefillGraphPlan.context_pages`, unused entries 0); one host-to-device copy a step.
+    ``packed`` int64 ``[3 B + 1 + 2 R + R P]``: each row's token, position and request (pad rows 0), the
+    number of real rows ``n``, each request's context length after the forward and its new tokens, then
+    the requests' page ids (``P`` = `PrefillGraphPlan.context_pages` each, unused entries 0); one
+    host-to-device copy a step, of the requests' tables only.
     """
 
     def __init__(self, plan: PrefillGraphPlan, device: torch.device):
         self.plan, self.device = plan, device
-        B, P = plan.suffix_buckets[-1], plan.context_pages
+        B, R, P = plan.row_buckets[-1], ROW_MAX_REQUESTS, plan.context_pages
         self.rows_max = B
-        self.packed = torch.zeros(B + 3 + P, dtype=torch.int64, device=device)
+        self._tables_at = 3 * B + 1 + 2 * R
+        self.packed = torch.zeros(self._tables_at + R * P, dtype=torch.int64, device=device)
         self.rows = torch.arange(B, dtype=torch.int64, device=device)
         self.q_lens = torch.ones(B, dtype=torch.int64, device=device)
 
-    def write(self, tokens: tuple[int, ...], start: int, page_table: tuple[int, ...]) -> None:
-        """``len(tokens)`` new tokens at positions ``start ..`` held in ``page_table``, or none
-        (``tokens`` empty: every row is a pad)."""
-        B, P = self.rows_max, self.plan.context_pages
+    def write(self, items) -> None:
+        """The new tokens of ``items`` (`workers.model_runner.WorkItem` s; none: every row is a pad)."""
+        B, R, P = self.rows_max, ROW_MAX_REQUESTS, self.plan.context_pages
+        tokens, positions, req, ends, q_lens, tables = [], [], [], [], [], []
+        for r, it in enumerate(items):
+            n = len(it.token_ids)
+            if it.end > self.plan.max_context or len(it.page_table) < pages_for_tokens(it.end):
+                raise ValueError(f"{n} new tokens after {it.start} in {len(it.page_table)} pages are outside this "
+                                 f"plan (contexts up to {self.plan.max_context})")
+            tokens += it.token_ids
+            positions += range(it.start, it.end)
+            req += [r] * n
+            ends.append(it.end)
+            q_lens.append(n)
+            pages = list(it.page_table[:P])
+            tables += pages + [0] * (P - len(pages))
         n = len(tokens)
-        end = start + n
-        if n > B or end > self.plan.max_context or len(page_table) < pages_for_tokens(end):
-            raise ValueError(f"{n} new tokens after {start} cached in {len(page_table)} pages are outside this plan "
-                             f"({B} tokens, contexts up to {self.plan.max_context})")
-        pages = list(page_table[:P])
-        host = list(tokens) + [0] * (B - n) + [start, n, end] + pages + [0] * (P - len(pages))
-        self.packed.copy_(to_device(torch.tensor(host, dtype=torch.int64), self.device))
+        if n > B or len(items) > R:
+            raise ValueError(f"{n} new tokens of {len(items)} requests are outside this plan ({B} tokens, {R} requests)")
+        pad, rpad = [0] * (B - n), [0] * (R - len(items))
+        host = tokens + pad + positions + pad + req + pad + [n] + ends + rpad + q_lens + rpad + tables
+        self.packed[:len(host)].copy_(to_device(torch.tensor(host, dtype=torch.int64), self.device))
 
     def batch(self, bucket: int) -> ForwardBatch:
-        """The DECODE forward of ``bucket`` rows: row ``i < n`` is the token at ``start + i`` with context
-        ``start + i + 1``; the rest are padding rows (position 0, context 1, slot ``-1``)."""
-        B, P = self.rows_max, self.plan.context_pages
+        """The DECODE forward of ``bucket`` rows: row ``i < n`` is its request's token at its position,
+        with context ``position + 1`` and its request's page table; the rest are padding rows (position
+        0, context 1, slot ``-1``)."""
+        B, R, P = self.rows_max, ROW_MAX_REQUESTS, self.plan.context_pages
         p = self.packed
-        start, n = p[B], p[B + 1]
-        table = p[B + 3: B + 3 + P]
-        live = self.rows[:bucket] < n
-        pos = torch.where(live, start + self.rows[:bucket], 0)
-        slots = table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+        live = self.rows[:bucket] < p[3 * B]
+        pos = torch.where(live, p[B: B + bucket], 0)
+        tables = p[self._tables_at:].view(R, P)
+        page_tables = tables.index_select(0, p[2 * B: 2 * B + bucket])
+        pages = torch.gather(page_tables, 1, (pos // PAGE_SIZE)[:, None])[:, 0]
         return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=p[:bucket], positions=pos, out_slots=torch.where(live, slots, -1),
-            page_tables=table.to(torch.int32)[None].expand(bucket, P).contiguous(), seq_lens=pos + 1,
-            q_lens=self.q_lens[:bucket], max_seq_len=self.plan.max_context, static_shapes=True,
+            mode=ForwardMode.DECODE, input_ids=p[:bucket], positions=pos,
+            out_slots=torch.where(live, pages * PAGE_SIZE + pos % PAGE_SIZE, -1),
+            page_tables=page_tables.to(torch.int32), seq_lens=pos + 1, q_lens=self.q_lens[:bucket],
+            max_seq_len=self.plan.max_context, static_shapes=True,
         )
 
-    def real(self, full: ForwardBatch, start: int, n: int) -> ForwardBatch:
-        """The suffix's PREFILL description (what callers read: the rows, lengths on the host and the
-        device), from the bucket's views."""
-        B = self.rows_max
+    def real(self, full: ForwardBatch, items) -> ForwardBatch:
+        """The PREFILL description of ``items`` (what callers read: the rows, lengths on the host and the
+        device) from the bucket's views."""
+        B, R, P = self.rows_max, ROW_MAX_REQUESTS, self.plan.context_pages
+        n, k = sum(len(it.token_ids) for it in items), len(items)
+        at = 3 * B + 1
         return ForwardBatch(
             mode=ForwardMode.PREFILL, input_ids=full.input_ids[:n], positions=full.positions[:n],
-            out_slots=full.out_slots[:n], page_tables=full.page_tables[:1], seq_lens=self.packed[B + 2: B + 3],
-            q_lens=self.packed[B + 1: B + 2], max_seq_len=start + n, seq_lens_host=(start + n,), q_lens_host=(n,),
+            out_slots=full.out_slots[:n], page_tables=self.packed[self._tables_at:].view(R, P)[:k].to(torch.int32),
+            seq_lens=self.packed[at: at + k], q_lens=self.packed[at + R: at + R + k],
+            max_seq_len=max(it.end for it in items), seq_lens_host=tuple(it.end for it in items),
+            q_lens_host=tuple(len(it.token_ids) for it in items),
         )
 
 
@@ -318,9 +337,9 @@ class PrefillGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         self.capture = capture
         self.inputs = PromptInputs(plan, self.device)
-        self.suffix_inputs = SuffixInputs(plan, self.device) if plan.suffix_buckets else None
+        self.row_inputs = RowInputs(plan, self.device) if plan.row_buckets else None
         # kind -> bucket -> (graph, its batch, its hidden output)
-        self.graphs: dict[str, dict[int, tuple]] = {"prompt": {}, "suffix": {}}
+        self.graphs: dict[str, dict[int, tuple]] = {"prompt": {}, "rows": {}}
         self.replays = 0
 
     def covers(self, items) -> bool:
@@ -334,33 +353,32 @@ class PrefillGraphs:
         self.inputs.write((), ())
         self.graphs["prompt"] = capture_forwards(self.model, self.cache, self.backend, self.device,
                                                  self.plan.buckets, self.inputs.batch)
-        if self.suffix_inputs is not None:
-            self.suffix_inputs.write((), 0, ())
-            self.graphs["suffix"] = capture_forwards(self.model, self.cache, self.backend, self.device,
-                                                     self.plan.suffix_buckets, self.suffix_inputs.batch)
+        if self.row_inputs is not None:
+            self.row_inputs.write(())
+            self.graphs["rows"] = capture_forwards(self.model, self.cache, self.backend, self.device,
+                                                   self.plan.row_buckets, self.row_inputs.batch)
 
     @torch.inference_mode()
     def run(self, items) -> tuple[ForwardBatch, torch.Tensor]:
-        """The PREFILL forward over ``items`` (one prompt's ``n`` new tokens, `covers`): (its batch,
-        normed hidden ``[n, hidden]``). The hidden states are a view of the graph's output buffer,
-        valid until the next prefill through these graphs (clone to keep); the batch's tensors are
-        views of the bucket's buffers (the prompt's rows), its lengths on the host."""
+        """The PREFILL forward over ``items`` (`covers`): (its batch, normed hidden ``[T, hidden]`` of its
+        ``T`` new tokens). The hidden states are a view of the graph's output buffer, valid until the next
+        prefill through these graphs (clone to keep); the batch's tensors are views of the bucket's
+        buffers (the real rows), its lengths on the host."""
         kind = self.plan.kind(items)
         if kind is None:
             raise ValueError(f"a prefill of {[len(it.token_ids) for it in items]} tokens starting at "
-                             f"{[it.start for it in items]} is outside this plan (one prompt: new, up to "
-                             f"{self.plan.max_tokens} tokens; over a cached prefix, up to "
-                             f"{self.plan.suffix_buckets[-1] if self.plan.suffix_buckets else 0} tokens)")
-        it = items[0]
-        n = len(it.token_ids)
+                             f"{[it.start for it in items]} is outside this plan (one new prompt up to "
+                             f"{self.plan.max_tokens} tokens; up to {ROW_MAX_REQUESTS} requests' "
+                             f"{self.plan.row_buckets[-1] if self.plan.row_buckets else 0} tokens over cached prefixes)")
+        n = sum(len(it.token_ids) for it in items)
         if kind == "prompt":
             bucket = self.plan.bucket(n)
-            self.inputs.write(it.token_ids, it.page_table)
+            self.inputs.write(items[0].token_ids, items[0].page_table)
             make = self.inputs.batch
         else:
-            bucket = self.plan.suffix_bucket(n)
-            self.suffix_inputs.write(it.token_ids, it.start, it.page_table)
-            make = self.suffix_inputs.batch
+            bucket = self.plan.row_bucket(n)
+            self.row_inputs.write(items)
+            make = self.row_inputs.batch
         if self.capture:
             graph, full, hidden = self.graphs[kind][bucket]
             graph.replay()
@@ -368,5 +386,5 @@ class PrefillGraphs:
         else:
             full = make(bucket)
             hidden = self.model(full, self.cache, self.backend)
-        batch = self.inputs.real(full, n) if kind == "prompt" else self.suffix_inputs.real(full, it.start, n)
+        batch = self.inputs.real(full, n) if kind == "prompt" else self.row_inputs.real(full, items)
         return batch, hidden[:n]

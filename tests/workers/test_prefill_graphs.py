@@ -24,7 +24,7 @@ from workers.prefill_graphs import (
     PrefillGraphs,
     prefill_buckets,
     prefill_graph_tokens,
-    suffix_rows,
+    row_cap,
 )
 
 TOPK = 160  # the tiny models' index_topk raised, so prompts up to 160 tokens have a bucket
@@ -49,23 +49,29 @@ def test_buckets_plan_and_coverage():
     one = WorkItem((1,) * 40, 0, (3,))
     assert plan.kind([one]) == "prompt"
     assert not plan.covers([one, one])                              # batched prompts: eager
-    assert not plan.covers([WorkItem((1,) * 40, 64, (3, 4))])       # over a cached prefix: no suffix graphs here
+    assert not plan.covers([WorkItem((1,) * 40, 64, (3, 4))])       # over a cached prefix: no rows graphs here
     assert not plan.covers([WorkItem((1,) * 301, 0, tuple(range(5)))])  # longer than the largest bucket
     assert not plan.covers([WorkItem((1,) * 40, 0, {"swa": (3,)})])  # a grouped (DeepSeek-V4) page table
     with pytest.raises(ValueError, match="ascending"):
         PrefillGraphPlan((32, 16))
     plan = PrefillGraphPlan.for_limits(1024, max_context=640)
-    assert plan.suffix_buckets == (16, 32, 64, 128, 256, 384, 512) and plan.context_pages == 10
-    assert plan.kind([WorkItem((1,) * 40, 64, (3, 4))]) == "suffix"
-    assert plan.kind([WorkItem((1,) * 320, 320, tuple(range(10)))]) == "suffix"   # context 640: the limit
+    assert plan.row_buckets == (16, 32, 64, 128, 256, 384, 512) and plan.context_pages == 10
+    assert plan.kind([WorkItem((1,) * 40, 64, (3, 4))]) == "rows"
+    assert plan.kind([WorkItem((1,) * 320, 320, tuple(range(10)))]) == "rows"   # context 640: the limit
     assert plan.kind([WorkItem((1,) * 200, 448, tuple(range(11)))]) is None       # context 648 > 640
     assert plan.kind([WorkItem((1,) * 513, 64, tuple(range(10)))]) is None        # more than 512 new tokens
-    assert PrefillGraphPlan.for_limits(100, max_context=640).suffix_buckets == (16, 32, 64, 100)
+    two = [WorkItem((1,) * 40, 0, (3,)), WorkItem((1,) * 100, 64, (4, 5, 6))]
+    assert plan.kind(two) == "rows"                                 # several requests, new or not
+    one = [WorkItem((1,), 64, (3, 4))]
+    assert plan.kind(one * 32) == "rows" and plan.kind(one * 33) is None  # 32 requests at most
+    assert plan.kind(two * 3) == "rows" and plan.kind(two * 4) is None    # 512 tokens at most
+    assert PrefillGraphPlan.for_limits(100, max_context=640).row_buckets == (16, 32, 64, 100)
     # Long contexts: fewer rows, so that their fp32 logits stay within SUFFIX_LOGITS_BYTES.
-    assert suffix_rows(1024, 9216) == 512 and suffix_rows(1024, 163840) == 96 and suffix_rows(1024, 1 << 24) == 16
-    assert PrefillGraphPlan.for_limits(1024, max_context=163840).suffix_buckets == (16, 32, 64, 96)
+    assert row_cap(1024, 9216) == 512 and row_cap(1024, 163840) == 96 and row_cap(1024, 1 << 24) == 16
+    assert PrefillGraphPlan.for_limits(1024, max_context=163840).row_buckets == (16, 32, 64, 96)
     with pytest.raises(ValueError, match="max_context"):
         PrefillGraphPlan((16,), (16,), 0)
+    assert PrefillGraphPlan((16,), (16,), 64).kind(two[:1] + [WorkItem((), 5, (1,))]) is None  # an empty item
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         PrefillGraphs(None, None, None, plan, "cpu", capture=True)
 
@@ -154,8 +160,8 @@ def _engine_kw(k: int) -> dict:
 
 
 def _graphed_engine(tiny, k: int):
-    """An `LLM` whose engine runs prefills through the static-buffer path (prompts up to TOPK, suffixes over
-    a cached prefix), and the list its prefill graphs' `run` calls are appended to (their items)."""
+    """An `LLM` whose engine runs prefills through the static-buffer path (prompts up to TOPK, rows over
+    cached prefixes), and the list its prefill graphs' `run` calls are appended to (their items)."""
     llm = LLM(tiny, **_engine_kw(k))
     llm.engine.enable_cuda_graphs(default_graph_context(llm.cfg, llm.pool.num_pages), capture=False,
                                   prefill_tokens=TOPK)
@@ -169,7 +175,7 @@ def _graphed_engine(tiny, k: int):
 @pytest.mark.parametrize("k", [0, 1])
 def test_engine_output_is_unchanged_with_prefill_graphs(tiny, k):
     # Prompts that fit a bucket and ones that do not (longer than top-k: eager), and one long enough
-    # to be chunked (its 256-token first chunk eager; its last 44 tokens over the first: a suffix graph).
+    # to be chunked (its 256-token first chunk eager; its last 44 tokens over the first: a rows graph).
     prompts = [random_prompt(n, 300, 40 + n) for n in (3, 16, 33, 120, TOPK, TOPK + 1, 300)]
     want = LLM(tiny, **_engine_kw(k)).generate(prompts, max_new_tokens=6, ignore_eos=True)
     llm, graphs, calls = _graphed_engine(tiny, k)
@@ -200,9 +206,9 @@ def test_static_suffix_equals_eager_suffix(tiny, cached, n):
         want_batch, want = runner.forward(ForwardMode.PREFILL, [item])
         want_mla = [t.clone() for t in llm.cache.mla]
         runner.enable_prefill_graphs(TOPK, capture=False, max_context=512)
-        assert runner.prefill_graphs.plan.kind([item]) == "suffix"
+        assert runner.prefill_graphs.plan.kind([item]) == "rows"
         batch, got = runner.forward(ForwardMode.PREFILL, [item])
-        assert runner.prefill_graphs.suffix_inputs is not None
+        assert runner.prefill_graphs.row_inputs is not None
         assert got.shape == want.shape == (n, llm.cfg.hidden_size)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         for a, b in zip(want_mla, llm.cache.mla):
@@ -240,7 +246,7 @@ def test_suffix_pads_never_write_the_cache(tiny):
 
 @pytest.mark.parametrize("k", [0, 1])
 def test_engine_output_is_unchanged_with_suffix_graphs(tiny, k):
-    """Prompts that share a cached prefix (prefix-cache hits: their suffixes take the suffix graphs) give
+    """Prompts that share a cached prefix (prefix-cache hits: their suffixes take the rows graphs) give
     the eager engine's greedy output."""
     base = random_prompt(200, 300, 5)
     prompts = [base + random_prompt(m, 300, 60 + m) for m in (1, 9, 40, 130)]
@@ -248,12 +254,42 @@ def test_engine_output_is_unchanged_with_suffix_graphs(tiny, k):
     plain.generate([base], max_new_tokens=2, ignore_eos=True)  # the same cache state in both engines
     want = [plain.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
     llm, graphs, calls = _graphed_engine(tiny, k)
-    assert graphs.plan.suffix_buckets == (16, 32, 64, 128, TOPK)
+    assert graphs.plan.row_buckets == (16, 32, 64, 128, TOPK)
     llm.generate([base], max_new_tokens=2, ignore_eos=True)
     got = [llm.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
     assert got == want
     kinds = [(graphs.plan.kind(items), items[0].start) for items in calls]
     # base (200 tokens, wider than top-k) eagerly; then each prompt's suffix after the cached pages of base
     # (3 full pages: 192 tokens; a page's key covers the token after it, so the 4th is not shared)
-    assert kinds == [("suffix", 192)] * len(prompts), kinds
+    assert kinds == [("rows", 192)] * len(prompts), kinds
     assert llm.pool.free_count == llm.pool.num_pages
+
+
+def test_static_rows_equal_eager_for_a_batch(tiny):
+    """Several requests in one rows step (a new prompt, prefix hits, a one-token suffix) against the same
+    PREFILL batch run eagerly: each request's rows see its own pages and context only."""
+    llm = LLM(tiny, num_pages=64)
+    runner = llm.runner
+    shapes = [(0, 37), (64, 5), (150, 100), (300, 1)]  # (cached, new): windows past top-k in the third
+    prompts = [random_prompt(c + n, 300, 500 + c + n) for c, n in shapes]
+    tables = [tuple(llm.pool.allocate_for_tokens(c + n)) for c, n in shapes]
+    try:
+        for (c, _), p, t in zip(shapes, prompts, tables):
+            if c:
+                runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(p[:c]), 0, t)])
+        items = [WorkItem(tuple(p[c:]), c, t) for (c, _), p, t in zip(shapes, prompts, tables)]
+        want_batch, want = runner.forward(ForwardMode.PREFILL, items)
+        want_mla = [t.clone() for t in llm.cache.mla]
+        runner.enable_prefill_graphs(TOPK, capture=False, max_context=512)
+        assert runner.prefill_graphs.plan.kind(items) == "rows"
+        batch, got = runner.forward(ForwardMode.PREFILL, items)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for a, b in zip(want_mla, llm.cache.mla):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert batch.query_ranges() == want_batch.query_ranges()
+        assert batch.host_lens() == want_batch.host_lens()
+        assert batch.seq_lens.tolist() == [c + n for c, n in shapes] and batch.q_lens.tolist() == [n for _, n in shapes]
+        assert torch.equal(batch.out_slots, want_batch.out_slots) and torch.equal(batch.positions, want_batch.positions)
+    finally:
+        for t in tables:
+            llm.pool.free(list(t))

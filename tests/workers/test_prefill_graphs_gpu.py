@@ -5,7 +5,7 @@ MoE, FlashMLA sparse prefill and decode, DeepGEMM's paged indexer). Prompts of m
 through the engine one at a time, then prompts over a shared cached prefix: those that fit a bucket
 replay its graph (a new prompt's, or a suffix's over the cached pages), which must give the same
 hidden states, bit for bit, as the very same code run eagerly on the same inputs; the rest run
-eagerly. Outputs against the plain
+eagerly. Then several prompts over that prefix in one prefill step: one rows graph. Outputs against the plain
 eager prefill are printed, not asserted (bf16 GEMMs over a padded row count round differently).
 """
 
@@ -35,7 +35,7 @@ def test_prefill_graph_replay_equals_eager_gpu(arch, k, tmp_path):
     graphs = llm.runner.prefill_graphs
     assert graphs.plan.buckets == (16, 32, 64, 128, 256)
     assert set(graphs.graphs["prompt"]) == set(graphs.plan.buckets)
-    assert set(graphs.graphs["suffix"]) == set(graphs.plan.suffix_buckets) == {16, 32, 64, 128, 256}
+    assert set(graphs.graphs["rows"]) == set(graphs.plan.row_buckets) == {16, 32, 64, 128, 256}
     eager = PrefillGraphs(llm.model, llm.cache, llm.runner.backend, graphs.plan, "cuda", capture=False)
     replay = graphs.run
     served, mismatches = [], []
@@ -44,7 +44,7 @@ def test_prefill_graph_replay_equals_eager_gpu(arch, k, tmp_path):
         batch, got = replay(items)
         got = got.clone()
         _, want = eager.run(items)
-        served.append(len(items[0].token_ids) if items[0].start == 0 else ("suffix", len(items[0].token_ids)))
+        served.append((graphs.plan.kind(items), tuple(len(it.token_ids) for it in items)))
         if not torch.equal(got, want):
             mismatches.append((served[-1], float((got.float() - want.float()).abs().max())))
         return batch, got
@@ -52,22 +52,27 @@ def test_prefill_graph_replay_equals_eager_gpu(arch, k, tmp_path):
     graphs.run = checked_run
     prompts = [random_prompt(n, 300, 70 + n) for n in LENGTHS]
     # Then prompts over a shared cached prefix: base (300 tokens, eager) leaves 4 full pages cached (a
-    # page's key covers the token after it); each prompt's suffix after them takes a suffix graph.
+    # page's key covers the token after it); each prompt's suffix after them takes a rows graph.
     base = random_prompt(300, 300, 3)
     prompts += [base + random_prompt(m, 300, 90 + m) for m in (1, 20, 100, 200)]
     outs = [llm.generate([p], max_new_tokens=8, ignore_eos=True)[0] for p in prompts[:len(LENGTHS)]]
     llm.generate([base], max_new_tokens=2, ignore_eos=True)
     outs += [llm.generate([p], max_new_tokens=8, ignore_eos=True)[0] for p in prompts[len(LENGTHS):]]
+    # And several requests in one prefill step (one rows graph): other suffixes over the same prefix.
+    together = [base + random_prompt(m, 300, 190 + m) for m in (3, 30, 60)]
+    outs_together = llm.generate(together, max_new_tokens=8, ignore_eos=True)
     assert not mismatches, mismatches
-    new = [x for x in served if not isinstance(x, tuple)]
-    assert sorted(new) == [n for n in LENGTHS if n <= 256], served
-    assert [x for x in served if isinstance(x, tuple)] == [("suffix", 300 - 256 + m) for m in (1, 20, 100, 200)], served
+    assert sorted(ns[0] for k, ns in served if k == "prompt") == [n for n in LENGTHS if n <= 256], served
+    assert [x for x in served if x[0] == "rows" and len(x[1]) == 1] == [("rows", (44 + m,)) for m in (1, 20, 100, 200)]
+    assert ("rows", (47, 74, 104)) in served, served
     assert graphs.replays == len(served)
     assert llm.pool.free_count == llm.pool.num_pages
     plain = LLM(model, cuda_graphs=True, prefill_graph_max_tokens=0, **kw)
     want = [plain.generate([p], max_new_tokens=8, ignore_eos=True)[0] for p in prompts[:len(LENGTHS)]]
     plain.generate([base], max_new_tokens=2, ignore_eos=True)
     want += [plain.generate([p], max_new_tokens=8, ignore_eos=True)[0] for p in prompts[len(LENGTHS):]]
+    outs, want = outs + outs_together, want + plain.generate(together, max_new_tokens=8, ignore_eos=True)
+    prompts = prompts + together
     same = sum(a == b for a, b in zip(outs, want))
     print(f"PREFILL GRAPHS {arch} k={k}: {graphs.replays} replays, lengths {served}; "
           f"{same}/{len(prompts)} outputs equal to the eager prefill's")

@@ -306,11 +306,11 @@ class RoleConfig(_Strict):
     )
     prefill_graph_max_tokens: int | None = Field(
         None, ge=0, description="With cuda_graphs on (either role): a prefill of one new prompt of up to this many "
-        "tokens, or of up to min(this, 512) new tokens (fewer past 32k-token contexts) over a cached prefix (a prefix-cache hit, a prompt's last "
-        "chunk) in a context up to cuda_graph_max_context, pads to a token bucket (16, 32, 64, 128, then every 128) "
-        "and replays that bucket's captured CUDA graph instead of launching every kernel from the host "
-        "(workers/prefill_graphs.py). Default (null): 1024, capped by the model's index_topk and chunk_size; 0: off. "
-        "Longer or batched prefills run eagerly. Not built for tensor_parallel_size > 1 or DeepSeek-V4 (a value > 0 "
+        "tokens, or of up to 32 requests' new tokens, min(this, 512) in all (fewer past 32k-token contexts), over "
+        "any cached prefixes (prefix-cache hits, last chunks, short prompts together) in contexts up to "
+        "cuda_graph_max_context, pads to a token bucket (16, 32, 64, 128, then every 128) and replays that bucket's "
+        "captured CUDA graph instead of launching every kernel from the host (workers/prefill_graphs.py). Default "
+        "(null): 1024, capped by the model's index_topk and chunk_size; 0: off. Larger prefills run eagerly. Not built for tensor_parallel_size > 1 or DeepSeek-V4 (a value > 0 "
         "there is an error).",
     )
     max_ongoing_requests: int | None = Field(

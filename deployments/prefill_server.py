@@ -17,6 +17,7 @@ from typing import Any
 from ray import serve
 
 from deployments.app_config import AppConfig
+from deployments.metrics import hop_trace
 from deployments.metrics.replica import PrefillMetrics
 from deployments.replica_server import ReplicaServer
 from workers.prefill_worker import PrefillResult, PrefillTask
@@ -53,6 +54,7 @@ class PrefillServer(ReplicaServer):
         router that routed on stale metadata.
         """
         rid = task.request_id
+        hop_trace.mark(rid, "prefill.entered")
         if known_prefills is not None and self.agent not in known_prefills:
             result = PrefillResult(rid, False, error=f"decode has not handshaked with {self.agent}")
             self.metrics.observe_result(result)
@@ -62,6 +64,7 @@ class PrefillServer(ReplicaServer):
         try:
             self.thread.post(self.thread.submit, task, decode_offer, admit_by)
             result = await stream.get()
+            hop_trace.mark(rid, "prefill.returned")
             done = True
             self.metrics.observe_result(result)
             return self.agent, result

@@ -11,10 +11,12 @@ as a request passes:
 ``ingress.dispatched``      its call to a decode replica is made
 ``decode.entered``          the decode replica's ``generate`` starts
 ``engine.added``            monolithic: the engine's thread takes the request
+``prefill.entered``         PD: the prefill replica's ``prefill`` call starts
 ``prefill.emitted``         PD: the prefill replica's thread hands on its result (the first token)
 ``engine.emitted``          the decode engine's thread hands on the request's first output with tokens
 ``decode.received``         that output reaches the replica's reader thread (an engine process's;
                             ``prefill.received``: the prefill replica's)
+``prefill.returned``        PD: the prefill replica's call has its result (returned to decode next)
 ``decode.yielded``          the replica yields the request's first output to Serve
 ``ingress.first_output``    the ingress has the first output
 ==========================  ==================================================================

@@ -126,8 +126,9 @@ def test_the_step_trace_has_every_replicas_steps(server, reference):
     # DSA_PD_HOP_TRACE: the request's points, written by the ingress, the decode replica and its engine
     # process, in the order of its path.
     (hops,) = [h for h in hop_trace.read(HOPS).values() if min(h.values()) > t0]
-    order = ["ingress.parsed", "ingress.dispatched", "decode.entered", "prefill.emitted", "prefill.received",
-             "engine.emitted", "decode.received", "decode.yielded", "ingress.first_output"]
+    order = ["ingress.parsed", "ingress.dispatched", "decode.entered", "prefill.entered", "prefill.emitted",
+             "prefill.received", "prefill.returned", "engine.emitted", "decode.received", "decode.yielded",
+             "ingress.first_output"]
     assert sorted(hops, key=hops.get) == order, hops
     (p,) = periods(dec, gap_s=5.0)
     summary = summarize(p)

@@ -64,6 +64,10 @@ def _float(text: str) -> float:
     return value
 
 
+_SCALARS = frozenset((int, float, bool, type(None)))
+"""What `json.loads` makes that holds no text and nests nothing."""
+
+
 def _walk(value: Any, max_depth: int, what: str) -> None:
     """Raise ``InvalidRequest`` if ``value`` nests past ``max_depth`` or holds a lone surrogate.
 
@@ -82,8 +86,8 @@ def _walk(value: Any, max_depth: int, what: str) -> None:
                 for k, item in v.items():
                     _check_text(k, what)
                     stack.append((item, depth + 1))
-            else:
-                stack.extend((item, depth + 1) for item in v)
+            elif not _SCALARS.issuperset(map(type, v)):  # a prompt of token ids: no item to look into
+                stack.extend((item, depth + 1) for item in v if isinstance(item, (str, list, dict)))
 
 
 def _check_text(s: str, what: str) -> None:

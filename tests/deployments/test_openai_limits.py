@@ -68,6 +68,8 @@ VOCAB = 320  # the tiny models'
     (b'{"t": ' + b"9" * 5000 + b"}", "more than 4300 digits"),
     (b'{"prompt": "\\ud800"}', "not valid Unicode"),  # a lone surrogate: the tokenizer raises TypeError
     (b'{"\\udfff": 1}', "not valid Unicode"),
+    (b'{"prompt": [1, 2, "\\ud800", 3]}', "not valid Unicode"),  # among scalars: a list's items are looked into
+    (b'[1, 2.5, true, null, ' + b"[" * 64 + b"]" * 64 + b"]", "deeper than 64"),
     (b"\xef\xbb\xbf{}", "not valid JSON"),  # a BOM
     (b"", "not valid JSON"),
 ])

@@ -288,17 +288,21 @@ class DecodeInputs:
         )
 
 
-def capture_forwards(model, cache, backend, device: torch.device, buckets, make_batch
+def capture_forwards(model, cache, backend, device: torch.device, buckets, make_batch, pool=None
                      ) -> dict[int, tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]]:
-    """One captured target-model forward per bucket, largest first, sharing one memory pool:
-    ``{bucket: (graph, its batch, its output)}``. ``make_batch(bucket)`` builds the forward's batch
-    from static buffers that currently hold all-padding inputs (nothing is written to the cache).
+    """One captured target-model forward per bucket, largest first, sharing one memory pool (``pool``, a
+    `torch.cuda.graph_pool_handle`; default a new one): ``{bucket: (graph, its batch, its output)}``.
+    ``make_batch(bucket)`` builds the forward's batch from static buffers that currently hold
+    all-padding inputs (nothing is written to the cache).
+
+    Graphs of one pool must replay one at a time, in stream order (one engine's forwards do): each
+    reuses the memory the others' intermediates had, never their outputs, which stay referenced.
 
     Each bucket first runs twice eagerly on a side stream: that compiles the Triton and DeepGEMM
     kernels of its shapes and makes FlashMLA's scheduling metadata outside the capture. The batch
     is rebuilt inside the capture, so what it derives from the buffers (positions, slots) is part
     of the graph."""
-    pool = torch.cuda.graph_pool_handle()
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
     stream = torch.cuda.Stream(device)
     out = {}
     for bucket in sorted(buckets, reverse=True):
@@ -337,14 +341,14 @@ class DecodeGraphs:
         return self.plan.covers(num_requests, max_pages, width)
 
     @torch.inference_mode()
-    def capture_all(self) -> None:
-        """Capture one graph per bucket (`capture_forwards`) on all-padding inputs."""
+    def capture_all(self, pool=None) -> None:
+        """Capture one graph per bucket (`capture_forwards`, in ``pool`` when given) on all-padding inputs."""
         if not self.capture:
             return
         self.inputs.clear()
         self.inputs.write_step([], [], [])
         captured = capture_forwards(self.model, self.cache, self.backend, self.device, self.plan.batch_sizes,
-                                    self.inputs.batch)
+                                    self.inputs.batch, pool)
         for bucket, (graph, _, hidden) in captured.items():
             self.graphs[bucket], self.outputs[bucket] = graph, hidden
 
@@ -361,7 +365,8 @@ class DecodeGraphs:
 
         Returns normed hidden ``[R * width, hidden]`` in ``keys`` order: a
         view of the graph's output buffer when the rows are in that order
-        (valid until the next step of this plan: clone to keep), else a gather.
+        (valid until the runner's next forward: its graphs share one memory pool; clone to keep), else a
+        gather.
         """
         R = len(keys)
         bucket = self.plan.bucket(R)

@@ -129,8 +129,17 @@ class ModelRunner:
         # width -> DecodeGraphs: decode steps of that width run through static
         # buffers / CUDA graphs when they fit (see enable_decode_graphs).
         self.decode_graphs: dict[int, DecodeGraphs] = {}
-        # Prefills of one short new prompt through static buffers / CUDA graphs (enable_prefill_graphs).
+        # Small prefills through static buffers / CUDA graphs (enable_prefill_graphs).
         self.prefill_graphs: PrefillGraphs | None = None
+        # One memory pool for every graph of this runner's target model: they replay one at a time, in
+        # stream order, so each may reuse what the others' intermediates used (`capture_forwards`).
+        self._graph_pool = None
+
+    def graph_pool(self):
+        """The runner's CUDA-graph memory pool (made on first use)."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
 
     def enable_decode_graphs(self, widths: tuple[int, ...], max_batch_size: int, max_context: int,
                              capture: bool) -> None:
@@ -141,7 +150,7 @@ class ModelRunner:
         for w in widths:
             plan = DecodeGraphPlan.for_limits(w, max_batch_size, max_context)
             graphs = DecodeGraphs(self.model, self.cache, self.backend, plan, self.device, capture)
-            graphs.capture_all()
+            graphs.capture_all(self.graph_pool() if capture else None)
             self.decode_graphs[w] = graphs
 
     def enable_prefill_graphs(self, max_tokens: int, capture: bool, max_context: int = 0) -> None:
@@ -156,7 +165,7 @@ class ModelRunner:
             return
         graphs = PrefillGraphs(self.model, self.cache, self.backend,
                                PrefillGraphPlan.for_limits(max_tokens, max_context), self.device, capture)
-        graphs.capture_all()
+        graphs.capture_all(self.graph_pool() if capture else None)
         self.prefill_graphs = graphs
 
     def build_batch(self, mode: ForwardMode, items: list[WorkItem]) -> ForwardBatch:
@@ -180,8 +189,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, mode: ForwardMode, items: list[WorkItem]) -> tuple[ForwardBatch, torch.Tensor]:
         """Run the target model; returns the batch and normed hidden ``[T, hidden]``. A prefill the
-        prefill graphs cover replays one (its hidden states are then a view valid until the next such
-        prefill: clone what must outlive the step); everything else runs eagerly."""
+        prefill graphs cover replays one (its hidden states are then a view valid until this runner's
+        next forward: clone what must outlive the step); everything else runs eagerly."""
         graphs = self.prefill_graphs
         if mode is ForwardMode.PREFILL and graphs is not None and graphs.covers(items):
             return graphs.run(items)

@@ -346,23 +346,25 @@ class PrefillGraphs:
         return self.plan.covers(items)
 
     @torch.inference_mode()
-    def capture_all(self) -> None:
-        """One graph per bucket of each kind (`workers.decode_graphs.capture_forwards`), on all-pad inputs."""
+    def capture_all(self, pool=None) -> None:
+        """One graph per bucket of each kind (`workers.decode_graphs.capture_forwards`), on all-pad inputs,
+        all in one memory pool (``pool`` when given)."""
         if not self.capture:
             return
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         self.inputs.write((), ())
         self.graphs["prompt"] = capture_forwards(self.model, self.cache, self.backend, self.device,
-                                                 self.plan.buckets, self.inputs.batch)
+                                                 self.plan.buckets, self.inputs.batch, pool)
         if self.row_inputs is not None:
             self.row_inputs.write(())
             self.graphs["rows"] = capture_forwards(self.model, self.cache, self.backend, self.device,
-                                                   self.plan.row_buckets, self.row_inputs.batch)
+                                                   self.plan.row_buckets, self.row_inputs.batch, pool)
 
     @torch.inference_mode()
     def run(self, items) -> tuple[ForwardBatch, torch.Tensor]:
         """The PREFILL forward over ``items`` (`covers`): (its batch, normed hidden ``[T, hidden]`` of its
-        ``T`` new tokens). The hidden states are a view of the graph's output buffer, valid until the next
-        prefill through these graphs (clone to keep); the batch's tensors are views of the bucket's
+        ``T`` new tokens). The hidden states are a view of the graph's output buffer, valid until the
+        next forward in this memory pool (the runner's graphs share one; clone to keep); the batch's tensors are views of the bucket's
         buffers (the real rows), its lengths on the host."""
         kind = self.plan.kind(items)
         if kind is None:

@@ -105,8 +105,8 @@ def prefill_case(llm, batch: int, length: int, seed: int, cached: int = 0, warm:
     (the same for every seed) which an untimed request puts in the prefix cache first (``warm``; a caller
     that warmed it already, as a profile does outside its window, passes False)."""
     # Every prompt continues the prefix with the same token (a chat template's next marker does the
-    # same): a cached page's key covers the token after it (`workers.prefix_cache.LOOKAHEAD`), so the
-    # prefix's last page is a hit only for prompts that agree on that token.
+    # same): with MTP on a cached page's key covers the token after it (`workers.prefix_cache.key_lookahead`),
+    # so the prefix's last page is a hit only for prompts that agree on that token.
     prefix = random_prompts(1, cached + 1, 7919)[0] if cached else []
     if cached and warm:
         timed_run(llm, [prefix], 1, f"prefix{cached}-{seed}")  # its full pages stay cached

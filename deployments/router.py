@@ -44,15 +44,15 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from deployments.metrics.router import RouterMetrics
 from deployments.replica_stats import DecodeStats, PrefillStats, ReplicaStats
-from workers.prefix_cache import chain_keys, routing_key
+from workers.prefix_cache import LOOKAHEAD, chain_keys, routing_key
 
 ROUTING_STATS_PERIOD_S = 1.0
 
 
-def prefix_keys(token_ids: Sequence[int], salt: bytes, max_pages: int) -> list[int]:
+def prefix_keys(token_ids: Sequence[int], salt: bytes, max_pages: int, lookahead: int = LOOKAHEAD) -> list[int]:
     """The routing keys (`workers.prefix_cache.routing_key`) of the prompt's leading full pages, at most
-    ``max_pages``, hashed as a replica with ``salt`` keys its cache."""
-    return [routing_key(k) for k in chain_keys(token_ids, salt, max_pages)]
+    ``max_pages``, hashed as a replica with ``salt`` and ``lookahead`` keys its cache."""
+    return [routing_key(k) for k in chain_keys(token_ids, salt, max_pages, lookahead=lookahead)]
 
 
 class PromptKeys:
@@ -61,16 +61,21 @@ class PromptKeys:
     prefix caching is off."""
 
     def __init__(self, app_cfg, role: str, model_dir: str):
-        from workers.prefix_cache import replica_salt  # reads the checkpoint's config.json
+        from workers.prefix_cache import key_lookahead, replica_salt  # reads the checkpoint's config.json
+        from workers.rank_build import uses_cache_groups
 
         self.salt = None
         self.max_pages = app_cfg.router.prefix_pages
+        self.lookahead = LOOKAHEAD
         if app_cfg.router.policy == "cache_aware" and app_cfg.features.prefix_caching:
             role_cfg = app_cfg.for_role(role)
             self.salt = replica_salt(role_cfg.rank_spec(model_dir), role_cfg.has_mtp)
+            # As the role's replicas key their pages (`workers.replica_build`); DeepSeek-V4's cut keys always
+            # cover the token after them (`workers.v4_prefix`).
+            self.lookahead = LOOKAHEAD if uses_cache_groups(str(model_dir)) else key_lookahead(role_cfg.has_mtp)
 
     def __call__(self, token_ids: Sequence[int]) -> list[int] | None:
-        return None if self.salt is None else prefix_keys(token_ids, self.salt, self.max_pages)
+        return None if self.salt is None else prefix_keys(token_ids, self.salt, self.max_pages, self.lookahead)
 
 
 def cached_prefix(keys: Sequence[int], held: Collection[int]) -> int:

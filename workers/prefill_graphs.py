@@ -94,9 +94,9 @@ def prefill_graph_tokens(setting: int | None, graphs: bool, cfg, chunk_size: int
 
 
 ROW_MAX_TOKENS = 512
-"""Most new tokens a rows graph serves (`row_cap`). Issue 24's shared-prefix load computes 320 a request (a
-256-token suffix, and the prefix's last page: a page's key covers the token after it,
-`workers.prefix_cache.LOOKAHEAD`, so the page before a new suffix never hits)."""
+"""Most new tokens a rows graph serves (`row_cap`). Issue 24's shared-prefix load computes 256 a request
+(its suffix), or 320 with MTP on (then a page's key covers the token after it,
+`workers.prefix_cache.key_lookahead`, so the prefix's last page misses before a new suffix)."""
 
 ROW_MAX_REQUESTS = 32
 """Most requests in one rows graph step (their page tables are one host-to-device copy)."""

@@ -6,9 +6,10 @@ id brings all of them back together: a suffix token's indexer top-k over the
 whole context is what it would be without the cache.
 
 Keys. Page ``i`` of a token sequence is keyed by a hash chain,
-``key_i = digest(key_{i-1}, tokens[64 i : 64 (i + 1) + 1])`` with
-``key_{-1} = salt``: it covers every token up to the end of the page, and
-one more (`LOOKAHEAD`): the MTP layer's entry of a page's last position is
+``key_i = digest(key_{i-1}, tokens[64 i : 64 (i + 1) + lookahead])`` with
+``key_{-1} = salt``: it covers every token up to the end of the page, and,
+where the replica writes the MTP layer's pages, one more (`LOOKAHEAD`,
+`key_lookahead`): the MTP layer's entry of a page's last position is
 computed from the *next* token, so a page's bytes depend on it. The salt
 (`cache_salt`) covers the rest of what changes the cached bytes: the
 checkpoint config, dtype, cache format, indexer rotation, backend and whether
@@ -41,7 +42,15 @@ if TYPE_CHECKING:
     from workers.rank_build import RankSpec
 
 LOOKAHEAD = 1
-"""Tokens after a page that its key covers (the MTP layer's entry of the page's last position reads one)."""
+"""Tokens after a page that its key covers where the replica writes the MTP layer's pages (the MTP layer's
+entry of the page's last position reads the next token). Without them (`key_lookahead`) a page's bytes
+depend on its own tokens and those before only, and its key covers nothing after it."""
+
+
+def key_lookahead(mtp: bool) -> int:
+    """The tokens after a page its key covers: `LOOKAHEAD` when the replica writes the MTP layer's pages
+    (``mtp``: as `replica_salt` takes it), else 0."""
+    return LOOKAHEAD if mtp else 0
 
 HOST_BYTES_PER_CACHED_PAGE = 1100
 """Host memory of one cached page's entry (its key, its 65 token ids, the index): measured with tracemalloc
@@ -72,28 +81,29 @@ def replica_salt(spec: "RankSpec", mtp: bool) -> bytes:
                       spec.page_layout, bool(mtp and spec.with_mtp))
 
 
-def page_token_bytes(token_ids: Sequence[int], i: int) -> bytes | None:
-    """Page ``i``'s tokens and its `LOOKAHEAD` as int64 bytes; None when ``token_ids`` is too short for them."""
-    lo, hi = i * PAGE_SIZE, (i + 1) * PAGE_SIZE + LOOKAHEAD
+def page_token_bytes(token_ids: Sequence[int], i: int, lookahead: int = LOOKAHEAD) -> bytes | None:
+    """Page ``i``'s tokens and the ``lookahead`` after it as int64 bytes; None when ``token_ids`` is too short
+    for them."""
+    lo, hi = i * PAGE_SIZE, (i + 1) * PAGE_SIZE + lookahead
     if len(token_ids) < hi:
         return None
     return array("q", token_ids[lo:hi]).tobytes()
 
 
-def cacheable_pages(num_tokens: int) -> int:
-    """Full pages a sequence of ``num_tokens`` known tokens can key (each needs its `LOOKAHEAD` token)."""
-    return max(0, (num_tokens - LOOKAHEAD) // PAGE_SIZE)
+def cacheable_pages(num_tokens: int, lookahead: int = LOOKAHEAD) -> int:
+    """Full pages a sequence of ``num_tokens`` known tokens can key (each needs its ``lookahead`` tokens)."""
+    return max(0, (num_tokens - lookahead) // PAGE_SIZE)
 
 
 def chain_keys(token_ids: Sequence[int], salt: bytes, max_pages: int | None = None,
-               digest: Digest = sha256_digest) -> list[bytes]:
+               digest: Digest = sha256_digest, lookahead: int = LOOKAHEAD) -> list[bytes]:
     """The keys of ``token_ids``' leading full pages (at most ``max_pages``)."""
-    n = cacheable_pages(len(token_ids))
+    n = cacheable_pages(len(token_ids), lookahead)
     if max_pages is not None:
         n = min(n, max_pages)
     keys, parent = [], salt
     for i in range(n):
-        parent = digest(parent, page_token_bytes(token_ids, i))
+        parent = digest(parent, page_token_bytes(token_ids, i, lookahead))
         keys.append(parent)
     return keys
 
@@ -134,10 +144,11 @@ class CacheCounters:
 @dataclass
 class PrefixCache:
     """Cached full pages by key (module doc). ``salt``: `cache_salt` of the replica; ``digest``: the chain's
-    hash (tests inject a colliding one)."""
+    hash (tests inject a colliding one); ``lookahead``: tokens after a page its key covers (`key_lookahead`)."""
 
     salt: bytes
     digest: Digest = sha256_digest
+    lookahead: int = LOOKAHEAD
     counters: CacheCounters = field(default_factory=CacheCounters)
     _by_key: dict[bytes, _Entry] = field(default_factory=dict)
     _by_page: dict[int, _Entry] = field(default_factory=dict)
@@ -150,8 +161,8 @@ class PrefixCache:
         pages: list[int] = []
         parent: _Entry | None = None
         key = self.salt
-        for i in range(min(max_pages, cacheable_pages(len(token_ids)))):
-            toks = page_token_bytes(token_ids, i)
+        for i in range(min(max_pages, cacheable_pages(len(token_ids), self.lookahead))):
+            toks = page_token_bytes(token_ids, i, self.lookahead)
             key = self.digest(key, toks)
             e = self._by_key.get(key)
             if e is None or not continues(e, parent, toks):
@@ -188,11 +199,11 @@ class PrefixCache:
         the caller vouches that their bytes are written. Pages already cached under their key are kept; a page
         whose prefix another page already caches stays uncached (the chain continues through that one); a key
         taken by a different prefix (a collision) ends the insert. Returns the pages newly cached."""
-        n = min(num_pages, len(pages), cacheable_pages(len(token_ids)))
+        n = min(num_pages, len(pages), cacheable_pages(len(token_ids), self.lookahead))
         parent: _Entry | None = None
         key, added = self.salt, 0
         for i in range(n):
-            toks = page_token_bytes(token_ids, i)
+            toks = page_token_bytes(token_ids, i, self.lookahead)
             key = self.digest(key, toks)
             e = self._by_key.get(key)
             if e is not None:

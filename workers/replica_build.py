@@ -28,7 +28,7 @@ from workers.kv_link import KVLink
 from workers.model_runner import ModelRunner
 from workers.page_pool import PagePool
 from workers.page_tables import GroupPagePools
-from workers.prefix_cache import PrefixCache, replica_salt
+from workers.prefix_cache import PrefixCache, key_lookahead, replica_salt
 from workers.v4_prefix import V4PrefixCache
 from workers.rank_build import RankSpec, build_rank, uses_cache_groups
 from workers.rank_group import GroupModel, RankGroup
@@ -78,7 +78,7 @@ def build_replica(spec: RankSpec, tp_size: int = 1, worker_id: str | None = None
 def _build_parts(spec: RankSpec, tp_size: int, worker_id: str | None, actor_options, prefix_caching: bool,
                  mtp: bool) -> ReplicaParts:
     if tp_size > 1:
-        cache = PrefixCache(replica_salt(spec, mtp)) if prefix_caching else None
+        cache = PrefixCache(replica_salt(spec, mtp), lookahead=key_lookahead(mtp and spec.with_mtp)) if prefix_caching else None
         group = RankGroup(spec, tp_size, actor_options)
         link = group.link(worker_id) if worker_id is not None else None
         return ReplicaParts(group.model, None, PagePool(spec.num_pages, cache), group.runner, link, group)
@@ -89,7 +89,8 @@ def _build_parts(spec: RankSpec, tp_size: int, worker_id: str | None, actor_opti
                   if prefix_caching else None)
         pool = GroupPagePools(rank.cache, prefix)
     else:
-        pool = PagePool(spec.num_pages, PrefixCache(replica_salt(spec, mtp)) if prefix_caching else None)
+        pool = PagePool(spec.num_pages, PrefixCache(replica_salt(spec, mtp), lookahead=key_lookahead(mtp and spec.with_mtp))
+                        if prefix_caching else None)
     link = rank.open_link(worker_id) if worker_id is not None else None
     return ReplicaParts(rank.model, rank.cache, pool, rank.runner, link)
 

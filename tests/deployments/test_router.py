@@ -7,6 +7,8 @@ import asyncio
 import random
 from types import SimpleNamespace
 
+import pytest
+
 from deployments.replica_stats import DecodeStats, PrefixKeys
 from deployments.router import Candidate, DecodeRouter, cached_prefix, prefix_keys, rank
 from workers.page_pool import PagePool
@@ -103,3 +105,27 @@ def test_two_decode_replicas_holding_different_prefixes():
     restarted = {**pools, "r-b": PagePool(64, PrefixCache(SALT))}
     assert PrefixKeys(restarted["r-b"]).fields()["prefix_keys"] == ()
     assert first(system_b + question, {"r-a": 0, "r-b": 1}, restarted) == "r-a"
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_prompt_keys_hash_as_the_roles_replicas_key_their_pages(tmp_path, k):
+    """The ingress's keys for the decode router and a decode replica's cache agree, MTP on (a page's key
+    covers the token after it) and off (it does not): a request is routed by the pages that replica holds."""
+    from deployments.app_config import AppConfig
+    from deployments.router import PromptKeys
+    from models.tiny import make_tiny
+    from workers.replica_build import build_replica
+
+    model = make_tiny("deepseek_v32", tmp_path / "m", seed=0)
+    cfg = AppConfig.model_validate({"model": {"path": str(model)}, "mode": "monolithic",
+                                    "decode": {"mtp_draft_tokens": k, "num_pages": 16}})
+    keys = PromptKeys(cfg, "decode", str(model))
+    parts = build_replica(cfg.decode.rank_spec(model), prefix_caching=True, mtp=cfg.decode.has_mtp)
+    cache = parts.pool.prefix_cache
+    assert keys.lookahead == cache.lookahead == (1 if k else 0)
+    prompt = _tokens(192, 7)  # three full pages: with MTP the third lacks the token after it
+    pages, _ = parts.pool.acquire(prompt, 3)
+    parts.pool.free(pages, prompt, len(prompt))
+    held = set(cache.routing_keys(16))
+    assert len(held) == (2 if k else 3)
+    assert cached_prefix(keys(prompt + [5]), held) == len(held)

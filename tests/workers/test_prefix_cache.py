@@ -8,7 +8,7 @@ import random
 import pytest
 
 from workers.page_pool import PagePool, PoolExhausted
-from workers.prefix_cache import PrefixCache, cacheable_pages, chain_keys
+from workers.prefix_cache import LOOKAHEAD, PrefixCache, cacheable_pages, chain_keys, key_lookahead
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -40,6 +40,22 @@ def test_keys_chain_over_every_token_before_and_one_after():
     assert all(x != y for x, y in zip(chain_keys(c, b"s"), k))
     assert chain_keys(a, b"other")[0] != k[0]  # the salt (model, formats) is the chain's root
     assert chain_keys(a[:129], b"s") == k[:2]
+
+
+def test_without_mtp_pages_a_key_covers_its_own_tokens_only():
+    """`key_lookahead(False)`: no MTP layer pages, so a page's bytes depend on its tokens and those before."""
+    a = _tokens(200, 1)
+    assert key_lookahead(True) == LOOKAHEAD == 1 and key_lookahead(False) == 0
+    assert cacheable_pages(64, 0) == 1 and cacheable_pages(200, 0) == 3
+    k = chain_keys(a, b"s", lookahead=0)
+    b = list(a)
+    b[64] += 1  # the token after page 0: page 0's key stays
+    assert chain_keys(b, b"s", lookahead=0)[0] == k[0] and chain_keys(b, b"s")[0] != chain_keys(a, b"s")[0]
+    assert chain_keys(a, b"s", lookahead=0) != chain_keys(a, b"s")  # the same salt: never mixed up
+    cache = PrefixCache(b"s", lookahead=0)
+    pages = list(range(10, 13))
+    assert cache.insert(a[:192], pages, 3) == 3  # a page needs no token after it
+    assert cache.match(a[:128] + [7], 2) == pages[:2]
 
 
 def test_hits_are_shared_and_the_last_token_is_always_computed():

@@ -19,8 +19,12 @@ BATCH = [
     PREFIX[:129],                              # the whole prompt but its last token: 2 pages
     PREFIX[:128],                              # 2 full pages, but the last token is computed: 1 page
     random_prompt(70, 300, 5),                 # unrelated
-]
-HIT_TOKENS = (1 + 3 + 2 + 1) * 64
+    PREFIX[:128] + [PREFIX[128] % 299 + 1] + random_prompt(9, 300, 6),  # another token after page 1: with MTP
+]                                              # page 1's key covers it (1 page), without MTP not (2 pages)
+
+
+def hit_tokens(k: int) -> int:
+    return (1 + 3 + 2 + 1 + (1 if k else 2)) * 64
 NEW = 4
 
 
@@ -68,15 +72,15 @@ def test_cached_equals_uncached(tiny, reference, cached, case):
         pushed = llm.pd.prefill.pusher.stats.nbytes
     assert llm.generate(BATCH, max_new_tokens=NEW, ignore_eos=True) == want
     st = llm.stats()
-    assert st["prefix_cache_hits"] == HIT_TOKENS  # decode's pool (monolithic: the only one)
+    assert st["prefix_cache_hits"] == hit_tokens(k)  # decode's pool (monolithic: the only one)
     assert st["prefix_cache_queries"] == sum(map(len, [WARM] + BATCH))
     assert st["pool_free_pages"] == st["pool_total_pages"] and st["cached_pages"] > 0
     if pd:
-        assert st["prefill_prefix_cache_hits"] == HIT_TOKENS
+        assert st["prefill_prefix_cache_hits"] == hit_tokens(k)
         assert st["prefill_pool_free_pages"] == st["pool_total_pages"]
         # Decode held the cached pages: prefill pushed only the others.
         page_bytes = llm.pd.prefill.runner.cache.spec.page_bytes()
-        pages = sum(-(-len(p) // 64) for p in BATCH) - HIT_TOKENS // 64
+        pages = sum(-(-len(p) // 64) for p in BATCH) - hit_tokens(k) // 64
         assert llm.pd.prefill.pusher.stats.nbytes - pushed == pages * page_bytes
     if k:
         assert 0 < st["mtp_accepted"] < st["mtp_drafted"]

@@ -26,13 +26,15 @@ def tiny(tmp_path_factory):
 
 def test_engine_host_reports_the_engines_own_python(tiny):
     out = subprocess.run([sys.executable, "-m", "bench.engine_host", "--model", str(tiny), "--batch", "6",
-                          "--steps", "4", "--top", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--steps", "4", "--top", "40"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     head = re.search(r"batch 6: the engine's own Python ([0-9.]+) ms/step", out.stdout)
     assert head and float(head.group(1)) > 0, out.stdout
     funcs = re.findall(r"calls/step  (\S+)", out.stdout)
     assert funcs and all(f.split(":")[0].endswith(".py") and not f.startswith("..") for f in funcs), funcs
-    assert any(f.startswith("engine.py:") for f in funcs), funcs  # the step itself is in workers/
+    # The step itself is in workers/ (among the first 40: which functions lead the first 5 depends on the
+    # host's load, and a CI run once had none of engine.py's there).
+    assert any(f.startswith("engine.py:") for f in funcs), funcs
 
 
 def test_profile_prefill_runs_one_prefill_and_frees_its_pages(tiny):

@@ -302,7 +302,7 @@ class RoleConfig(_Strict):
     cuda_graph_max_context: int | None = Field(
         None, ge=64, description="Longest context a captured decode step, or a captured prefill over a cached "
         "prefix, serves (longer ones run eagerly); default: what the page pool holds for one request, capped by "
-        "the model's max positions.",
+        "the model's max positions and model.max_model_len.",
     )
     prefill_graph_max_tokens: int | None = Field(
         None, ge=0, description="With cuda_graphs on (either role): a prefill of one new prompt of up to this many "

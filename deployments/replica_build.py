@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from attention.formats import PAGE_SIZE
 from deployments.admission import queue_timeout_s
 from deployments.app_config import AppConfig
 from deployments.controller import RolePlacement, plan_placement
@@ -80,8 +81,7 @@ def build_prefill_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: s
                            cache_groups=uses_cache_groups(str(model_dir)))
     tokens = _prefill_graph_tokens(role_cfg, graphs, p, model_dir)
     if tokens:
-        context = role_cfg.cuda_graph_max_context or default_graph_context(p.model.cfg, p.pool.num_pages)
-        p.runner.enable_prefill_graphs(tokens, capture=True, max_context=context)
+        p.runner.enable_prefill_graphs(tokens, capture=True, max_context=_graph_context(app_cfg, role_cfg, p))
         plan = p.runner.prefill_graphs.plan
         log.info("%s: prefills from CUDA graphs: one new prompt of %s tokens, rows of %s tokens over cached "
                  "prefixes (contexts up to %d)", worker_id, plan.buckets, plan.row_buckets, plan.max_context)
@@ -99,9 +99,20 @@ def build_decode_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: st
                             mtp_draft_tokens=role_cfg.mtp_draft_tokens, overlap=role_cfg.overlap_scheduling)
     graphs = graphs_wanted(role_cfg.cuda_graphs, role_cfg.backend, role_cfg.device, role_cfg.tensor_parallel_size,
                            mtp=role_cfg.mtp_draft_tokens > 0, cache_groups=uses_cache_groups(str(model_dir)))
-    engine = build_engine(p, model_dir, sched, app_cfg.features.mtp_topk_reuse, graphs, role_cfg.cuda_graph_max_context,
-                          _prefill_graph_tokens(role_cfg, graphs, p, model_dir))
+    engine = build_engine(p, model_dir, sched, app_cfg.features.mtp_topk_reuse, graphs,
+                          _graph_context(app_cfg, role_cfg, p), _prefill_graph_tokens(role_cfg, graphs, p, model_dir))
     return DecodeWorker(engine, p.link, deadline_s=app_cfg.transfer.deadline_s)
+
+
+def _graph_context(app_cfg: AppConfig, role_cfg, parts: ReplicaParts) -> int:
+    """The longest context the role's graphs serve (decode steps, prefill rows): ``cuda_graph_max_context``,
+    else what the pool holds for one request capped by the model's positions and by ``model.max_model_len``
+    (no served request is longer: the ingress refuses it), which sizes the graphs' indexer logits."""
+    if role_cfg.cuda_graph_max_context:
+        return role_cfg.cuda_graph_max_context
+    context = default_graph_context(parts.model.cfg, parts.pool.num_pages)
+    limit = app_cfg.model.max_model_len
+    return max(PAGE_SIZE, min(context, limit)) if limit else context
 
 
 def _prefill_graph_tokens(role_cfg, graphs: bool, parts: ReplicaParts, model_dir) -> int:

@@ -182,3 +182,20 @@ def test_an_engine_failure_ends_every_request_as_unavailable(thread):
     assert "injected step failure" in out.error
     with pytest.raises(WorkerThreadFailed):
         thread.check()
+
+
+def test_graph_context_defaults_to_what_a_served_request_can_reach(cfg):
+    """The graphs' context (their indexer logits' width): ``cuda_graph_max_context`` when set, else the
+    pool's capacity for one request capped by the model's positions and ``model.max_model_len``."""
+    from types import SimpleNamespace
+
+    from deployments.replica_build import _graph_context
+
+    parts = SimpleNamespace(model=SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=163840)),
+                            pool=SimpleNamespace(num_pages=2368))
+    plain = cfg.model_copy(update={"model": cfg.model.model_copy(update={"max_model_len": None})})
+    assert _graph_context(plain, plain.decode, parts) == 2368 * 64
+    capped = cfg.model_copy(update={"model": cfg.model.model_copy(update={"max_model_len": 9216})})
+    assert _graph_context(capped, capped.decode, parts) == 9216
+    fixed = capped.model_copy(update={"decode": capped.decode.model_copy(update={"cuda_graph_max_context": 4096})})
+    assert _graph_context(fixed, fixed.decode, parts) == 4096

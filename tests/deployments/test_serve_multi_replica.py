@@ -111,9 +111,19 @@ def run_all(client) -> list[str]:
 def test_requests_spread_over_both_replicas_of_each_pool(ready, client, reference):
     before = stats(ready)
     assert run_all(client) == reference
-    after = wait_until(lambda: pools_whole(ready), 20, "pools back to their start counts")
-    done = {e["worker_id"]: e["stats"]["completed"] for e in after["prefill"]}
     done0 = {e["worker_id"]: e["stats"]["completed"] for e in before["prefill"]}
+
+    def settled():
+        """Pools whole and every prefill counted: a replica's counters reach /stats at its next heartbeat,
+        which can come after its pool is whole (a CI run under load read 1 of 8 prefills)."""
+        s = pools_whole(ready)
+        if not s:
+            return None
+        done = {e["worker_id"]: e["stats"]["completed"] for e in s["prefill"]}
+        return s if sum(done[w] - done0.get(w, 0) for w in done) >= len(PROMPTS) else None
+
+    after = wait_until(settled, 20, "pools back to their start counts and every prefill counted")
+    done = {e["worker_id"]: e["stats"]["completed"] for e in after["prefill"]}
     per_prefill = [done[w] - done0.get(w, 0) for w in done]
     tokens = {e["worker_id"]: e["stats"]["decode_tokens"] for e in after["decode"]}
     tokens0 = {e["worker_id"]: e["stats"]["decode_tokens"] for e in before["decode"]}

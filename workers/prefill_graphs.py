@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from attention.formats import PAGE_SIZE, pages_for_tokens
-from models.batch import ForwardBatch, ForwardMode
+from models.batch import ForwardBatch, ForwardMode, slots_for_positions
 from workers.decode_graphs import capture_forwards
 from workers.host_copy import to_device
 
@@ -233,8 +233,7 @@ class PromptInputs:
         p = self.packed
         table = p[T + 1: T + 1 + pages_for_tokens(bucket)]
         pos = self.positions[:bucket]
-        slots = table[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
-        out_slots = torch.where(pos < p[T], slots, -1)
+        out_slots = torch.where(pos < p[T], slots_for_positions(table, pos), -1)
         lens = self._lens[bucket]
         return ForwardBatch(
             mode=ForwardMode.PREFILL, input_ids=p[:bucket], positions=pos, out_slots=out_slots,
@@ -301,12 +300,11 @@ class RowInputs:
         p = self.packed
         live = self.rows[:bucket] < p[3 * B]
         pos = torch.where(live, p[B: B + bucket], 0)
-        tables = p[self._tables_at:].view(R, P)
-        page_tables = tables.index_select(0, p[2 * B: 2 * B + bucket])
-        pages = torch.gather(page_tables, 1, (pos // PAGE_SIZE)[:, None])[:, 0]
+        tables, req = p[self._tables_at:].view(R, P), p[2 * B: 2 * B + bucket]
+        page_tables = tables.index_select(0, req)
         return ForwardBatch(
             mode=ForwardMode.DECODE, input_ids=p[:bucket], positions=pos,
-            out_slots=torch.where(live, pages * PAGE_SIZE + pos % PAGE_SIZE, -1),
+            out_slots=torch.where(live, slots_for_positions(tables, pos, req), -1),
             page_tables=page_tables.to(torch.int32), seq_lens=pos + 1, q_lens=self.q_lens[:bucket],
             max_seq_len=self.plan.max_context, static_shapes=True,
         )

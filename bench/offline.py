@@ -146,6 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=8192)
     p.add_argument("--num-pages", type=int, default=None, help="default: what the largest case needs")
     p.add_argument("--mtp-draft-tokens", type=int, default=0)
+    p.add_argument("--cuda-graph-max-context", type=int, default=0,
+                   help="the longest context the decode and prefill-rows graphs serve (default: the longest "
+                        "case's prompt + output, in whole pages)")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--prefill-graph-max-tokens", type=int, default=None,
                    help="prefills of one new prompt up to this many tokens replay a CUDA graph "
@@ -173,7 +176,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def run(args) -> int:
     import torch
 
-    from attention.formats import pages_for_tokens
+    from attention.formats import PAGE_SIZE, pages_for_tokens
     from workers.offline import LLM
     from workers.structured import GrammarSpec
 
@@ -182,12 +185,17 @@ def run(args) -> int:
     need = max([pages_for_tokens(c) + b * pages_for_tokens(n + 1) for b, n, c in cases]
                + [b * pages_for_tokens(args.input_len + args.output_len) for b in args.batch_sizes] + [1])
     num_pages = args.num_pages or need + 16
+    # The graphs serve the longest case, not the whole pool: a pool-wide context would size the rows
+    # graphs' indexer logits for ~150k tokens and cap their rows (`row_cap`) below a 256-token suffix.
+    longest = max([c + n + 1 for _, n, c in cases] + [args.input_len + args.output_len + 1])
+    max_context = args.cuda_graph_max_context or pages_for_tokens(longest) * PAGE_SIZE
     max_batch = max([b for b, _, _ in cases] + args.batch_sizes + [1])
     t0 = time.perf_counter()
     llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype,
               kv_cache_dtype=args.kv_cache_dtype, num_pages=num_pages, chunk_size=args.chunk_size,
               max_batch_size=max_batch, mtp_draft_tokens=args.mtp_draft_tokens,
-              cuda_graphs=False if args.no_cuda_graphs else None, overlap_scheduling=not args.no_overlap,
+              cuda_graphs=False if args.no_cuda_graphs else None, cuda_graph_max_context=max_context,
+              overlap_scheduling=not args.no_overlap,
               prefill_graph_max_tokens=args.prefill_graph_max_tokens, tp_size=args.tp_size, two_batch_overlap=args.two_batch_overlap)
     try:
         return _run_cases(args, llm, cases, grammar, time.perf_counter() - t0, num_pages)

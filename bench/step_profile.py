@@ -222,7 +222,7 @@ def profile_decode(llm, batch: int, input_len: int, output_len: int, steps: int,
         wall = time.perf_counter() - t0
         if cuda:
             torch.cuda.synchronize()
-    busy_us, kernel_sum_us, kernels = _gpu_time(prof, top)
+    busy_us, kernel_sum_us, kernels = _gpu_time(prof, 10_000)  # every kernel in the JSON, the top printed
 
     host = cProfile.Profile()
     t1 = time.perf_counter()
@@ -247,7 +247,10 @@ def profile_decode(llm, batch: int, input_len: int, output_len: int, steps: int,
         "wall_over_gpu_busy": (wall * 1e6) / busy_us if busy_us else None,
         "cprofile_wall_ms_per_step": host_wall * ms,
         "host_python_ms_per_step": sum(r[0] for r in engine_python_rows(stats)) * ms,
+        "kernels_per_step": sum(n for _, n, _ in kernels) / steps,
         "top_kernels": [{"name": k[:120], "calls_per_step": n / steps, "ms_per_step": t / 1e3 / steps}
+                        for t, n, k in kernels[:top]],
+        "all_kernels": [{"name": k[:200], "calls_per_step": n / steps, "ms_per_step": t / 1e3 / steps}
                         for t, n, k in kernels],
         "host_cprofile": text.getvalue(),
     }
@@ -268,7 +271,7 @@ def print_profile(p: dict) -> None:
     ratio = "-" if p["wall_over_gpu_busy"] is None else f"{p['wall_over_gpu_busy']:.2f}x"
     print(f"profile decode batch {p['batch']}: wall {p['wall_ms_per_step']:.3f} ms/step, GPU busy {busy:.3f} ms/step "
           f"(wall / busy {ratio}), kernel sum {p['kernel_sum_ms_per_step']:.3f} ms/step, "
-          f"under cProfile {p['cprofile_wall_ms_per_step']:.3f} ms/step, of it in the engine's own Python (workers/) "
+          f"{p['kernels_per_step']:.0f} kernels/step, under cProfile {p['cprofile_wall_ms_per_step']:.3f} ms/step, of it in the engine's own Python (workers/) "
           f"{p['host_python_ms_per_step']:.3f} ms/step", flush=True)
     for k in p["top_kernels"]:
         print(f"  {k['ms_per_step']:8.4f} ms/step  x{k['calls_per_step']:5.1f}  {k['name']}")

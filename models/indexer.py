@@ -9,12 +9,15 @@ shared layers, in the following layers too).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 
 from models.batch import ForwardBatch, ForwardMode
 from models.config import ModelConfig
 from models.norms import LayerNorm
+from models.ops import triton_importable
 from models.parallel import ReplicatedLinear
 from models.rope import apply_rope, fused_rope
 
@@ -95,12 +98,18 @@ class Indexer(nn.Module):
             # DeepSeek-V3.2) take this path in every layer.
             return self._whole_windows(batch)
         q = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin)
-        weights = self.weights_proj(x.float()) * (self.n_heads**-0.5 * self.head_dim**-0.5)
+        raw = self.weights_proj(x.float())
+        factor = self.n_heads**-0.5 * self.head_dim**-0.5
         if self.hadamard:
             q = q @ self.rotation
-        if cache.spec.kv_cache_dtype == "fp8":
+        ops = _fused_query_ops() if q.is_cuda and cache.spec.kv_cache_dtype == "fp8" else None
+        if ops is not None and ops.supports(q):
+            q, weights = ops.quantize_query(q, raw, factor)  # one kernel; the torch below is its spec
+        elif cache.spec.kv_cache_dtype == "fp8":
             q, q_scale = quantize_query_fp8(q)
-            weights = weights * q_scale  # relu(s * x) = s * relu(x) for s > 0
+            weights = raw * factor * q_scale  # relu(s * x) = s * relu(x) for s > 0
+        else:
+            weights = raw * factor
         if batch.mode is ForwardMode.DECODE:
             return self._select_decode(q, weights, batch, cache, layer, backend)
         return self._select_extend(q, weights, batch, cache, layer, backend)
@@ -108,14 +117,14 @@ class Indexer(nn.Module):
     def _select_decode(self, q, weights, batch, cache, layer, backend) -> SelectedTokens:
         n = batch.decode_width()
         B = batch.num_requests
-        ctx = (batch.positions + 1).view(B, n).to(torch.int32)
+        # Derived from the batch alone: built once per forward, not in every indexer layer.
+        ctx = batch.layer_invariant("index_context_lens", lambda: (batch.positions + 1).view(B, n).to(torch.int32))
+        rows_tables = batch.layer_invariant("index_row_tables", lambda: batch.page_tables.repeat_interleave(n, 0))
         logits = backend.paged_mqa_logits(
             q.view(B, n, self.n_heads, self.head_dim), cache.index[layer], weights,
             ctx, batch.page_tables, batch.seq_len_bound(),
         )
-        positions, slots = backend.topk_slots(
-            logits, ctx.view(-1), self.topk, batch.page_tables.repeat_interleave(n, 0)
-        )
+        positions, slots = backend.topk_slots(logits, ctx.view(-1), self.topk, rows_tables)
         return SelectedTokens(slots.long(), positions.long())
 
     def _whole_windows(self, batch: ForwardBatch) -> SelectedTokens:
@@ -145,6 +154,16 @@ def _joined(packed: list[torch.Tensor], batch: ForwardBatch) -> SelectedTokens:
     if len(groups) == 1:
         return SelectedTokens(*groups[0], packed=packed)
     return SelectedTokens(torch.cat([s for s, _ in groups]), torch.cat([p for _, p in groups]), packed=packed)
+
+
+@functools.cache
+def _fused_query_ops():
+    """``models.ops.index_query_cuda`` where Triton is installed, else None."""
+    if not triton_importable():
+        return None
+    from models.ops import index_query_cuda
+
+    return index_query_cuda
 
 
 def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

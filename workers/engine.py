@@ -191,6 +191,7 @@ class Engine:
         self.scheduler.add_running(req)
         out = RequestOutput(req.request_id, [], [])
         self._emit(req, first_token, first_logprob, out, first_top_logprobs)
+        self.scheduler.publish(req)  # its prompt's pages arrived whole: a later request reuses them
         return [out]
 
     def abort(self, request_id: str) -> bool:
@@ -514,6 +515,8 @@ class Engine:
             mbatch = self.runner.build_batch(ForwardMode.PREFILL, mtp_items)
             self.model.mtp_forward(mbatch, torch.cat(mtp_hidden), self.runner.cache, self.runner.backend,
                                    draft=False)
+        for c in chunks:  # a later prompt with this prefix shares these pages from now on
+            self.scheduler.publish(c.request)
         for req, _ in finishing:
             self.scheduler.prefill_done(req)
         # Resumed after preemption: their next input is known, nothing to sample.

@@ -128,6 +128,18 @@ class PagePool:
             cache.counters.hits += len(hit) * PAGE_SIZE
         return pages, len(hit)
 
+    publishes = True
+    """`publish` caches a request's pages while it still holds them (a grouped pool caches at release only)."""
+
+    def publish(self, token_ids: Sequence[int], pages: Sequence[int], valid_tokens: int) -> int:
+        """Cache the full pages of a request that still holds them, as soon as their bytes are written
+        (positions below ``valid_tokens``, every layer's): a request with the same prefix admitted meanwhile
+        shares them read-only instead of computing (or receiving) them again. The holder never writes them
+        again; its release later finds them cached. Returns the pages newly cached (0 without a cache)."""
+        if self.prefix_cache is None or valid_tokens < PAGE_SIZE:
+            return 0
+        return self.prefix_cache.insert(token_ids, pages, valid_tokens // PAGE_SIZE)
+
     # -- what the scheduler asks (`workers.page_tables.GroupPagePools` answers the same for grouped caches) --
 
     def capacity_error(self, num_tokens: int) -> str | None:

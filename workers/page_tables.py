@@ -171,6 +171,13 @@ class GroupPagePools:
         """A fresh table for ``num_tokens`` tokens (`PagePool.allocate_for_tokens`' counterpart)."""
         return self.acquire_tokens((), num_tokens, reuse=False)[0]
 
+    publishes = False
+    """A grouped cache keeps a prompt's cut states when the request releases them (`workers.v4_prefix`), not
+    while it runs: `publish` caches nothing."""
+
+    def publish(self, token_ids, pages, valid_tokens: int) -> int:
+        return 0
+
     def free(self, table: PageTable, token_ids=None, valid_tokens: int = 0) -> None:
         """Drop ``table``'s references (one per page); with ``token_ids`` and a prefix cache, its cuts
         ``<= valid_tokens`` (positions written in every group) are cached first."""

@@ -241,6 +241,9 @@ class PrefillWorker:
         # are written: a fence (a CUDA event the pusher polls) would only delay the WRITE of a prompt's
         # last chunk, the one its first token waits for (docs/perf.md, session 8).
         for a, _, end in chosen:
+            # Written in every layer (the MTP layer's too, below the last prompt position: `_run_mtp`): a
+            # prompt submitted from now on with this prefix reuses these pages.
+            self.pool.publish(a.task.token_ids, a.page_table, min(end, len(a.task.token_ids) - 1))
             if not self.pool.pushes_by_chunk:  # grouped caches: every page once the state is final
                 if end == len(a.task.token_ids):
                     self.pusher.push(a.task.request_id, a.push_tokens, written=True)

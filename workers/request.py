@@ -82,6 +82,9 @@ class Request:
     engine that decodes it; fed every token the request generated, on any replica)."""
     prompt_logprobs: PromptLogprobs | None = None
     cached_pages: int = 0
+    prefix_keys: tuple[int, list[bytes]] | None = None
+    """``(n, keys)``: the prefix-cache keys of the first ``n`` tokens' full pages, computed once per
+    admission length (`workers.scheduler.Scheduler` defers a request behind one computing its prefix)."""
     """Leading pages of ``page_table`` a decode replica took from its prefix cache when it reserved them
     (PD: prefill does not push them)."""
     _prompt_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)

@@ -6,7 +6,10 @@ runs dry, (2) puts every running request in the decode batch, and (3) fills a
 prefill token budget (``chunk_size``) with the next chunks of prompts,
 admitting waiting requests while pages allow. A long prompt is thus split into
 chunks that interleave with decode steps of other requests. With a prefix
-cache in the pool, a prompt's first chunk starts after its cached prefix.
+cache in the pool, a prompt's first chunk starts after its cached prefix; a
+prompt's pages are cached as soon as they are written (`Scheduler.publish`),
+and a waiting prompt whose leading pages another prompt is computing right now
+waits for them instead of computing them a second time.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 
 from attention.formats import PAGE_SIZE
 from workers.page_pool import PagePool, PoolExhausted
+from workers.prefix_cache import chain_keys
 from workers.request import FinishReason, Request, RequestState
 
 
@@ -86,6 +90,9 @@ class Scheduler:
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
         self._arrivals = 0
+        # Whether prompts' pages are cached while being computed (`publish`): only then can a
+        # request wait for another's prefix instead of computing it.
+        self._shares_prefixes = getattr(pool, "publishes", False) and getattr(pool, "prefix_cache", None) is not None
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -125,6 +132,31 @@ class Scheduler:
             else:
                 self.pool.free(req.page_table, req.token_ids, cacheable_tokens(req, self.cfg.mtp_draft_tokens > 0))
             req.page_table = []  # (a grouped table is emptied by the free; a fresh one comes at re-admission)
+
+    def publish(self, req: Request) -> None:
+        """Cache ``req``'s full pages whose bytes are final (`cacheable_tokens`) while it still holds them:
+        called after each prefill chunk and when a prefilled request joins decode."""
+        if req.page_table:
+            self.pool.publish(req.token_ids, req.page_table, cacheable_tokens(req, self.cfg.mtp_draft_tokens > 0))
+
+    def _prompt_keys(self, req: Request, n: int) -> list[bytes]:
+        """The prefix-cache keys of ``req``'s first ``n`` tokens' full pages (kept on the request)."""
+        if req.prefix_keys is None or req.prefix_keys[0] != n:
+            c = self.pool.prefix_cache
+            req.prefix_keys = (n, chain_keys(req.token_ids[:n], c.salt, None, c.digest, c.lookahead))
+        return req.prefix_keys[1]
+
+    def _waits_for_prefix(self, req: Request, n: int, computing: set[bytes]) -> bool:
+        """Whether ``req`` (``n`` tokens to prefill) should stay queued: prompts being computed now (their page
+        keys: ``computing``) will cache more of its reusable leading pages than the cache holds. They are
+        prefilled before any admission, so the wait ends within their prefill (or their abort)."""
+        usable = (n - 1) // PAGE_SIZE  # its last token is always computed
+        shared = 0
+        for key in self._prompt_keys(req, n)[:usable]:
+            if key not in computing:
+                break
+            shared += 1
+        return shared > 0 and len(self.pool.prefix_cache.match(req.token_ids[:n], shared)) < shared
 
     @property
     def has_work(self) -> bool:
@@ -168,18 +200,27 @@ class Scheduler:
             end = min(prefill_length(req), req.num_computed + budget)
             out.prefill.append(PrefillChunk(req, req.num_computed, end))
             budget -= end - req.num_computed
-        while budget > 0 and self.waiting and len(self.running) + len(self.prefilling) < self.cfg.max_batch_size:
-            req = self.waiting[0]
+        computing = None
+        if self._shares_prefixes and self.waiting:
+            computing = {key for r in self.prefilling for key in self._prompt_keys(r, prefill_length(r))}
+        i = 0
+        while budget > 0 and i < len(self.waiting) and len(self.running) + len(self.prefilling) < self.cfg.max_batch_size:
+            req = self.waiting[i]
             n = prefill_length(req)
+            # The prompt's cached prefix is not computed again (prompt logprobs need every position's
+            # logits: such a request reuses nothing).
+            reuse = req.prompt_logprobs is None
+            if computing is not None and reuse and self._waits_for_prefix(req, n, computing):
+                i += 1  # its prefix is being computed: it waits for those pages; later requests may go first
+                continue
             hold = tokens_to_hold(n + 1, k)
             try:
-                # The prompt's cached prefix is not computed again (prompt logprobs need every position's
-                # logits: such a request reuses nothing).
-                req.page_table, cached = self.pool.acquire_tokens(req.token_ids[:n], hold,
-                                                                  reuse=req.prompt_logprobs is None)
+                req.page_table, cached = self.pool.acquire_tokens(req.token_ids[:n], hold, reuse=reuse)
             except PoolExhausted:
                 break  # stays queued until pages free up
-            self.waiting.popleft()
+            del self.waiting[i]
+            if computing is not None:
+                computing.update(self._prompt_keys(req, n))
             req.num_computed = cached * PAGE_SIZE
             req.state = RequestState.PREFILLING
             self.prefilling.append(req)

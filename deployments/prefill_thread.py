@@ -111,23 +111,27 @@ class PrefillThread(WorkerThread):
 
     # ------------------------------------------------------------ worker loop
     def _admit(self) -> None:
-        while self.pending:
-            task = self.pending[0]
+        i = 0
+        while i < len(self.pending):
+            task = self.pending[i]
+            if self.worker.waits_for_prefix(task):
+                i += 1  # its prefix is being computed: it reuses those pages; the tasks behind it go first
+                continue
             try:
                 self.worker.submit(task)
             except PoolExhausted as e:
                 if self.worker.active:
                     return  # pages come back as active prefills finish
-                self.pending.popleft()
+                del self.pending[i]
                 self.admit_by.pop(task.request_id, None)
                 self.emit(task.request_id, PrefillResult(task.request_id, False, error=f"prefill page pool: {e}"))
                 continue
             except Exception as e:  # noqa: BLE001 - e.g. the decode peer vanished meanwhile
-                self.pending.popleft()
+                del self.pending[i]
                 self.admit_by.pop(task.request_id, None)
                 self.emit(task.request_id, PrefillResult(task.request_id, False, error=str(e)))
                 continue
-            self.pending.popleft()
+            del self.pending[i]
             self.admit_by.pop(task.request_id, None)  # started
 
     def has_work(self) -> bool:

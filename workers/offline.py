@@ -230,8 +230,12 @@ class _LocalPD:
         queued = list(reqs)
         try:
             while queued or any(not r.finished for r in reqs):
-                while queued:
-                    r = queued[0]
+                i = 0
+                while i < len(queued):
+                    r = queued[i]
+                    if self.prefill.waits_for_prefix(PrefillTask(r.request_id, r.prompt, r.params, "", [])):
+                        i += 1  # its prefix is being prefilled: it reuses those pages (the served path's rule)
+                        continue
                     try:
                         pages = self.decode.reserve(r, self.prefill.link.agent.name)
                     except PoolExhausted:
@@ -246,7 +250,7 @@ class _LocalPD:
                         r.state = RequestState.WAITING
                         r.finish_reason = None
                         break
-                    queued.pop(0)
+                    queued.pop(i)
                 for res in self.prefill.step():
                     self.decode.on_prefill_result(res)
                 self.decode.step()

@@ -108,6 +108,22 @@ def chain_keys(token_ids: Sequence[int], salt: bytes, max_pages: int | None = No
     return keys
 
 
+def waits_for_computing(cache: "PrefixCache", token_ids: Sequence[int], keys: Sequence[bytes],
+                        computing: set[bytes]) -> bool:
+    """Whether a prompt of ``token_ids`` (its page ``keys``: `PrefixCache.keys`) should wait before taking
+    pages: prompts being computed right now (their page keys: ``computing``) will cache more of its reusable
+    leading pages (those before its last token, which is always computed) than ``cache`` holds now. The one
+    rule of the engine's scheduler and the PD prefill worker; the wait ends when those pages are cached (pages
+    are cached as soon as they are written: `workers.page_pool.PagePool.publish`) or their prompt goes away."""
+    usable = (len(token_ids) - 1) // PAGE_SIZE
+    shared = 0
+    for key in keys[:usable]:
+        if key not in computing:
+            break
+        shared += 1
+    return shared > 0 and len(cache.match(token_ids, shared)) < shared
+
+
 def routing_key(key: bytes) -> int:
     """A key's first 8 bytes as an unsigned int: what replicas report and routers compare (a
     collision there only misjudges an overlap; the cache itself compares in full)."""
@@ -170,6 +186,10 @@ class PrefixCache:
             pages.append(e.page)
             parent = e
         return pages
+
+    def keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The chain keys of ``token_ids``' full pages under this cache's salt, digest and lookahead."""
+        return chain_keys(token_ids, self.salt, None, self.digest, self.lookahead)
 
     def holds(self, page: int) -> bool:
         return page in self._by_page

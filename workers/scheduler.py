@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from attention.formats import PAGE_SIZE
 from workers.page_pool import PagePool, PoolExhausted
-from workers.prefix_cache import chain_keys
+from workers.prefix_cache import waits_for_computing
 from workers.request import FinishReason, Request, RequestState
 
 
@@ -142,21 +142,8 @@ class Scheduler:
     def _prompt_keys(self, req: Request, n: int) -> list[bytes]:
         """The prefix-cache keys of ``req``'s first ``n`` tokens' full pages (kept on the request)."""
         if req.prefix_keys is None or req.prefix_keys[0] != n:
-            c = self.pool.prefix_cache
-            req.prefix_keys = (n, chain_keys(req.token_ids[:n], c.salt, None, c.digest, c.lookahead))
+            req.prefix_keys = (n, self.pool.prefix_cache.keys(req.token_ids[:n]))
         return req.prefix_keys[1]
-
-    def _waits_for_prefix(self, req: Request, n: int, computing: set[bytes]) -> bool:
-        """Whether ``req`` (``n`` tokens to prefill) should stay queued: prompts being computed now (their page
-        keys: ``computing``) will cache more of its reusable leading pages than the cache holds. They are
-        prefilled before any admission, so the wait ends within their prefill (or their abort)."""
-        usable = (n - 1) // PAGE_SIZE  # its last token is always computed
-        shared = 0
-        for key in self._prompt_keys(req, n)[:usable]:
-            if key not in computing:
-                break
-            shared += 1
-        return shared > 0 and len(self.pool.prefix_cache.match(req.token_ids[:n], shared)) < shared
 
     @property
     def has_work(self) -> bool:
@@ -210,7 +197,8 @@ class Scheduler:
             # The prompt's cached prefix is not computed again (prompt logprobs need every position's
             # logits: such a request reuses nothing).
             reuse = req.prompt_logprobs is None
-            if computing is not None and reuse and self._waits_for_prefix(req, n, computing):
+            if computing is not None and reuse and waits_for_computing(self.pool.prefix_cache, req.token_ids[:n],
+                                                                       self._prompt_keys(req, n), computing):
                 i += 1  # its prefix is being computed: it waits for those pages; later requests may go first
                 continue
             hold = tokens_to_hold(n + 1, k)

@@ -1,6 +1,6 @@
 """A prefix computed once when prompts sharing it arrive together: a prompt's pages are cached as soon as
 they are written (`Scheduler.publish`, `PrefillWorker` per chunk), and a waiting prompt whose leading pages
-another prompt is computing right now waits for them (`Scheduler._waits_for_prefix`). Outputs equal the
+another prompt is computing right now waits for them (`workers.prefix_cache.waits_for_computing`). Outputs equal the
 uncached engine's token for token; nothing is left referenced."""
 
 from __future__ import annotations
@@ -119,5 +119,53 @@ def test_pd_prefill_publishes_each_chunk(model, want):
         if not dec.has_work and not pre.pusher.has_work():
             break
         pump()
+        time.sleep(0.002)
+    assert pre.pool.free_count == pre.pool.num_pages and dec.pool.free_count == dec.pool.num_pages
+
+
+def test_pd_prompts_arriving_together_prefill_their_prefix_once(model, want):
+    """PD: prompts submitted together wait at the prefill worker (`PrefillWorker.waits_for_prefix`) while
+    another computes their prefix, then reuse its pages; the unrelated prompt is not held up."""
+    llm = LLM(model, pd=True, chunk_size=512)
+    assert llm.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True) == want
+    st = llm.stats()
+    assert st["prefill_prefix_cache_hits"] == 3 * 3 * 64
+    assert st["prefill_pool_free_pages"] == st["pool_total_pages"] and st["pool_free_pages"] == st["pool_total_pages"]
+
+
+def test_prefill_thread_admits_past_a_waiting_task(model):
+    """The served prefill loop (`deployments.prefill_thread.PrefillThread`, driven here without its thread)
+    submits the tasks queued behind one that waits for a prefix being computed, and that one once its pages
+    are cached: it reuses them."""
+    from deployments.prefill_thread import PrefillThread
+    from workers.prefill_worker import PrefillTask
+
+    llm = LLM(model, pd=True, chunk_size=64)
+    pre, dec = llm.pd.prefill, llm.pd.decode
+    loop = PrefillThread(pre, warm_up=False)
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+
+    def task(rid, prompt):
+        r = Request(rid, prompt, params)
+        pages = dec.reserve(r, pre.link.agent.name)
+        return PrefillTask(rid, r.prompt, params, dec.link.agent.name, pages, r.cached_pages)
+
+    for t in (task("a", PROMPTS[0]), task("b", PROMPTS[1]), task("c", PROMPTS[4])):
+        loop.submit(t, None)
+    assert set(pre.active) == {"a", "c"} and [t.request_id for t in loop.pending] == ["b"]
+    hits = pre.pool.prefix_cache.counters.hits
+    for _ in range(3):  # the leader's first 192 tokens: pages 0-2 cached
+        loop.tick()
+        loop._admit()
+    assert "b" in pre.active and not loop.pending
+    assert pre.pool.prefix_cache.counters.hits - hits == 3 * 64
+    for rid in ("a", "b", "c"):
+        dec.abort(rid)
+        loop.abort(rid)
+    for _ in range(500):
+        loop.tick()
+        dec.step()
+        if not dec.has_work and not loop.has_work():
+            break
         time.sleep(0.002)
     assert pre.pool.free_count == pre.pool.num_pages and dec.pool.free_count == dec.pool.num_pages

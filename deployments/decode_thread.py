@@ -147,23 +147,27 @@ class DecodeThread(WorkerThread):
 
     # ------------------------------------------------------------ worker loop
     def _admit(self) -> None:
-        while self.pending:
-            req = self.pending[0]
+        i = 0
+        while i < len(self.pending):
+            req = self.pending[i]
+            if self.worker.waits_for_prefix(req):
+                i += 1  # its prefix's KV is arriving for another request: it reuses those pages; later ones go first
+                continue
             try:
                 pages = self.worker.reserve(req, None)
             except PoolExhausted as e:
                 if self.worker.has_work:
                     return  # running requests will free pages
-                self.pending.popleft()
+                del self.pending[i]
                 self.admit_by.pop(req.request_id, None)
                 self.emit(req.request_id, _overloaded(req.request_id, str(e)))
                 continue
             except Exception as e:  # noqa: BLE001 - e.g. a duplicate id: this request fails alone
-                self.pending.popleft()
+                del self.pending[i]
                 self.admit_by.pop(req.request_id, None)
                 self.emit(req.request_id, error_output(req.request_id, str(e)))
                 continue
-            self.pending.popleft()
+            del self.pending[i]
             self.admit_by.pop(req.request_id, None)  # started: the transfer deadline bounds it from here
             self.emit(req.request_id, Reserved(pages, req.cached_pages))
 

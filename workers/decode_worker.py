@@ -15,6 +15,7 @@ from transfer import ReceiveStatus
 from workers.engine import Engine, RequestOutput
 from workers.kv_link import KVLink
 from workers.prefill_worker import PrefillResult
+from workers.prefix_cache import waits_for_computing
 from workers.request import FinishReason, Request, RequestState, unavailable
 
 
@@ -51,6 +52,23 @@ class DecodeWorker:
         hold it. Raises ``ValueError`` (duplicate id, stop strings without a tokenizer)."""
         self._check_new(req)
         return self.engine.add_request(req)
+
+    def waits_for_prefix(self, req: Request) -> bool:
+        """Whether ``req`` should wait before `reserve`: the KV of more of its leading pages than the prefix cache
+        holds is on its way here for other requests (`workers.prefix_cache.waits_for_computing`: their pages are
+        cached when they arrive, `Engine.admit_prefilled`), so it is neither prefilled nor pushed twice. A
+        request asking for prompt logprobs reuses nothing and never waits."""
+        cache = self.pool.prefix_cache
+        if self.receiver is None or cache is None or not self.pool.publishes or req.params.prompt_logprobs is not None:
+            return False
+        computing = {key for a in self.awaiting.values() for key in self._keys(a.request)}
+        return bool(computing) and waits_for_computing(cache, req.prompt, self._keys(req), computing)
+
+    def _keys(self, req: Request) -> list[bytes]:
+        n = len(req.prompt)
+        if req.prefix_keys is None or req.prefix_keys[0] != n:
+            req.prefix_keys = (n, self.pool.prefix_cache.keys(req.prompt))
+        return req.prefix_keys[1]
 
     def reserve(self, req: Request, prefill_agent: str) -> list[int]:
         """Hold ``ceil(prompt_len / 64)`` pages (the shared helper) for ``req``: the prompt's longest cached

@@ -233,8 +233,9 @@ class _LocalPD:
                 i = 0
                 while i < len(queued):
                     r = queued[i]
-                    if self.prefill.waits_for_prefix(PrefillTask(r.request_id, r.prompt, r.params, "", [])):
-                        i += 1  # its prefix is being prefilled: it reuses those pages (the served path's rule)
+                    if self.decode.waits_for_prefix(r) or self.prefill.waits_for_prefix(
+                            PrefillTask(r.request_id, r.prompt, r.params, "", [])):
+                        i += 1  # its prefix is being prefilled or pushed: it reuses those pages (the served rule)
                         continue
                     try:
                         pages = self.decode.reserve(r, self.prefill.link.agent.name)

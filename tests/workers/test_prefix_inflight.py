@@ -123,13 +123,19 @@ def test_pd_prefill_publishes_each_chunk(model, want):
     assert pre.pool.free_count == pre.pool.num_pages and dec.pool.free_count == dec.pool.num_pages
 
 
-def test_pd_prompts_arriving_together_prefill_their_prefix_once(model, want):
-    """PD: prompts submitted together wait at the prefill worker (`PrefillWorker.waits_for_prefix`) while
-    another computes their prefix, then reuse its pages; the unrelated prompt is not held up."""
+def test_pd_prompts_arriving_together_prefill_and_push_their_prefix_once(model, want):
+    """PD: prompts arriving together wait (decode: `DecodeWorker.waits_for_prefix`, prefill:
+    `PrefillWorker.waits_for_prefix`) while another's prefix is computed and pushed, then reuse its pages on
+    both sides; the unrelated prompt is not held up."""
     llm = LLM(model, pd=True, chunk_size=512)
     assert llm.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True) == want
     st = llm.stats()
     assert st["prefill_prefix_cache_hits"] == 3 * 3 * 64
+    # Decode waited for the leader's KV (`DecodeWorker.waits_for_prefix`): each follower held the prefix's 3
+    # pages itself and received only its last page.
+    assert st["prefix_cache_hits"] == 3 * 3 * 64
+    pushed_pages = sum(-(-len(p) // 64) for p in PROMPTS) - 3 * 3
+    assert llm.pd.prefill.pusher.stats.nbytes == pushed_pages * llm.pd.prefill.runner.cache.spec.page_bytes()
     assert st["prefill_pool_free_pages"] == st["pool_total_pages"] and st["pool_free_pages"] == st["pool_total_pages"]
 
 
@@ -169,3 +175,45 @@ def test_prefill_thread_admits_past_a_waiting_task(model):
             break
         time.sleep(0.002)
     assert pre.pool.free_count == pre.pool.num_pages and dec.pool.free_count == dec.pool.num_pages
+
+
+def test_decode_thread_reserves_past_a_waiting_request(model):
+    """The served decode loop (`deployments.decode_thread.DecodeThread`, driven without its thread) reserves the
+    requests queued behind one whose prefix's KV is arriving for another, and that one once the KV is in: it
+    holds the prefix's pages itself and expects only the rest."""
+    from deployments.decode_thread import DecodeThread
+    from workers.prefill_worker import PrefillTask
+
+    llm = LLM(model, pd=True, chunk_size=512)
+    pre, dec = llm.pd.prefill, llm.pd.decode
+    loop = DecodeThread(dec)
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    reqs = {rid: Request(rid, p, params) for rid, p in (("a", PROMPTS[0]), ("b", PROMPTS[1]), ("c", PROMPTS[4]))}
+    for r in reqs.values():
+        loop.reserve(r)
+    assert set(dec.awaiting) == {"a", "c"} and [r.request_id for r in loop.pending] == ["b"]
+    a = reqs["a"]
+    ids, _ = dec.pool.transfer_plan(a.page_table, len(a.prompt), a.cached_pages)
+    pre.submit(PrefillTask("a", a.prompt, params, dec.link.agent.name, ids, a.cached_pages))
+    for _ in range(2000):
+        for res in pre.step():
+            dec.on_prefill_result(res)
+        dec.step()
+        if "a" not in dec.awaiting:
+            break
+        time.sleep(0.002)
+    assert a.output  # admitted: its pages are cached at decode
+    loop._admit()
+    b = reqs["b"]
+    assert not loop.pending and "b" in dec.awaiting and b.cached_pages == 3
+    for rid in ("a", "b", "c"):
+        loop.abort(rid)
+        pre.abort(rid)
+    for _ in range(500):
+        for res in pre.step():
+            dec.on_prefill_result(res)
+        dec.step()
+        if not dec.has_work and not pre.pusher.has_work():
+            break
+        time.sleep(0.002)
+    assert dec.pool.free_count == dec.pool.num_pages - 1  # the warm-up page DecodeThread keeps

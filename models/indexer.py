@@ -77,27 +77,31 @@ class Indexer(nn.Module):
         rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
         return torch.cat([apply_rope(rot, cos, sin, self.rope_interleaved), rest], dim=-1).float()
 
-    def write_keys(self, x, cos, sin, batch: ForwardBatch, cache, layer: int, backend) -> None:
+    def write_keys(self, x, cos, sin, batch: ForwardBatch, cache, layer: int, backend,
+                   k_proj: torch.Tensor | None = None) -> None:
         """Compute and cache this step's indexer keys only (a step that reuses an
-        earlier top-k still leaves its keys for later queries)."""
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        earlier top-k still leaves its keys for later queries). ``k_proj``: ``wk(x)``
+        ``[T, head_dim]`` when computed already (`models.fused_projections`)."""
+        k = self._rope(self.k_norm(self.wk(x) if k_proj is None else k_proj), cos, sin)
         if self.hadamard:
             # Orthonormal: q.k is unchanged, but outliers spread out before fp8.
             k = k @ self.rotation
         backend.write_index(cache, layer, batch.out_slots, k)
 
-    def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, cache, layer: int, backend) -> SelectedTokens:
+    def forward(self, x, q_resid, cos, sin, batch: ForwardBatch, cache, layer: int, backend,
+                k_proj: torch.Tensor | None = None, q_proj: torch.Tensor | None = None) -> SelectedTokens:
         """x: ``[T, hidden]``, q_resid: ``[T, q_lora]``; writes this step's keys to
-        ``cache`` layer ``layer`` and returns the top-k selection of every token."""
+        ``cache`` layer ``layer`` and returns the top-k selection of every token. ``k_proj`` /
+        ``q_proj``: ``wk(x)`` / ``wq_b(q_resid)`` when computed already (`models.fused_projections`)."""
         T = x.shape[0]
-        self.write_keys(x, cos, sin, batch, cache, layer, backend)
+        self.write_keys(x, cos, sin, batch, cache, layer, backend, k_proj)
         if batch.mode is not ForwardMode.DECODE and all(c.max_window <= self.topk for c in batch.packed_contexts()):
             # Every token's causal window holds at most top-k keys, so the selection is the whole
             # window whatever the scores (both backends' top-k keep every candidate of such a row):
             # no query, logits or top-k to compute. Prompts up to index_topk tokens (2048 in
             # DeepSeek-V3.2) take this path in every layer.
             return self._whole_windows(batch)
-        q = self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin)
+        q = self._rope((self.wq_b(q_resid) if q_proj is None else q_proj).view(T, self.n_heads, self.head_dim), cos, sin)
         raw = self.weights_proj(x.float())
         factor = self.n_heads**-0.5 * self.head_dim**-0.5
         if self.hadamard:

@@ -41,6 +41,10 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.v_dim, cfg.hidden_size, tp, bias=cfg.attention_bias, dtype=dtype)
         self.scale = mla_softmax_scale(cfg.hf_config.rope_parameters, cfg.qk_head_dim)
         self.indexer = Indexer(cfg, dtype, hadamard) if owns_indexer else None
+        # Set by `models.fused_projections.fuse_projections` (the cuda backend, after loading): the projections
+        # of one input as one GEMM each, replacing q_a / kv_a / the indexer's wk, and q_b / the indexer's wq_b.
+        self.x_proj = None
+        self.q_proj = None
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK ``[h, nope, rank]``, W_UV ``[h, v, rank]``) views of ``kv_b_proj``."""
@@ -56,10 +60,21 @@ class MLAttention(nn.Module):
         an indexer-owning layer takes instead of computing its own (MTP draft
         steps with top-k reuse)."""
         T = x.shape[0]
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(T, self.n_heads, self.nope + self.rope)
+        index_k = index_q = None  # the indexer's projections, when stacked with these
+        if self.x_proj is not None:
+            parts = self.x_proj(x)
+            q_a, kv = parts[0], parts[-1]
+            if len(parts) == 3:
+                index_k = parts[1]
+        else:
+            q_a, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        q_resid = self.q_a_layernorm(q_a)
+        if self.q_proj is not None:
+            q_b, index_q = self.q_proj(q_resid)
+        else:
+            q_b = self.q_b_proj(q_resid)
+        q = q_b.view(T, self.n_heads, self.nope + self.rope)
         q_nope, q_pe = q[..., : self.nope], apply_rope(q[..., self.nope :], cos, sin, interleaved=True)
-        kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[:, : self.rank])
         k_pe = apply_rope(kv[:, None, self.rank :], cos, sin, interleaved=True)[:, 0]
         # Through the backend: the cuda one writes with a Triton kernel that
@@ -67,10 +82,10 @@ class MLAttention(nn.Module):
         backend.write_mla(cache, layer, batch.out_slots, latent, k_pe)
 
         if self.indexer is not None and reuse is not None:
-            self.indexer.write_keys(x, cos, sin, batch, cache, layer, backend)
+            self.indexer.write_keys(x, cos, sin, batch, cache, layer, backend, k_proj=index_k)
             selected = reuse
         elif self.indexer is not None:
-            selected = self.indexer(x, q_resid, cos, sin, batch, cache, layer, backend)
+            selected = self.indexer(x, q_resid, cos, sin, batch, cache, layer, backend, k_proj=index_k, q_proj=index_q)
         elif shared is not None:
             selected = shared
         else:  # the config check forbids this; never fall back to a dense or uninitialised path

@@ -17,6 +17,7 @@ from attention.backend import get_backend
 from attention.cache import CacheSpec, PagedKVCache
 from models.config import ModelConfig
 from models.dtypes import DtypeName, torch_dtype
+from models.fused_projections import fuse_projections
 from models.loader import load_model
 from models.model import DsaForCausalLM
 from models.parallel import SINGLE, TPContext
@@ -108,6 +109,8 @@ def build_rank(spec: RankSpec, tp: TPContext = SINGLE, device: str | None = None
         return _build_grouped_rank(spec, tp, device)
     model = load_model(spec.model_dir, torch_dtype(spec.dtype), device, tp=tp, hadamard=spec.use_hadamard,
                        with_mtp=spec.with_mtp, fp8_weights=spec.fp8_weights)
+    if spec.backend == "cuda":  # same-input projections as one GEMM each; the reference keeps them apart (the spec)
+        fuse_projections(model, tp.size)
     if spec.two_batch_overlap:
         if tp.size < 2:
             raise ValueError("two_batch_overlap overlaps tensor-parallel all-reduces: it needs tensor parallel size > 1")

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from attention.formats import PAGE_SIZE, pages_for_tokens
-from models.batch import ForwardBatch, ForwardMode
+from models.batch import ForwardBatch, ForwardMode, slots_for_positions
 from workers.host_copy import to_device
 
 
@@ -170,6 +170,7 @@ class DecodeInputs:
         self.page_tables = torch.zeros(B, plan.max_pages, dtype=torch.int32, device=device)
         self.q_lens = torch.full((B,), w, dtype=torch.int64, device=device)
         self._offsets = torch.arange(w, dtype=torch.int64, device=device)
+        self._row_ids = torch.arange(B, dtype=torch.int64, device=device)[:, None].expand(B, w)
         # Host mirror of the page tables and of who owns which row.
         self._host_tables = torch.zeros(B, plan.max_pages, dtype=torch.int32)
         self._keys: list[str] = []            # row -> request key
@@ -279,8 +280,7 @@ class DecodeInputs:
         live = p[B * w + B: B * w + B + bucket]
         positions = (seq_lens[:, None] - w + self._offsets).clamp_min(0)          # [bucket, w]
         page_tables = self.page_tables[:bucket]
-        pages = torch.gather(page_tables.long(), 1, positions // PAGE_SIZE)
-        slots = torch.where(live[:, None] > 0, pages * PAGE_SIZE + positions % PAGE_SIZE, -1)
+        slots = torch.where(live[:, None] > 0, slots_for_positions(page_tables, positions, self._row_ids[:bucket]), -1)
         return ForwardBatch(
             mode=ForwardMode.DECODE, input_ids=p[: bucket * w], positions=positions.reshape(-1),
             out_slots=slots.reshape(-1), page_tables=page_tables, seq_lens=seq_lens,

@@ -89,6 +89,8 @@ class EngineStats:
     mtp_drafted: int = 0
     mtp_accepted: int = 0
     preemptions: int = 0
+    mixed_steps: int = 0
+    """Steps whose decode batch rode along with a prefill in one forward (`Engine._prefill`)."""
     accepted_histogram: dict[int, int] = field(default_factory=dict)
 
     @property
@@ -267,9 +269,11 @@ class Engine:
             self._drain(self._inflight, outs)
             decode = [r for r in decode if not r.finished]
         sampled: list[_Sampled] = []
+        rode = False
         if sched.prefill:
-            sampled += self._prefill(sched.prefill)
-        if decode:
+            sites, rode = self._prefill(sched.prefill, decode)
+            sampled += sites
+        if decode and not rode:
             sampled.append(self._verify(decode) if self.k else self._decode(decode))
         sampled = [s for s in sampled if s is not None]
         # The step's one read-back: every site's tokens and logprobs in one copy.
@@ -480,16 +484,28 @@ class Engine:
         self.requests.pop(req.request_id, None)
         out.finished, out.finish_reason = True, reason.value
 
-    def _prefill(self, chunks: list[PrefillChunk]) -> list[_Sampled]:
+    def _prefill(self, chunks: list[PrefillChunk], decode: list[Request]) -> tuple[list[_Sampled], bool]:
         """One PREFILL forward over ``chunks``; its sampling sites: the prompt logprobs of the
         requests that asked (first: they are stored before token 1 is emitted), then token 1
-        of the prompts that finished."""
+        of the prompts that finished. The ``decode`` requests' next tokens ride along, each a
+        one-token chunk over its context, when the runner's rows graphs take the chunks and them (no MTP):
+        then the step makes one forward, not two, and their tokens are the last site.
+        Returns (the sites, whether ``decode`` rode along)."""
         items = [WorkItem(tuple(c.request.token_ids[c.start:c.end]), c.start, frozen_pages(c.request.page_table))
                  for c in chunks]
+        ride = [WorkItem((r.last_token,), r.num_tokens - 1, frozen_pages(r.page_table)) for r in decode]
+        graphs = getattr(self.runner, "prefill_graphs", None)  # (DeepSeek-V4's runner has none)
+        # Only a prefill that takes the rows graphs by itself (prefix hits, later chunks, several prompts): a
+        # lone new prompt keeps its own graph (the whole-window prefill path, cheaper per token).
+        mixed = (bool(ride) and not self.k and graphs is not None and graphs.plan.kind(items) == "rows"
+                 and graphs.plan.kind(items + ride) == "rows")
+        if not mixed:
+            decode = []
         # Token 1's grammar masks, filled while the forward runs (rows: the fresh prompts, in `fresh`'s order).
         masks = self._grammar_masks([c.request for c in chunks if c.is_last and not c.request.output])
-        batch, hidden = self.runner.forward(ForwardMode.PREFILL, items)
-        self.stats.prefill_tokens += batch.num_tokens
+        decode_masks = self._grammar_masks(decode)
+        batch, hidden = self.runner.forward(ForwardMode.PREFILL, items + ride if mixed else items)
+        self.stats.prefill_tokens += batch.num_tokens - len(decode)
         ranges = batch.query_ranges()
         mtp_items, mtp_hidden = [], []
         finishing = []
@@ -525,10 +541,17 @@ class Engine:
             sites.append(_Sampled(prompt_rows.compute(self.model.logits, hidden, self.model.cfg.vocab_size),
                                   prompt_rows.emit))
         fresh = [(req, row) for req, row in finishing if not req.output]
-        if not fresh:
-            return sites
-        rows = tensor_on([row for _, row in fresh], torch.int64, hidden.device)
-        return sites + [self._sample([req for req, _ in fresh], hidden.index_select(0, rows), grammar=masks)]
+        if fresh:
+            rows = tensor_on([row for _, row in fresh], torch.int64, hidden.device)
+            sites.append(self._sample([req for req, _ in fresh], hidden.index_select(0, rows), grammar=masks))
+        if decode:  # their rows follow the chunks' (one each)
+            self.stats.mixed_steps += 1
+            self.stats.decode_tokens += len(decode)
+            for r in decode:
+                r.num_computed = r.num_tokens
+            n = ranges[len(chunks) - 1][1]
+            sites.append(self._sample(decode, hidden[n:n + len(decode)], grammar=decode_masks))
+        return sites, mixed
 
     def _decode(self, reqs: list[Request]) -> _Sampled:
         step = DecodeStep([r.request_id for r in reqs], [r.last_token for r in reqs], [r.num_tokens for r in reqs],

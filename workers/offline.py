@@ -195,6 +195,7 @@ class LLM:
             "prefill_tokens": s.prefill_tokens,
             "decode_tokens": s.decode_tokens,
             "preemptions": s.preemptions,
+            "mixed_steps": s.mixed_steps,
             "two_batch_forwards": self._two_batch_forwards(),
             **_cache_stats("", self.pool),
             **(_cache_stats("prefill_", self.pd.prefill.pool) if self.pd else {}),

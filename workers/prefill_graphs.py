@@ -98,8 +98,9 @@ ROW_MAX_TOKENS = 512
 (its suffix), or 320 with MTP on (then a page's key covers the token after it,
 `workers.prefix_cache.key_lookahead`, so the prefix's last page misses before a new suffix)."""
 
-ROW_MAX_REQUESTS = 32
-"""Most requests in one rows graph step (their page tables are one host-to-device copy)."""
+ROW_MAX_REQUESTS = 160
+"""Most requests in one rows graph step (their page tables are one host-to-device copy): a decode batch of up
+to 128 riding along with the new tokens of up to 32 others (`workers.engine.Engine._prefill`)."""
 
 ROW_LOGITS_BYTES = 64 << 20
 """What the rows graphs' indexer logits may take (fp32 ``[rows, max_context]``, one buffer in the graph

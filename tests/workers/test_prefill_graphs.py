@@ -20,6 +20,7 @@ from workers.decode_graphs import default_graph_context
 from workers.model_runner import WorkItem
 from workers.offline import LLM
 from workers.prefill_graphs import (
+    ROW_MAX_REQUESTS,
     PrefillGraphPlan,
     PrefillGraphs,
     prefill_buckets,
@@ -63,7 +64,7 @@ def test_buckets_plan_and_coverage():
     two = [WorkItem((1,) * 40, 0, (3,)), WorkItem((1,) * 100, 64, (4, 5, 6))]
     assert plan.kind(two) == "rows"                                 # several requests, new or not
     one = [WorkItem((1,), 64, (3, 4))]
-    assert plan.kind(one * 32) == "rows" and plan.kind(one * 33) is None  # 32 requests at most
+    assert plan.kind(one * ROW_MAX_REQUESTS) == "rows" and plan.kind(one * (ROW_MAX_REQUESTS + 1)) is None
     assert plan.kind(two * 3) == "rows" and plan.kind(two * 4) is None    # 512 tokens at most
     assert PrefillGraphPlan.for_limits(100, max_context=640).row_buckets == (16, 32, 64, 100)
     # Long contexts: fewer rows, so that their fp32 logits stay within SUFFIX_LOGITS_BYTES.

@@ -254,6 +254,7 @@ class DecodeThread(WorkerThread):
             decode_graph_replays=sum(g.replays for g in getattr(eng.runner, "decode_graphs", {}).values()),
             known_prefills=len(w.link.peers.peers()) if w.link is not None else 0,
             prefill_graph_replays=getattr(getattr(eng.runner, "prefill_graphs", None), "replays", 0),
+            mixed_steps=s.mixed_steps,
         )
 
     def fail_all(self, message: str) -> None:

@@ -117,7 +117,8 @@ class DecodeStats(ReplicaStats):
     running + awaiting KV + queued; ``queued_prompt_pages``: pages the queued prompts will need
     (waiting for pages to be reserved, or in the engine's queue for a prefill); the engine's counters
     (``decode_tokens``, MTP drafts and acceptances, ``preemptions``, ``decode_graph_replays``,
-    ``prefill_graph_replays``: prefills replayed from CUDA graphs, `workers.prefill_graphs`);
+    ``prefill_graph_replays``: prefills replayed from CUDA graphs, `workers.prefill_graphs`; ``mixed_steps``:
+    steps whose decode batch rode along with a prefill in one forward);
     ``known_prefills``: handshaked prefill agents (0 in monolithic mode: no link)."""
 
     reserved_pages: int
@@ -134,6 +135,7 @@ class DecodeStats(ReplicaStats):
     decode_graph_replays: int
     known_prefills: int
     prefill_graph_replays: int
+    mixed_steps: int = 0
 
     @property
     def waiting(self) -> int:

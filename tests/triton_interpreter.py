@@ -82,3 +82,45 @@ def compiled(run: WorkerRun) -> None:
     """A compile worker's run printed COMPILED."""
     proc = run.wait()
     assert proc.returncode == 0 and "COMPILED" in proc.stdout, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def kernel_suite(test_file: str, seed: int, checks: dict[str, Callable], seed_env: str, compile_test: str):
+    """What every Triton kernel test module declares, built once: ``(PRESTART, interpreter_results fixture,
+    the interpreter test)``. The module assigns them to ``PRESTART``, ``interpreter_results`` and its
+    ``test_<kernel>_interpreter`` name, and names its compile test ``compile_test``. ``seed_env``: the
+    environment variable that replays ``seed`` (shown on a failure)."""
+    import pytest
+
+    prestart = {"interpreter_results": lambda: interpreter_run(test_file, seed),
+                compile_test: lambda: compile_run(test_file)}
+
+    @pytest.fixture(scope="module")
+    def interpreter_results() -> dict[str, str]:
+        return results(interpreter_run(test_file, seed))
+
+    @pytest.mark.parametrize("name", list(checks))
+    def test_interpreter(name, interpreter_results):
+        assert interpreter_results[name] == "ok", f"{seed_env}={seed}\n{interpreter_results[name]}"
+
+    return prestart, interpreter_results, test_interpreter
+
+
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int) -> None:
+    """Compile the Triton kernel ``fn`` to an sm_90 cubin on the CPU (no GPU needed): ``signature`` its
+    runtime arguments' types, ``constexprs`` its compile-time values."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=fn, signature={**signature, **{c: "constexpr" for c in constexprs}}, constexprs=constexprs)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+
+def worker_main(argv: list[str], checks: dict[str, Callable], compile_worker: Callable[[], None]) -> None:
+    """A kernel test module run as a script: ``--compile`` (the sm_90 compile worker, which prints COMPILED)
+    or ``SEED`` (the checks in the interpreter, `report_seeded`)."""
+    if argv == ["--compile"]:
+        compile_worker()
+        print("COMPILED")
+    else:
+        report_seeded(checks, argv)

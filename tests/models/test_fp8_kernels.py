@@ -29,7 +29,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from models.weights import dequantize_fp8_block, quantize_fp8_block  # noqa: E402
-from tests.triton_interpreter import compile_run, compiled, interpreter_run, report_seeded, results  # noqa: E402
+from tests.triton_interpreter import compile_run, compiled, kernel_suite, worker_main  # noqa: E402
 
 SEED = int(os.environ.get("FP8_TEST_SEED", secrets.randbits(31)))
 
@@ -165,19 +165,8 @@ def check_grouped_fp8(gen) -> None:
 CHECKS = {"w8a16": check_w8a16, "act_quant": check_act_quant, "grouped_fp8": check_grouped_fp8}
 
 
-PRESTART = {"interpreter_results": lambda: interpreter_run(__file__, SEED),
-            "test_kernels_compile_for_sm90": lambda: compile_run(__file__)}
-"""The subprocesses this module reads, started early (tests/prestart.py)."""
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return results(interpreter_run(__file__, SEED))
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_fp8_kernels_interpreter(name, interpreter_results):
-    assert interpreter_results[name] == "ok", f"FP8_TEST_SEED={SEED}\n{interpreter_results[name]}"
+PRESTART, interpreter_results, test_fp8_kernels_interpreter = kernel_suite(__file__, SEED, CHECKS, "FP8_TEST_SEED", "test_kernels_compile_for_sm90")
+"""The subprocesses this module reads, started early (tests/prestart.py); the interpreter checks' fixture and test."""
 
 
 # --------------------------------------------------------------------------- sm_90 compile
@@ -208,7 +197,6 @@ def _compile_worker() -> None:
                 dict(num_warps=4))
     compile_one(cu._act_quant_kernel, dict(x_ptr="*bf16", x_stride="i64", q_ptr="*fp8e4nv", q_stride="i64",
                                            sf_ptr="*fp32", sf_stride="i64", K="i32"), dict(G=128), dict(num_warps=1))
-    print("COMPILED")
 
 
 def test_kernels_compile_for_sm90():
@@ -218,9 +206,10 @@ def test_kernels_compile_for_sm90():
 # --------------------------------------------------------------------------- GPU
 
 # DeepSeek-V3.2 projections (N, K) at tp 1: q_a, kv_a (576: a partial scale block), q_b, o, indexer
-# wq_b and wk, dense MLP gate/up and down, a shared expert's gate/up and down.
+# wq_b and wk, dense MLP gate/up and down, a shared expert's gate/up and down; the stacked ones
+# (`models.fused_projections`): q_a | wk | kv_a (2240, ending mid-block) and q_b | wq_b.
 DSV32_SHAPES = [(1536, 7168), (576, 7168), (24576, 1536), (7168, 16384), (8192, 1536), (128, 7168),
-                (18432, 7168), (7168, 18432), (2048, 7168), (7168, 2048)]
+                (18432, 7168), (7168, 18432), (2048, 7168), (7168, 2048), (2240, 7168), (32768, 1536)]
 
 
 @pytest.mark.gpu
@@ -252,7 +241,4 @@ def test_fp8_linear_equals_dequantized_gpu(M, N, K):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--compile"]:
-        _compile_worker()
-    else:
-        report_seeded(CHECKS, sys.argv[1:])
+    worker_main(sys.argv[1:], CHECKS, _compile_worker)

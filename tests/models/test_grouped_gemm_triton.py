@@ -31,7 +31,7 @@ pytest.importorskip("triton")
 
 from models.moe import dispatch  # noqa: E402
 from models.ops import grouped_gemm_ref as ref  # noqa: E402
-from tests.triton_interpreter import compile_run, compiled, interpreter_run, report_seeded, results  # noqa: E402
+from tests.triton_interpreter import compile_run, compiled, kernel_suite, worker_main  # noqa: E402
 
 SEED = int(os.environ.get("MOE_TEST_SEED", secrets.randbits(31)))
 
@@ -167,19 +167,8 @@ CHECKS = {
 }
 
 
-PRESTART = {"interpreter_results": lambda: interpreter_run(__file__, SEED),
-            "test_kernels_compile_for_sm90": lambda: compile_run(__file__)}
-"""The subprocesses this module reads, started early (tests/prestart.py)."""
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return results(interpreter_run(__file__, SEED))
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_grouped_gemm_interpreter(name, interpreter_results):
-    assert interpreter_results[name] == "ok", f"MOE_TEST_SEED={SEED}\n{interpreter_results[name]}"
+PRESTART, interpreter_results, test_grouped_gemm_interpreter = kernel_suite(__file__, SEED, CHECKS, "MOE_TEST_SEED", "test_kernels_compile_for_sm90")
+"""The subprocesses this module reads, started early (tests/prestart.py); the interpreter checks' fixture and test."""
 
 
 # --------------------------------------------------------------------------- sm_90 compile
@@ -224,7 +213,6 @@ def _compile_worker() -> None:
     compile_one(cu._masked_dispatch_kernel, dict(ids_ptr="*i64", P="i32", first_expert="i32", max_m="i32",
                                                  pairs_ptr="*i32", row_start_ptr="*i32", counts_ptr="*i32"),
                 dict(BLOCK_P=1024), dict(num_warps=4), ["ids_ptr", "pairs_ptr"])
-    print("COMPILED")
 
 
 def test_kernels_compile_for_sm90():
@@ -232,7 +220,4 @@ def test_kernels_compile_for_sm90():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--compile"]:
-        _compile_worker()
-    else:
-        report_seeded(CHECKS, sys.argv[1:])
+    worker_main(sys.argv[1:], CHECKS, _compile_worker)

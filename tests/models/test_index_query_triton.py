@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from tests.triton_interpreter import compile_run, compiled, interpreter_run, report_seeded, results  # noqa: E402
+from tests.triton_interpreter import compile_run, compile_sm90, compiled, kernel_suite, worker_main  # noqa: E402
 
 SEED = int(os.environ.get("INDEX_QUERY_TEST_SEED", secrets.randbits(31)))
 
@@ -50,34 +50,16 @@ def check_against_torch(gen) -> None:
 
 CHECKS = {"against_torch": check_against_torch}
 
-PRESTART = {"interpreter_results": lambda: interpreter_run(__file__, SEED),
-            "test_index_query_compiles_for_sm90": lambda: compile_run(__file__)}
-"""The subprocesses this module reads, started early (tests/prestart.py)."""
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return results(interpreter_run(__file__, SEED))
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_index_query_interpreter(name, interpreter_results):
-    assert interpreter_results[name] == "ok", f"INDEX_QUERY_TEST_SEED={SEED}\n{interpreter_results[name]}"
+PRESTART, interpreter_results, test_index_query_interpreter = kernel_suite(
+    __file__, SEED, CHECKS, "INDEX_QUERY_TEST_SEED", "test_index_query_compiles_for_sm90")
+"""The subprocesses this module reads, started early (tests/prestart.py); the interpreter checks' fixture and test."""
 
 
 def _compile_worker() -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from models.ops import index_query_cuda as k
 
     sig = dict(q_ptr="*fp32", w_ptr="*fp32", q8_ptr="*u8", w_out_ptr="*fp32", factor="fp32", n_rows="i32")
-    consts = dict(D=128, BLOCK_R=16)
-    src = ASTSource(fn=k._quantize_query_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
-                    constexprs=consts)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    print("COMPILED")
+    compile_sm90(k._quantize_query_kernel, sig, dict(D=128, BLOCK_R=16), num_warps=4)
 
 
 def test_index_query_compiles_for_sm90():
@@ -92,7 +74,4 @@ def test_supports():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--compile"]:
-        _compile_worker()
-    else:
-        report_seeded(CHECKS, sys.argv[1:])
+    worker_main(sys.argv[1:], CHECKS, _compile_worker)

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from tests.triton_interpreter import compile_run, compiled, interpreter_run, report_seeded, results  # noqa: E402
+from tests.triton_interpreter import compile_run, compiled, kernel_suite, worker_main  # noqa: E402
 
 SEED = int(os.environ.get("NORM_TEST_SEED", secrets.randbits(31)))
 
@@ -98,19 +98,8 @@ def check_residual(gen) -> None:
 
 CHECKS = {"plain": check_plain, "shapes_and_strides": check_shapes_and_strides, "residual": check_residual}
 
-PRESTART = {"interpreter_results": lambda: interpreter_run(__file__, SEED),
-            "test_rms_norm_compiles_for_sm90": lambda: compile_run(__file__)}
-"""The subprocesses this module reads, started early (tests/prestart.py)."""
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return results(interpreter_run(__file__, SEED))
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_rms_norm_interpreter(name, interpreter_results):
-    assert interpreter_results[name] == "ok", f"NORM_TEST_SEED={SEED}\n{interpreter_results[name]}"
+PRESTART, interpreter_results, test_rms_norm_interpreter = kernel_suite(__file__, SEED, CHECKS, "NORM_TEST_SEED", "test_rms_norm_compiles_for_sm90")
+"""The subprocesses this module reads, started early (tests/prestart.py); the interpreter checks' fixture and test."""
 
 
 def _compile_worker() -> None:
@@ -130,7 +119,6 @@ def _compile_worker() -> None:
                             constexprs=consts)
             triton.compile(src, target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=min(16, max(1, block // 512))))
-    print("COMPILED")
 
 
 def test_rms_norm_compiles_for_sm90():
@@ -148,7 +136,4 @@ def test_modules_use_the_fused_kernel_on_cuda_only():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--compile"]:
-        _compile_worker()
-    else:
-        report_seeded(CHECKS, sys.argv[1:])
+    worker_main(sys.argv[1:], CHECKS, _compile_worker)

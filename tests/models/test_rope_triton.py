@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from tests.triton_interpreter import compile_run, compiled, interpreter_run, report_seeded, results  # noqa: E402
+from tests.triton_interpreter import compile_run, compiled, kernel_suite, worker_main  # noqa: E402
 
 SEED = int(os.environ.get("ROPE_TEST_SEED", secrets.randbits(31)))
 
@@ -95,19 +95,8 @@ def check_mixed_dtypes(gen) -> None:
 
 CHECKS = {"mla_slices": check_mla_slices, "indexer_rows": check_indexer_rows, "mixed_dtypes": check_mixed_dtypes}
 
-PRESTART = {"interpreter_results": lambda: interpreter_run(__file__, SEED),
-            "test_rope_compiles_for_sm90": lambda: compile_run(__file__)}
-"""The subprocesses this module reads, started early (tests/prestart.py)."""
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return results(interpreter_run(__file__, SEED))
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_rope_interpreter(name, interpreter_results):
-    assert interpreter_results[name] == "ok", f"ROPE_TEST_SEED={SEED}\n{interpreter_results[name]}"
+PRESTART, interpreter_results, test_rope_interpreter = kernel_suite(__file__, SEED, CHECKS, "ROPE_TEST_SEED", "test_rope_compiles_for_sm90")
+"""The subprocesses this module reads, started early (tests/prestart.py); the interpreter checks' fixture and test."""
 
 
 def _compile_worker() -> None:
@@ -126,7 +115,6 @@ def _compile_worker() -> None:
         src = ASTSource(fn=k._rope_kernel, signature={**sig, "out_ptr": out, **{c: "constexpr" for c in consts}},
                         constexprs=consts)
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
-    print("COMPILED")
 
 
 def test_rope_compiles_for_sm90():
@@ -140,7 +128,4 @@ def test_cpu_tensors_keep_the_torch_path():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--compile"]:
-        _compile_worker()
-    else:
-        report_seeded(CHECKS, sys.argv[1:])
+    worker_main(sys.argv[1:], CHECKS, _compile_worker)

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from tests.triton_interpreter import compile_run, compiled, interpreter_run, report_seeded, results  # noqa: E402
+from tests.triton_interpreter import compile_run, compile_sm90, compiled, kernel_suite, worker_main  # noqa: E402
 
 SEED = int(os.environ.get("ROUTER_TEST_SEED", secrets.randbits(31)))
 
@@ -81,35 +81,19 @@ def check_ties_go_to_the_lower_index(gen) -> None:
 
 CHECKS = {"against_torch": check_against_torch, "ties": check_ties_go_to_the_lower_index}
 
-PRESTART = {"interpreter_results": lambda: interpreter_run(__file__, SEED),
-            "test_router_compiles_for_sm90": lambda: compile_run(__file__)}
-"""The subprocesses this module reads, started early (tests/prestart.py)."""
-
-
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return results(interpreter_run(__file__, SEED))
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_router_interpreter(name, interpreter_results):
-    assert interpreter_results[name] == "ok", f"ROUTER_TEST_SEED={SEED}\n{interpreter_results[name]}"
+PRESTART, interpreter_results, test_router_interpreter = kernel_suite(
+    __file__, SEED, CHECKS, "ROUTER_TEST_SEED", "test_router_compiles_for_sm90")
+"""The subprocesses this module reads, started early (tests/prestart.py); the interpreter checks' fixture and test."""
 
 
 def _compile_worker() -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from models.ops import router_cuda as k
 
     sig = dict(logits_ptr="*fp32", logits_stride="i64", bias_ptr="*fp32", w_ptr="*fp32", ids_ptr="*i64",
                scaling="fp32")
     for E, G, TG, K in ((256, 8, 4, 8), (16, 1, 1, 8)):
-        consts = dict(E=E, G=G, TOPK_GROUP=TG, K=K, BLOCK_K=triton.next_power_of_2(K), NORM=True)
-        src = ASTSource(fn=k._route_kernel, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4 if E >= 256 else 1))
-    print("COMPILED")
+        consts = dict(E=E, G=G, TOPK_GROUP=TG, K=K, BLOCK_K=1 << (K - 1).bit_length(), NORM=True)
+        compile_sm90(k._route_kernel, sig, consts, num_warps=4 if E >= 256 else 1)
 
 
 def test_router_compiles_for_sm90():
@@ -128,7 +112,4 @@ def test_router_uses_the_fused_kernel_on_cuda_only():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--compile"]:
-        _compile_worker()
-    else:
-        report_seeded(CHECKS, sys.argv[1:])
+    worker_main(sys.argv[1:], CHECKS, _compile_worker)

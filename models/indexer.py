@@ -9,15 +9,13 @@ shared layers, in the following layers too).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 
 from models.batch import ForwardBatch, ForwardMode
 from models.config import ModelConfig
 from models.norms import LayerNorm
-from models.ops import triton_importable
+from models.ops import cuda_ops
 from models.parallel import ReplicatedLinear
 from models.rope import apply_rope, fused_rope
 
@@ -106,7 +104,7 @@ class Indexer(nn.Module):
         factor = self.n_heads**-0.5 * self.head_dim**-0.5
         if self.hadamard:
             q = q @ self.rotation
-        ops = _fused_query_ops() if q.is_cuda and cache.spec.kv_cache_dtype == "fp8" else None
+        ops = cuda_ops("index_query_cuda") if q.is_cuda and cache.spec.kv_cache_dtype == "fp8" else None
         if ops is not None and ops.supports(q):
             q, weights = ops.quantize_query(q, raw, factor)  # one kernel; the torch below is its spec
         elif cache.spec.kv_cache_dtype == "fp8":
@@ -158,16 +156,6 @@ def _joined(packed: list[torch.Tensor], batch: ForwardBatch) -> SelectedTokens:
     if len(groups) == 1:
         return SelectedTokens(*groups[0], packed=packed)
     return SelectedTokens(torch.cat([s for s, _ in groups]), torch.cat([p for _, p in groups]), packed=packed)
-
-
-@functools.cache
-def _fused_query_ops():
-    """``models.ops.index_query_cuda`` where Triton is installed, else None."""
-    if not triton_importable():
-        return None
-    from models.ops import index_query_cuda
-
-    return index_query_cuda
 
 
 def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.ops import triton_importable
-
-
-@functools.cache
-def _fused_ops():
-    """``models.ops.rms_norm_cuda`` where Triton is installed, else None."""
-    if not triton_importable():
-        return None
-    from models.ops import rms_norm_cuda
-
-    return rms_norm_cuda
+from models.ops import cuda_ops
 
 
 class RMSNorm(nn.Module):
@@ -52,7 +40,7 @@ class RMSNorm(nn.Module):
     def _fused(self, x: torch.Tensor):
         if not x.is_cuda:
             return None
-        ops = _fused_ops()
+        ops = cuda_ops("rms_norm_cuda")
         return ops if ops is not None and ops.supports(x, self.weight) else None
 
 

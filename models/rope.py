@@ -17,14 +17,13 @@ true interleaved rotation, and cached keys are bit-compatible with it.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn as nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from models.ops import triton_importable
+from models.ops import cuda_ops
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -72,21 +71,11 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-@functools.cache
-def _fused_ops():
-    """``models.ops.rope_cuda`` where Triton is installed, else None."""
-    if not triton_importable():
-        return None
-    from models.ops import rope_cuda
-
-    return rope_cuda
-
-
 def fused_rope(x: torch.Tensor, cos: torch.Tensor, rotate: int):
     """``models.ops.rope_cuda`` when it takes this CUDA call (one Triton kernel instead of seven), else None."""
     if not x.is_cuda:
         return None
-    ops = _fused_ops()
+    ops = cuda_ops("rope_cuda")
     return ops if ops is not None and ops.supports(x, cos, rotate) else None
 
 

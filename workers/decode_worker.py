@@ -15,7 +15,7 @@ from transfer import ReceiveStatus
 from workers.engine import Engine, RequestOutput
 from workers.kv_link import KVLink
 from workers.prefill_worker import PrefillResult
-from workers.prefix_cache import waits_for_computing
+from workers.prefix_cache import held_keys, waits_for_computing
 from workers.request import FinishReason, Request, RequestState, unavailable
 
 
@@ -61,14 +61,8 @@ class DecodeWorker:
         cache = self.pool.prefix_cache
         if self.receiver is None or cache is None or not self.pool.publishes or req.params.prompt_logprobs is not None:
             return False
-        computing = {key for a in self.awaiting.values() for key in self._keys(a.request)}
-        return bool(computing) and waits_for_computing(cache, req.prompt, self._keys(req), computing)
-
-    def _keys(self, req: Request) -> list[bytes]:
-        n = len(req.prompt)
-        if req.prefix_keys is None or req.prefix_keys[0] != n:
-            req.prefix_keys = (n, self.pool.prefix_cache.keys(req.prompt))
-        return req.prefix_keys[1]
+        computing = {key for a in self.awaiting.values() for key in held_keys(cache, a.request, a.request.prompt)}
+        return bool(computing) and waits_for_computing(cache, req.prompt, held_keys(cache, req, req.prompt), computing)
 
     def reserve(self, req: Request, prefill_agent: str) -> list[int]:
         """Hold ``ceil(prompt_len / 64)`` pages (the shared helper) for ``req``: the prompt's longest cached

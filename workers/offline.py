@@ -229,13 +229,14 @@ class _LocalPD:
 
     def generate(self, reqs: list[Request]) -> list[list[int]]:
         queued = list(reqs)
+        # What the prefill worker is asked whether a request must wait (kept: its page keys are memoized on it).
+        probes = {r.request_id: PrefillTask(r.request_id, r.prompt, r.params, "", []) for r in reqs}
         try:
             while queued or any(not r.finished for r in reqs):
                 i = 0
                 while i < len(queued):
                     r = queued[i]
-                    if self.decode.waits_for_prefix(r) or self.prefill.waits_for_prefix(
-                            PrefillTask(r.request_id, r.prompt, r.params, "", [])):
+                    if self.decode.waits_for_prefix(r) or self.prefill.waits_for_prefix(probes[r.request_id]):
                         i += 1  # its prefix is being prefilled or pushed: it reuses those pages (the served rule)
                         continue
                     try:

@@ -21,7 +21,7 @@ from workers.host_copy import tensor_on
 from workers.kv_link import KVLink
 from workers.model_runner import ModelRunner, WorkItem
 from workers.page_pool import PagePool
-from workers.prefix_cache import waits_for_computing
+from workers.prefix_cache import held_keys, waits_for_computing
 from workers.page_tables import frozen_pages
 from workers.sample.metadata import SamplingMetadata, TokenHistory
 from workers.sample.output import SampleOutput, read_back
@@ -44,8 +44,9 @@ class PrefillTask:
     """The pages decode reserved for what it does not hold: the prompt's pages after its cached ones."""
     decode_cached_pages: int = 0
     """Leading pages of the prompt decode already holds in its prefix cache: not pushed."""
-    prefix_keys: list[bytes] | None = field(default=None, repr=False, compare=False)
-    """The prompt's prefix-cache page keys, filled by the prefill worker the first time it needs them."""
+    prefix_keys: tuple[int, list[bytes]] | None = field(default=None, repr=False, compare=False)
+    """The prompt's prefix-cache page keys, filled by the prefill worker the first time it needs them
+    (`workers.prefix_cache.held_keys`)."""
 
     def check(self) -> None:
         """Raises ``ValueError`` unless ``decode_cached_pages`` and ``decode_pages`` cover the prompt's pages
@@ -172,13 +173,9 @@ class PrefillWorker:
         if cache is None or not self.pool.publishes or PromptLogprobs.wanted(task.params, len(task.token_ids)):
             return False
         computing = {key for a in self.active.values() if a.done < len(a.task.token_ids)
-                     for key in self._keys(a.task)}
-        return bool(computing) and waits_for_computing(cache, task.token_ids, self._keys(task), computing)
-
-    def _keys(self, task: PrefillTask) -> list[bytes]:
-        if task.prefix_keys is None:
-            task.prefix_keys = self.pool.prefix_cache.keys(task.token_ids)
-        return task.prefix_keys
+                     for key in held_keys(cache, a.task, a.task.token_ids)}
+        return bool(computing) and waits_for_computing(cache, task.token_ids, held_keys(cache, task, task.token_ids),
+                                                       computing)
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         if request_id not in self.active:

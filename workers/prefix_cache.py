@@ -108,6 +108,16 @@ def chain_keys(token_ids: Sequence[int], salt: bytes, max_pages: int | None = No
     return keys
 
 
+def held_keys(cache: "PrefixCache", holder, token_ids: Sequence[int]) -> list[bytes]:
+    """``cache.keys(token_ids)``, kept on ``holder`` (a request or a prefill task: its ``prefix_keys`` field,
+    ``(len(token_ids), keys)``) and computed again only when the length changes (a request re-admitted with
+    its output after preemption). The one memo of every caller of `waits_for_computing`."""
+    n = len(token_ids)
+    if holder.prefix_keys is None or holder.prefix_keys[0] != n:
+        holder.prefix_keys = (n, cache.keys(token_ids))
+    return holder.prefix_keys[1]
+
+
 def waits_for_computing(cache: "PrefixCache", token_ids: Sequence[int], keys: Sequence[bytes],
                         computing: set[bytes]) -> bool:
     """Whether a prompt of ``token_ids`` (its page ``keys``: `PrefixCache.keys`) should wait before taking

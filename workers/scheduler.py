@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from attention.formats import PAGE_SIZE
 from workers.page_pool import PagePool, PoolExhausted
-from workers.prefix_cache import waits_for_computing
+from workers.prefix_cache import held_keys, waits_for_computing
 from workers.request import FinishReason, Request, RequestState
 
 
@@ -140,10 +140,8 @@ class Scheduler:
             self.pool.publish(req.token_ids, req.page_table, cacheable_tokens(req, self.cfg.mtp_draft_tokens > 0))
 
     def _prompt_keys(self, req: Request, n: int) -> list[bytes]:
-        """The prefix-cache keys of ``req``'s first ``n`` tokens' full pages (kept on the request)."""
-        if req.prefix_keys is None or req.prefix_keys[0] != n:
-            req.prefix_keys = (n, self.pool.prefix_cache.keys(req.token_ids[:n]))
-        return req.prefix_keys[1]
+        """The prefix-cache keys of the ``n`` tokens ``req`` prefills (kept on the request)."""
+        return held_keys(self.pool.prefix_cache, req, req.token_ids[:n])
 
     @property
     def has_work(self) -> bool:

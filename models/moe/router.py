@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from models.config import ModelConfig
-from models.ops import triton_importable
-
-
-@functools.cache
-def _fused_ops():
-    """``models.ops.router_cuda`` where Triton is installed, else None."""
-    if not triton_importable():
-        return None
-    from models.ops import router_cuda
-
-    return router_cuda
+from models.ops import cuda_ops
 
 
 class Router(nn.Module):
@@ -42,7 +30,7 @@ class Router(nn.Module):
         A token's ``top_k`` ids are distinct (dispatch relies on it: an expert
         gets at most one row per token)."""
         logits = F.linear(x.float(), self.weight.float())
-        ops = _fused_ops() if logits.is_cuda else None
+        ops = cuda_ops("router_cuda") if logits.is_cuda else None
         if ops is not None and ops.supports(self.n_experts, self.n_group, self.topk_group, self.top_k):
             # One kernel after the GEMM (`models.ops.router_cuda`); the torch below is its spec.
             return ops.route(logits, self.e_score_correction_bias.float(), self.n_group, self.topk_group,

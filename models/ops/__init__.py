@@ -10,3 +10,12 @@ import importlib.util
 def triton_importable() -> bool:
     """Whether the ``*_cuda`` ops can run here (Triton installed); checked once per process."""
     return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def cuda_ops(name: str):
+    """The ``models.ops.<name>`` Triton module where Triton is installed, else None (imported once): what a
+    torch module calls on CUDA tensors instead of its torch spec."""
+    if not triton_importable():
+        return None
+    return importlib.import_module(f"models.ops.{name}")

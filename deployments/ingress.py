@@ -138,9 +138,10 @@ class _ClientRequest:
     chat: a chat request's reply parser (reasoning, content, tool calls),
     None for a completion."""
 
-    def __init__(self, kind: str, body, prompt_len: int, tokenizer, trace: RequestTrace,
+    def __init__(self, kind: str, body, prompt_ids: list[int], tokenizer, trace: RequestTrace,
                  chat: ChatOutput | None = None):
-        self.kind, self.body, self.prompt_len = kind, body, prompt_len
+        self.kind, self.body, self.prompt_len = kind, body, len(prompt_ids)
+        self.prompt_ids = prompt_ids if body.return_token_ids else None  # sent back only when asked
         self.trace = trace
         self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
         self.chat = chat
@@ -180,6 +181,10 @@ class _ClientRequest:
         if self.chat is not None:
             return self.chat.push(out.token_ids)
         return self.text.push(out.token_ids)
+
+    def ids(self, ids: list[int]) -> list[int] | None:
+        """A response's or chunk's ``token_ids``: None (left out) unless ``return_token_ids``."""
+        return list(ids) if self.body.return_token_ids else None
 
     @property
     def echo(self) -> bool:
@@ -368,7 +373,7 @@ class OpenAIIngress:
 
     async def _run(self, kind: str, body, ids: list[int], params, trace: RequestTrace,
                    chat: ChatOutput | None = None) -> Response:
-        job = _ClientRequest(kind, body, len(ids), self.tokenizer, trace, chat)
+        job = _ClientRequest(kind, body, ids, self.tokenizer, trace, chat)
         hop_trace.mark(job.id, "ingress.parsed")
         try:
             job.slot = self.in_flight.enter(job)  # 429 past limits.max_requests
@@ -423,11 +428,14 @@ class OpenAIIngress:
             if job.want_logprobs:
                 lp = job.completion_logprobs(job.token_ids, job.logprobs, job.top_logprobs, 0, with_prompt=True)[0]
             resp = CompletionResponse(id=job.id, model=self.model_name, usage=job.usage(), choices=[
-                CompletionChoice(text=job.echo_text() + text, logprobs=lp, finish_reason=job.finish_reason)])
+                CompletionChoice(text=job.echo_text() + text, logprobs=lp, finish_reason=job.finish_reason,
+                                 token_ids=job.ids(job.token_ids), prompt_token_ids=job.prompt_ids)])
         else:
             lp = job.chat_logprobs(job.token_ids, job.logprobs, job.top_logprobs) if job.want_logprobs else None
-            resp = ChatCompletionResponse(id=job.id, model=self.model_name, usage=job.usage(), choices=[
-                ChatChoice(message=job.chat.message(), logprobs=lp, finish_reason=job.finish_reason)])
+            resp = ChatCompletionResponse(id=job.id, model=self.model_name, usage=job.usage(),
+                                          prompt_token_ids=job.prompt_ids, choices=[
+                ChatChoice(message=job.chat.message(), logprobs=lp, finish_reason=job.finish_reason,
+                           token_ids=job.ids(job.token_ids))])
         return JSONResponse(resp.model_dump(mode="json"))
 
     def _completion_events(self, job: _ClientRequest, first: RequestOutput) -> AsyncIterator[str]:
@@ -441,9 +449,11 @@ class OpenAIIngress:
                 lp, offset = job.completion_logprobs(out.token_ids, out.logprobs, out.top_logprobs, offset,
                                                      with_prompt=first_chunk)
             text = job.echo_text() + delta if first_chunk else delta
+            prompt_ids = job.prompt_ids if first_chunk else None
             first_chunk = False
             return CompletionChunk(id=job.id, model=self.model_name, usage=self._chunk_usage(job), choices=[
-                CompletionChoice(text=text, logprobs=lp, finish_reason=job.finish_reason)])
+                CompletionChoice(text=text, logprobs=lp, finish_reason=job.finish_reason,
+                                 token_ids=job.ids(out.token_ids), prompt_token_ids=prompt_ids)])
 
         return self._events(job, first, CompletionChunk, chunk)
 
@@ -451,9 +461,11 @@ class OpenAIIngress:
         def chunk(out: RequestOutput, delta: ChatDelta) -> ChatCompletionChunk:
             lp = job.chat_logprobs(out.token_ids, out.logprobs, out.top_logprobs) if job.want_logprobs else None
             return ChatCompletionChunk(id=job.id, model=self.model_name, usage=self._chunk_usage(job), choices=[
-                ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=job.finish_reason)])
+                ChatChunkChoice(delta=delta, logprobs=lp, finish_reason=job.finish_reason,
+                                token_ids=job.ids(out.token_ids))])
 
-        role = ChatCompletionChunk(id=job.id, model=self.model_name, usage=self._chunk_usage(job), choices=[
+        role = ChatCompletionChunk(id=job.id, model=self.model_name, usage=self._chunk_usage(job),
+                                   prompt_token_ids=job.prompt_ids, choices=[
             ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
         return self._events(job, first, ChatCompletionChunk, chunk, opening=role)
 
@@ -477,7 +489,7 @@ class OpenAIIngress:
                         break
                     delta = job.take(out)
                     empty = delta.empty if isinstance(delta, ChatDelta) else not delta
-                    if empty and not out.finished and not job.want_logprobs:
+                    if empty and not out.finished and not job.want_logprobs and not job.body.return_token_ids:
                         continue  # text held back (partial character, stop-string prefix, a tag's start)
                     yield sse_event(chunk(out, delta))
             except Exception as e:  # noqa: BLE001 - the decode call broke mid-stream (its replica died)

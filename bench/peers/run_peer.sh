@@ -36,6 +36,10 @@
 #                       (vLLM's `structured_outputs` field, which both servers take; compare with `bench`'s c32 row)
 #   vllmbench ENGINE NAME PORT    `vllm bench serve` from the packed vLLM against PORT (random 1024 / 256, c 32)
 #   offline [NAME]      dsa-pd bench offline and vLLM's offline LLM on the same prompts, then the greedy agreement
+#   greedy ENGINE NAME PORT [BATCHES]   the served engine's greedy ids on bench.offline's prompts (1024 in, 64 out,
+#                       all of a batch at once; return_token_ids) -> /tmp/results/greedy__ENGINE__NAME.json
+#   agree NAME A B      the greedy agreement of engines A and B's `greedy` results on checkpoint NAME, with dsa-pd's
+#                       logit margins at each first divergence (its LLM on the GPU: run it with no server up)
 #   down                stop both servers
 # Every step ends by copying /tmp/results (tar), the server logs' tails and the table to $OUT.
 # Carry recipe: ../shared/offline-wheels (pack_wheels.py --groups kernels nixl ray; pack_vllm.sh).
@@ -296,6 +300,15 @@ case "$step" in
     env $DSA_ENV python3 -m bench.peers.agreement "$RES/offline_dsa_$name.json" "$RES/offline_vllm_$name.json" \
         --model "/tmp/ckpt/$name" --backend cuda --device cuda --dtype bfloat16 --json "$RES/agreement_$name.json" \
         2>&1 | tee "$RES/agreement_$name.md" | tail -6 ;;
+  greedy)
+    engine=${1:?}; name=${2:?}; port=${3:?}; batches=${4:-1 32}
+    env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.peers.served_greedy --base-url "http://127.0.0.1:$port" \
+        --batch-sizes $batches --input-len 1024 --output-len 64 --json "$RES/greedy__${engine}__${name}.json" ;;
+  agree)
+    name=${1:?}; a=${2:?}; b=${3:?}
+    env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.peers.agreement "$RES/greedy__${a}__${name}.json" \
+        "$RES/greedy__${b}__${name}.json" --model "/tmp/ckpt/$name" --backend cuda --device cuda --dtype bfloat16 \
+        --json "$RES/agreement__${a}__${b}__${name}.json" 2>&1 | grep -vE "NIXL|Writing" | tee "$RES/agreement__${a}__${b}__${name}.md" ;;
   down)
     for p in /tmp/vllm.pid /tmp/dsa.pid; do [ -f "$p" ] && kill -- -"$(cat "$p")" 2>/dev/null; done
     env $DSA_ENV serve shutdown -y >/dev/null 2>&1; env $DSA_ENV ray stop -f >/dev/null 2>&1

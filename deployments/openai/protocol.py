@@ -89,6 +89,8 @@ class _Request(_Body):
     min_tokens: int = Field(0, ge=0, description="Extension: no EOS or stop token before this many tokens.")
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> bias in [-100, 100] added to its logit before sampling.")
+    return_token_ids: bool = Field(False, description="Extension (vLLM): the prompt's and the output's token ids "
+                                   "beside the text (a stream: each chunk's ids, the prompt's on the first).")
     structured_outputs: StructuredOutputs | None = Field(
         None, description="Extension (vLLM): one of json / regex / choice / grammar / json_object "
         "(deployments/openai/structured.py).")

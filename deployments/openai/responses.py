@@ -54,6 +54,19 @@ def new_id(prefix: Literal["cmpl", "chatcmpl"]) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+class _TokenIds(BaseModel):
+    """A body that may carry ``token_ids`` / ``prompt_token_ids`` (vLLM's ``return_token_ids``):
+    left out of the JSON while None, so a request that did not ask sees OpenAI's shape."""
+
+    @model_serializer(mode="wrap")
+    def _ser(self, handler):
+        data = handler(self)
+        for key in ("token_ids", "prompt_token_ids"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+
 def new_tool_call_id() -> str:
     """A tool call's id (``call_`` + 24 hex digits, OpenAI's shape)."""
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -94,11 +107,15 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_TokenIds):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None
+    """``return_token_ids``: the output's ids (in a stream, this chunk's)."""
+    prompt_token_ids: list[int] | None = None
+    """``return_token_ids``: the prompt's ids (in a stream, on the first chunk only)."""
 
 
 class CompletionResponse(BaseModel):
@@ -129,20 +146,23 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_TokenIds):
     index: int = 0
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_TokenIds):
     id: str = Field(default_factory=lambda: new_id("chatcmpl"))
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None
+    """``return_token_ids``: the rendered prompt's ids (vLLM puts them here, not in the choice)."""
 
 
 class CompletionChunk(BaseModel):
@@ -197,20 +217,22 @@ class ChatDelta(BaseModel):
         return not (self.role or self.content or self.reasoning_content or self.tool_calls)
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_TokenIds):
     index: int = 0
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_TokenIds):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=_now)
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 # --------------------------------------------------------------------------- server-sent events

@@ -157,6 +157,48 @@ def test_chat_streamed_and_not_equal_offline(client, reference):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_return_token_ids_are_the_engines(client, reference):
+    """vLLM's ``return_token_ids``: the prompt's and the output's ids beside the text (what the peer
+    harness' greedy agreement reads), streamed and not, completions and chat; absent unless asked."""
+    ids, want = reference.prompts["n70"], reference.out["n70"][:10]
+    kw = dict(model=MODEL, prompt=ids, max_tokens=10, temperature=0)
+    asked = {"ignore_eos": True, "return_token_ids": True}
+    r = client.completions.create(**kw, extra_body=asked).model_dump()
+    assert (r["choices"][0]["token_ids"], r["choices"][0]["prompt_token_ids"]) == (want, ids)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True}).model_dump()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    chunks = [c.model_dump() for c in client.completions.create(**kw, extra_body=asked, stream=True)]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    chat_want = reference.out["chat"][:8]
+    ckw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=8,
+               extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.chat.completions.create(**ckw).model_dump()
+    assert (r["choices"][0]["token_ids"], r["prompt_token_ids"]) == (chat_want, reference.prompts["chat"])
+    chunks = [c.model_dump() for c in client.chat.completions.create(**ckw, stream=True)]
+    assert chunks[0]["prompt_token_ids"] == reference.prompts["chat"]
+    assert [t for c in chunks for t in (c["choices"][0].get("token_ids") or [])] == chat_want
+
+
+def test_served_greedy_agrees_with_the_offline_engine(ready, reference):
+    """The peer harness' served greedy client (bench/peers/served_greedy.py): its prompts sent
+    concurrently, the ids the server returns, and the agreement that pairs them with another engine's
+    (here the offline engine's own greedy ids: every request identical)."""
+    import asyncio
+
+    from bench.offline import random_prompts
+    from bench.peers.agreement import compare
+    from bench.peers.served_greedy import greedy_cases
+
+    served = asyncio.run(greedy_cases(ready.url, MODEL, [1, 3], input_len=40, output_len=6, seed=4))
+    offline = [{"batch": b, "input_len": 40, "output_len": 6,
+                "token_ids": reference.llm.generate(random_prompts(b, 40, 4), max_new_tokens=6, ignore_eos=True)}
+               for b in (1, 3)]
+    rows = compare({"cases": offline}, {"cases": served}, seed=4)
+    assert [(r["batch"], r["identical"], r["requests"]) for r in rows] == [(1, 1, 1), (3, 3, 3)]
+
+
 def test_logprobs_are_the_engines(client, reference):
     ids = reference.prompts["n70"]
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, logprobs=0,

@@ -258,7 +258,7 @@ def answer(arch, compiler, body, ids: list[int], engine_finish: str):
 
     chat = ChatOutput(TextStream(compiler.tokenizer, body.stop_sequences), None,
                       tool_parser_for(arch)(body.tool_dicts()), parallel_tool_calls=body.parallel_tool_calls is not False)
-    job = _ClientRequest("chat", body, 1, compiler.tokenizer, IngressMetrics("m").start(), chat)
+    job = _ClientRequest("chat", body, [1], compiler.tokenizer, IngressMetrics("m").start(), chat)
     chunks = []
     for i in range(0, len(ids), 3):
         last = i + 3 >= len(ids)

@@ -44,6 +44,9 @@ class AttentionBackend:
     write_index: Callable = None  # (cache, layer, slots, k) -> None; default cache.write_index
     ragged_topk: Callable = None  # ragged logits + top-k -> (positions, slots); see attention/API.md
     check_cache_spec: Callable = None  # (CacheSpec) -> None; raises ValueError if unsupported
+    # (max_context tokens) -> ascending logits widths, the last max_context: the context classes a captured
+    # decode step gets a graph of its own for, because this backend's kernels differ between them.
+    decode_logits_widths: Callable = None
 
     def __post_init__(self) -> None:
         defaults = {
@@ -51,6 +54,7 @@ class AttentionBackend:
             "write_index": _write_index,
             "ragged_topk": _reference_ragged_topk,
             "check_cache_spec": _accept_any_spec,
+            "decode_logits_widths": _one_width,
         }
         for field, fn in defaults.items():
             if getattr(self, field) is None:
@@ -67,6 +71,10 @@ def _write_index(cache, layer, slots, k) -> None:
 
 def _accept_any_spec(spec) -> None:
     return None
+
+
+def _one_width(max_context: int) -> tuple[int, ...]:
+    return (max_context,)
 
 
 def _reference_ragged_topk(q, k, k_scale, weights, ks, ke, topk, page_table_rows=None, **_):

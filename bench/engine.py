@@ -169,7 +169,7 @@ def main() -> None:
             graphs = DecodeGraphs(model, cache, backend, plan, "cuda", capture=True)
             graphs.capture_all()
             graphs.inputs.write_step(graphs.inputs.assign(step_args[0], page_tables), step_args[1], ctx)
-            g = graphs.graphs[B]
+            g = graphs.graphs[(B, pages_per_req)]
             graph_ms = float(triton.testing.do_bench(g.replay, warmup=10, rep=300, return_mode="median"))
             eager = DecodeGraphs(model, cache, backend, plan, "cuda", capture=False)
             eager.inputs.write_step(eager.inputs.assign(step_args[0], page_tables), step_args[1], ctx)

@@ -25,8 +25,10 @@ request in the previous replay can never write into that request's pages).
 
 The forward runs with ``ForwardBatch.static_shapes`` (the MoE uses its masked
 fixed-shape layout, ``models/moe/dispatch.py``, instead of sorting tokens on the host) and with
-``max_seq_len = max_pages * 64`` (the indexer's logits width), so nothing
-reads a tensor value back to the host. ``capture=False`` runs the very same
+``max_seq_len`` = the indexer's logits width, so nothing reads a tensor value back to the host.
+A bucket has a graph per logits width the backend asks for (`DecodeGraphPlan.logits_pages`: the
+cuda backend's top-k kernels differ below and above 8,192 logits), and a step replays the narrowest
+that holds its longest context. ``capture=False`` runs the very same
 code eagerly on the same buffers: on CPU (tests) and as the reference the
 replayed graphs are checked against, bit for bit.
 """
@@ -101,27 +103,52 @@ def patch_tokens(tokens: torch.Tensor, width: int, at: torch.Tensor, values: tor
 class DecodeGraphPlan:
     """Which decode steps have a graph.
 
-    width:       new tokens per request (1, or ``k + 1`` when verifying k drafts)
-    batch_sizes: ascending bucket sizes
-    max_pages:   page-table width per request; a request with more pages (a
-                 context beyond ``max_pages * 64`` tokens) runs eagerly
+    width:        new tokens per request (1, or ``k + 1`` when verifying k drafts)
+    batch_sizes:  ascending bucket sizes
+    max_pages:    page-table width per request; a request with more pages (a
+                  context beyond ``max_pages * 64`` tokens) runs eagerly
+    logits_pages: ascending indexer-logits widths in pages, the last ``max_pages`` (empty: that one alone);
+                  every bucket has a graph of each, and a step takes the narrowest holding its longest context
     """
 
     width: int
     batch_sizes: tuple[int, ...]
     max_pages: int
+    logits_pages: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.width < 1 or self.max_pages < 1:
             raise ValueError(f"width and max_pages must be >= 1, got {self.width} and {self.max_pages}")
         if not self.batch_sizes or list(self.batch_sizes) != sorted(set(self.batch_sizes)) or self.batch_sizes[0] < 1:
             raise ValueError(f"batch_sizes must be ascending distinct positive ints, got {self.batch_sizes}")
+        if not self.logits_pages:
+            object.__setattr__(self, "logits_pages", (self.max_pages,))
+        w = self.logits_pages
+        if list(w) != sorted(set(w)) or w[0] < 1 or w[-1] != self.max_pages:
+            raise ValueError(f"logits_pages must be ascending distinct positive ints ending at max_pages "
+                             f"({self.max_pages}), got {w}")
 
     @classmethod
-    def for_limits(cls, width: int, max_batch_size: int, max_context: int) -> "DecodeGraphPlan":
+    def for_limits(cls, width: int, max_batch_size: int, max_context: int,
+                   logits_widths: tuple[int, ...] = ()) -> "DecodeGraphPlan":
         """The plan of an engine serving up to ``max_batch_size`` requests with contexts up to
-        ``max_context`` tokens (`graph_batch_sizes` buckets)."""
-        return cls(width, graph_batch_sizes(max_batch_size), pages_for_tokens(max_context))
+        ``max_context`` tokens (`graph_batch_sizes` buckets); ``logits_widths``: the backend's
+        (`attention.backend.AttentionBackend.decode_logits_widths`), in tokens."""
+        max_pages = pages_for_tokens(max_context)
+        pages = sorted({pages_for_tokens(w) for w in logits_widths if 0 < w < max_context} | {max_pages})
+        return cls(width, graph_batch_sizes(max_batch_size), max_pages, tuple(pages))
+
+    def keys(self) -> list[tuple[int, int]]:
+        """Every graph's ``(bucket, logits pages)``."""
+        return [(b, p) for b in self.batch_sizes for p in self.logits_pages]
+
+    def logits_width(self, max_seq_len: int) -> int:
+        """The narrowest logits width (pages) holding a context of ``max_seq_len`` tokens (it must fit
+        ``max_pages``)."""
+        for p in self.logits_pages:
+            if p * PAGE_SIZE >= max_seq_len:
+                return p
+        raise ValueError(f"a context of {max_seq_len} tokens is beyond this plan's {self.max_context}")
 
     @property
     def max_batch_size(self) -> int:
@@ -268,8 +295,9 @@ class DecodeInputs:
         index = to_device(torch.tensor(rows, dtype=torch.int64), self.device)
         patch_tokens(self.packed[: B * w], w, index, values)
 
-    def batch(self, bucket: int) -> ForwardBatch:
-        """The forward over rows ``0 .. bucket-1``. Positions and cache slots are
+    def batch(self, bucket: int, logits_pages: int | None = None) -> ForwardBatch:
+        """The forward over rows ``0 .. bucket-1``, its indexer logits ``logits_pages`` pages wide (default
+        ``max_pages``: every context the rows may hold must fit). Positions and cache slots are
         computed here from the buffers, so under capture they are part of the
         graph. Padding rows sit at position 0 of page 0 with context 1: they
         read one key (DeepGEMM's paged logits faulted on a step whose every row
@@ -284,13 +312,15 @@ class DecodeInputs:
         return ForwardBatch(
             mode=ForwardMode.DECODE, input_ids=p[: bucket * w], positions=positions.reshape(-1),
             out_slots=slots.reshape(-1), page_tables=page_tables, seq_lens=seq_lens,
-            q_lens=self.q_lens[:bucket], max_seq_len=self.plan.max_context, static_shapes=True,
+            q_lens=self.q_lens[:bucket], max_seq_len=(logits_pages or self.plan.max_pages) * PAGE_SIZE,
+            static_shapes=True,
         )
 
 
 def capture_forwards(model, cache, backend, device: torch.device, buckets, make_batch, pool=None
                      ) -> dict[int, tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]]:
-    """One captured target-model forward per bucket, largest first, sharing one memory pool (``pool``, a
+    """One captured target-model forward per bucket (any sortable key: a decode graph's is ``(bucket, logits
+    pages)``), largest first, sharing one memory pool (``pool``, a
     `torch.cuda.graph_pool_handle`; default a new one): ``{bucket: (graph, its batch, its output)}``.
     ``make_batch(bucket)`` builds the forward's batch from static buffers that currently hold
     all-padding inputs (nothing is written to the cache).
@@ -332,9 +362,10 @@ class DecodeGraphs:
             raise ValueError(f"CUDA graphs need a CUDA device, got {self.device}")
         self.capture = capture
         self.inputs = DecodeInputs(plan, self.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, logits pages) -> graph
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.replays = 0
+        self.width_steps: dict[int, int] = {}  # logits pages -> steps run at that width (tests, diagnostics)
 
     def covers(self, num_requests: int, max_pages: int, width: int) -> bool:
         """Whether a step runs here (`DecodeGraphPlan.covers`)."""
@@ -342,15 +373,16 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture_all(self, pool=None) -> None:
-        """Capture one graph per bucket (`capture_forwards`, in ``pool`` when given) on all-padding inputs."""
+        """Capture one graph per bucket and logits width (`capture_forwards`, in ``pool`` when given) on
+        all-padding inputs."""
         if not self.capture:
             return
         self.inputs.clear()
         self.inputs.write_step([], [], [])
-        captured = capture_forwards(self.model, self.cache, self.backend, self.device, self.plan.batch_sizes,
-                                    self.inputs.batch, pool)
-        for bucket, (graph, _, hidden) in captured.items():
-            self.graphs[bucket], self.outputs[bucket] = graph, hidden
+        captured = capture_forwards(self.model, self.cache, self.backend, self.device, self.plan.keys(),
+                                    lambda key: self.inputs.batch(*key), pool)
+        for key, (graph, _, hidden) in captured.items():
+            self.graphs[key], self.outputs[key] = graph, hidden
 
     @torch.inference_mode()
     def run(self, keys: list[str], tokens: list[int], seq_lens: list[int],
@@ -378,14 +410,16 @@ class DecodeGraphs:
         self.inputs.write_step(rows, tokens, seq_lens)
         if token_patch is not None:
             self.inputs.patch_tokens([rows[i] for i in token_patch[0]], token_patch[1])
+        key = (bucket, self.plan.logits_width(max(seq_lens, default=1)))
+        self.width_steps[key[1]] = self.width_steps.get(key[1], 0) + 1
         if self.capture:
-            if bucket not in self.graphs:
+            if key not in self.graphs:
                 raise RuntimeError("capture_all() must run before the first replay")
-            self.graphs[bucket].replay()
+            self.graphs[key].replay()
             self.replays += 1
-            hidden = self.outputs[bucket]
+            hidden = self.outputs[key]
         else:
-            hidden = self.model(self.inputs.batch(bucket), self.cache, self.backend)
+            hidden = self.model(self.inputs.batch(*key), self.cache, self.backend)
         w = self.plan.width
         if rows == list(range(R)):
             return hidden[: R * w]

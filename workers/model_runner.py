@@ -148,7 +148,8 @@ class ModelRunner:
         ``capture``. Steps with more requests than ``max_batch_size`` or a
         context beyond ``max_context`` tokens run eagerly."""
         for w in widths:
-            plan = DecodeGraphPlan.for_limits(w, max_batch_size, max_context)
+            plan = DecodeGraphPlan.for_limits(w, max_batch_size, max_context,
+                                              self.backend.decode_logits_widths(max_context))
             graphs = DecodeGraphs(self.model, self.cache, self.backend, plan, self.device, capture)
             graphs.capture_all(self.graph_pool() if capture else None)
             self.decode_graphs[w] = graphs

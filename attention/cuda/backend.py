@@ -27,11 +27,11 @@ import torch
 
 from .. import formats
 from ..cache import PagedKVCache
-from ..formats import IndexerFp8Format, MlaFp8Format
+from ..formats import PAGE_SIZE, IndexerFp8Format, MlaFp8Format
 from . import logits as _logits
 from . import mla as _mla
 from .cache_write import write_indexer_fp8, write_mla_fp8
-from .topk import topk_positions
+from .topk import SAMPLED_MIN_LEN, topk_positions
 from .topk import topk_slots as _topk_slots_kernel
 
 
@@ -91,6 +91,16 @@ def topk_launch_config(row_len: int) -> dict:
     return {"block": 4096, "num_warps": 16} if row_len >= 16384 else {"block": 1024, "num_warps": 8}
 
 
+def decode_logits_widths(max_context: int) -> tuple[int, ...]:
+    """The indexer-logits widths a captured decode step of contexts up to ``max_context`` gets graphs for:
+    below `topk.SAMPLED_MIN_LEN` the fused top-k, from it the sampled kernels (four launches a layer, which
+    cost a short context ~17 us a layer more than the fused one: H200, docs/perf.md session 26). So a config
+    serving long contexts also has graphs whose logits are one page narrower than that, for the steps whose
+    every context fits them (`workers.decode_graphs.DecodeGraphPlan.width_pages`)."""
+    short = SAMPLED_MIN_LEN - PAGE_SIZE
+    return (short, max_context) if max_context > short else (max_context,)
+
+
 def _on_cuda(t: torch.Tensor) -> bool:
     # Triton runs CPU tensors only in interpreter mode (tests); the cache's own
     # torch path serves CPU otherwise.
@@ -144,4 +154,5 @@ def make_backend(name: str = "cuda"):
         write_index=write_index,
         ragged_topk=_logits.ragged_topk,
         check_cache_spec=check_cache_spec,
+        decode_logits_widths=decode_logits_widths,
     )

@@ -91,6 +91,41 @@ def test_static_decode_equals_eager_decode(tiny, k):
     assert llm.pool.free_count == llm.pool.num_pages
 
 
+def test_plan_logits_widths():
+    plan = DecodeGraphPlan.for_limits(1, 4, 9216, (8128, 9216))
+    assert (plan.max_pages, plan.logits_pages) == (144, (127, 144))
+    assert plan.keys() == [(b, p) for b in (1, 2, 4) for p in (127, 144)]
+    assert [plan.logits_width(n) for n in (1, 8128, 8129, 9216)] == [127, 127, 144, 144]
+    assert DecodeGraphPlan.for_limits(1, 4, 4096, (8128, 4096)).logits_pages == (64,)  # nothing narrower to add
+    assert DecodeGraphPlan(1, (4,), 3).logits_pages == (3,)
+    with pytest.raises(ValueError, match="ending at max_pages"):
+        DecodeGraphPlan(1, (4,), 3, (1, 2))
+    with pytest.raises(ValueError, match="beyond this plan"):
+        plan.logits_width(9217)
+
+
+def test_steps_take_the_narrowest_logits_width_that_holds_them(tiny):
+    """A backend asking for a narrower logits width (the cuda backend's: below its sampled top-k) gets graphs
+    of both; each step runs the narrowest holding its longest context, and the output is the plain engine's."""
+    import dataclasses
+
+    prompts = [random_prompt(n, 300, 80 + n) for n in (100, 20, 150)]
+    want = LLM(tiny, max_batch_size=4).generate(prompts, max_new_tokens=40, ignore_eos=True)
+    llm = LLM(tiny, max_batch_size=4)
+    llm.runner.backend = dataclasses.replace(llm.runner.backend, decode_logits_widths=lambda m: (128, m))
+    llm.engine.enable_cuda_graphs(max_context=default_graph_context(llm.cfg, llm.pool.num_pages), capture=False)
+    graphs = llm.runner.decode_graphs[1]
+    assert graphs.plan.logits_pages == (2, graphs.plan.max_pages)
+    assert graphs.inputs.batch(4, 2).max_seq_len == 128 and graphs.inputs.batch(4).max_seq_len == graphs.plan.max_context
+    assert llm.generate(prompts[:2], max_new_tokens=40, ignore_eos=True) == want[:2]
+    # 100 + 40 tokens: the 100-token prompt's steps past 128 tokens took the wide graphs, the others the narrow.
+    assert graphs.width_steps[2] > 0 and graphs.width_steps[graphs.plan.max_pages] > 0, graphs.width_steps
+    narrow = graphs.width_steps[2]
+    assert llm.generate(prompts[2:], max_new_tokens=40, ignore_eos=True) == want[2:]
+    assert graphs.width_steps[2] == narrow  # a 150-token context never fits 2 pages
+    assert llm.pool.free_count == llm.pool.num_pages
+
+
 def test_padding_rows_never_write_the_cache(tiny):
     llm = LLM(tiny, max_batch_size=4)
     be = get_backend("reference")

@@ -7,7 +7,10 @@ request diverges, dsa-pd's logit margin at the first divergence: ``logit[dsa-pd'
 logit[peer's token]`` from ``LLM.prompt_logits`` over the prompt and the agreed prefix, divided
 by the standard deviation of that logit row (so random-weight logit scales compare). A
 small margin (a near-tie) says the two engines' numerics picked different sides of a coin
-flip; a large one would say one of them computes something else.
+flip; a large one would say one of them computes something else. ``--judge-dtype float32`` also asks
+transformers (the checkpoint through ``AutoModelForCausalLM``, in that dtype) at each first divergence:
+which token it picks there (``ours``, ``peer`` or ``neither``), the third opinion that tells a wrong
+engine from a checkpoint whose greedy output rounding alone flips (docs/perf.md, session 27).
 
     python -m bench.peers.agreement ours.json peer.json --model CKPT --backend cuda --device cuda
 """
@@ -29,8 +32,9 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None
 
 
-def compare(ours: dict, peer: dict, llm=None, seed: int = 1, max_margins: int = 8) -> list[dict]:
-    """One row per batch size present in both results."""
+def compare(ours: dict, peer: dict, llm=None, seed: int = 1, max_margins: int = 8, judge=None) -> list[dict]:
+    """One row per batch size present in both results. ``judge``: token ids -> the fp32 logits row after them
+    (transformers': `transformers_judge`), asked at each of the first ``max_margins`` divergences."""
     theirs = {c["batch"]: c for c in peer["cases"] if c.get("token_ids")}
     rows = []
     for c in ours["cases"]:
@@ -40,18 +44,37 @@ def compare(ours: dict, peer: dict, llm=None, seed: int = 1, max_margins: int = 
         prompts = random_prompts(c["batch"], c["input_len"], seed)
         divs = [first_divergence(a, b) for a, b in zip(c["token_ids"], p["token_ids"])]
         agreed = [len(a) if d is None else d for a, d in zip(c["token_ids"], divs)]
-        margins = []
-        if llm is not None:
-            for i, d in enumerate(divs):
-                if d is None or len(margins) >= max_margins:
-                    continue
-                row = llm.prompt_logits(prompts[i] + c["token_ids"][i][:d])[-1]
+        margins, picks = [], []
+        asked = [i for i, d in enumerate(divs) if d is not None][:max_margins]
+        for i in asked:
+            d = divs[i]
+            context, a, b = prompts[i] + c["token_ids"][i][:d], c["token_ids"][i][d], p["token_ids"][i][d]
+            if llm is not None:
+                row = llm.prompt_logits(context)[-1]
                 # In units of the row's logit spread: random weights can make logits large.
-                margins.append(float(row[c["token_ids"][i][d]] - row[p["token_ids"][i][d]]) / float(row.std()))
+                margins.append(float(row[a] - row[b]) / float(row.std()))
+            if judge is not None:
+                top = int(judge(context).argmax())
+                picks.append("ours" if top == a else "peer" if top == b else "neither")
         rows.append({"batch": c["batch"], "requests": len(divs), "identical": sum(d is None for d in divs),
                      "mean_agreed_tokens": statistics.fmean(agreed), "output_len": c["output_len"],
-                     "first_divergence_margins": margins})
+                     "first_divergence_margins": margins, "judge_picks": picks})
     return rows
+
+
+def transformers_judge(model_dir: str, device: str = "cpu", dtype: str = "float32"):
+    """transformers' own model of the checkpoint as a judge: token ids -> fp32 logits after the last one."""
+    import torch
+    import transformers
+
+    kw = {} if device == "cpu" else {"device_map": device}
+    m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), **kw).eval()
+
+    def judge(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return m(torch.tensor([ids], device=m.device)).logits[0, -1].float().cpu()
+
+    return judge
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--judge-dtype", default=None,
+                    help="also ask transformers in this dtype (e.g. float32) which token it picks at each divergence")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     ours, peer = (json.load(open(p)) for p in (args.ours, args.peer))
@@ -72,13 +97,16 @@ def main(argv: list[str] | None = None) -> int:
 
         llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype, kv_cache_dtype="fp8",
                   num_pages=2048, cuda_graphs=False)
-    rows = compare(ours, peer, llm, args.seed)
-    print("| batch | identical / requests | mean agreed tokens | margins at first divergence (logit std units) |")
-    print("|---|---|---|---|")
+    judge = transformers_judge(args.model, args.device, args.judge_dtype) if args.model and args.judge_dtype else None
+    rows = compare(ours, peer, llm, args.seed, judge=judge)
+    print("| batch | identical / requests | mean agreed tokens | margins at first divergence (logit std units) "
+          "| transformers picks |")
+    print("|---|---|---|---|---|")
     for r in rows:
         m = ", ".join(f"{x:.3f}" for x in r["first_divergence_margins"]) or "-"
+        picks = ", ".join(f"{k} {r['judge_picks'].count(k)}" for k in ("ours", "peer", "neither")) if r["judge_picks"] else "-"
         print(f"| {r['batch']} | {r['identical']} / {r['requests']} | {r['mean_agreed_tokens']:.1f} of "
-              f"{r['output_len']} | {m} |")
+              f"{r['output_len']} | {m} | {picks} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)

@@ -39,7 +39,8 @@
 #   greedy ENGINE NAME PORT [BATCHES]   the served engine's greedy ids on bench.offline's prompts (1024 in, 64 out,
 #                       all of a batch at once; return_token_ids) -> /tmp/results/greedy__ENGINE__NAME.json
 #   agree NAME A B      the greedy agreement of engines A and B's `greedy` results on checkpoint NAME, with dsa-pd's
-#                       logit margins at each first divergence (its LLM on the GPU: run it with no server up)
+#                       logit margins at each first divergence (its LLM on the GPU: run it with no server up) and
+#                       the token transformers picks there in fp32 (ours / peer / neither)
 #   down                stop both servers
 # Every step ends by copying /tmp/results (tar), the server logs' tails and the table to $OUT.
 # Carry recipe: ../shared/offline-wheels (pack_wheels.py --groups kernels nixl ray; pack_vllm.sh).
@@ -307,7 +308,7 @@ case "$step" in
   agree)
     name=${1:?}; a=${2:?}; b=${3:?}
     env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.peers.agreement "$RES/greedy__${a}__${name}.json" \
-        "$RES/greedy__${b}__${name}.json" --model "/tmp/ckpt/$name" --backend cuda --device cuda --dtype bfloat16 \
+        "$RES/greedy__${b}__${name}.json" --model "/tmp/ckpt/$name" --backend cuda --device cuda --dtype bfloat16 --judge-dtype float32 \
         --json "$RES/agreement__${a}__${b}__${name}.json" 2>&1 | grep -vE "NIXL|Writing" | tee "$RES/agreement__${a}__${b}__${name}.md" ;;
   down)
     for p in /tmp/vllm.pid /tmp/dsa.pid; do [ -f "$p" ] && kill -- -"$(cat "$p")" 2>/dev/null; done

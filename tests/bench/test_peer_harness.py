@@ -96,6 +96,19 @@ def test_agreement_finds_the_divergence_and_a_non_negative_margin(llm):
     assert first_divergence([1, 2, 3], [1, 2, 4]) == 2 and first_divergence([1, 2], [1, 2, 3]) is None
 
 
+def test_agreement_asks_transformers_at_each_divergence(llm):
+    """The third opinion: transformers (fp32) at a divergence made by changing the peer's token picks ours (our
+    greedy output is transformers' on this tiny model), and one made by changing ours picks the peer's."""
+    from bench.peers.agreement import transformers_judge
+
+    ours = {"cases": [decode_case(llm, batch=2, input_len=30, output_len=5, seed=1)]}
+    peer = json.loads(json.dumps(ours))
+    peer["cases"][0]["token_ids"][0][1] = (ours["cases"][0]["token_ids"][0][1] + 1) % llm.cfg.vocab_size
+    ours["cases"][0]["token_ids"][1][3] = (peer["cases"][0]["token_ids"][1][3] + 1) % llm.cfg.vocab_size
+    (row,) = compare(ours, peer, None, seed=1, judge=transformers_judge(str(llm.model_dir)))
+    assert row["judge_picks"] == ["ours", "peer"] and row["first_divergence_margins"] == []
+
+
 @pytest.mark.parametrize("mode", ["pd", "monolithic"])
 def test_generated_serve_configs_pass_the_controller(tmp_path, mode):
     ckpt = tmp_path / "dsv32"

@@ -32,6 +32,9 @@ tensor of the masked layout is never materialized. Grids:
 
 Tile sizes follow the expected rows per expert (``layout.expected_m``):
 `gemm_config`, from the sweep of bench/grouped_gemm_tune.py.
+
+A prefill's fp8 experts with bf16 activations go to DeepGEMM's m-grouped contiguous fp8 GEMM instead
+(`models.ops.grouped_gemm_deepgemm`: fp8 tensor cores, from `grouped_gemm_deepgemm.MIN_PAIRS` pairs).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
+
+from models.ops import grouped_gemm_deepgemm
 
 if TYPE_CHECKING:
     from models.moe.dispatch import ExpertLayout
@@ -298,6 +303,9 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, layout:
         x = x.to(w13.dtype)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if fp8 and x.dtype == torch.bfloat16 and grouped_gemm_deepgemm.fits(layout, w13, w2, block):
+        # A prefill's pairs: W8A8 on fp8 tensor cores (this kernel dequantizes to bf16 ones).
+        return grouped_gemm_deepgemm.expert_outputs(x, w13, w2, layout, w13_scale, w2_scale, block)
     P = layout.num_pairs
     act = torch.empty(P, I, dtype=x.dtype, device=x.device)
     y = torch.empty(P, H, dtype=x.dtype, device=x.device)

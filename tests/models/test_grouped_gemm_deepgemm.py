@@ -64,6 +64,18 @@ def test_contiguous_rows_place_every_local_pair_once_in_aligned_runs(kind, first
             assert i % align == 0 and all(x < e for x in m[:i] if x >= 0), (i, e)
 
 
+def _fp8_experts(E: int, H: int, I: int, gen):
+    """Random experts block-quantized at 128 x 128: (w13 fp8 ``[E, 2I, H]``, w2 fp8 ``[E, H, I]``, their scales)."""
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn)
+    w2 = torch.empty(E, H, I, dtype=torch.float8_e4m3fn)
+    s13 = torch.empty(E, 2 * I // 128, H // 128)
+    s2 = torch.empty(E, H // 128, I // 128)
+    for e in range(E):
+        w13[e], s13[e] = quantize_fp8_block(torch.randn(2 * I, H, generator=gen) / H**0.5, (128, 128))
+        w2[e], s2[e] = quantize_fp8_block(torch.randn(H, I, generator=gen) / I**0.5, (128, 128))
+    return w13, w2, s13, s2
+
+
 def _act_quant(x: torch.Tensor, group: int = 128, rows: int | None = None):
     """The torch spec of `fp8_linear_cuda.act_quant`'s rounding (fp8 ``[M, K]``, f32 scales ``[M, K/128]``)."""
     M, K = x.shape
@@ -99,13 +111,7 @@ def _stand_in(align: int):
 def test_expert_outputs_glue_against_the_reference(monkeypatch):
     gen = torch.Generator().manual_seed(SEED + 1)
     H, I, E, K, T, align = 256, 128, 6, 3, 70, 16
-    w13 = torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn)
-    w2 = torch.empty(E, H, I, dtype=torch.float8_e4m3fn)
-    s13 = torch.empty(E, 2 * I // 128, H // 128)
-    s2 = torch.empty(E, H // 128, I // 128)
-    for e in range(E):
-        w13[e], s13[e] = quantize_fp8_block(torch.randn(2 * I, H, generator=gen) / H**0.5, (128, 128))
-        w2[e], s2[e] = quantize_fp8_block(torch.randn(H, I, generator=gen) / I**0.5, (128, 128))
+    w13, w2, s13, s2 = _fp8_experts(E, H, I, gen)
     gemm, calls = _stand_in(align)
     monkeypatch.setattr(dg, "_grouped_gemm", lambda: gemm)
     monkeypatch.setattr(dg, "alignment", lambda: align)
@@ -139,14 +145,7 @@ def test_deepgemm_contiguous_experts_gpu(T, kind):
 
     gen = torch.Generator().manual_seed(SEED + T)
     H, I, E, K = 7168, 2048, 16, 8
-    w13 = torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn)
-    w2 = torch.empty(E, H, I, dtype=torch.float8_e4m3fn)
-    s13 = torch.empty(E, 2 * I // 128, H // 128)
-    s2 = torch.empty(E, H // 128, I // 128)
-    for e in range(E):
-        w13[e], s13[e] = quantize_fp8_block(torch.randn(2 * I, H, generator=gen) / H**0.5, (128, 128))
-        w2[e], s2[e] = quantize_fp8_block(torch.randn(H, I, generator=gen) / I**0.5, (128, 128))
-    w13, w2, s13, s2 = (t.cuda() for t in (w13, w2, s13, s2))
+    w13, w2, s13, s2 = (t.cuda() for t in _fp8_experts(E, H, I, gen))
     ids = _routing(T, E, K, gen, kind).cuda()
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
     layout = dispatch.contiguous_layout(ids, 0, E, E)

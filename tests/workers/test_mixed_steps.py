@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from models.tiny import make_tiny
+from tests.workers.mixed_arrivals import drive_arrivals
 from tests.workers.prompts import random_prompt
 from workers.decode_graphs import default_graph_context
 from workers.offline import LLM
@@ -42,31 +43,11 @@ def test_decode_rides_along_with_arriving_prompts(tiny, k):
 
     llm = _engine(tiny, graphs=True, k=k)
     llm.generate([base], max_new_tokens=1, ignore_eos=True)
-    eng = llm.engine
-    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    reqs = [Request(f"e{i}", p, params) for i, p in enumerate(early)]
-    for r in reqs:
-        eng.add_request(r)
-    while not all(r.output for r in reqs):
-        eng.step()
-    mixed = eng.stats.mixed_steps
-    for i, p in enumerate(late):  # each arrives while the others decode
-        r = Request(f"l{i}", p, params)
-        reqs.append(r)
-        eng.add_request(r)
-        eng.step()
-    for i, p in enumerate(together):  # two prompts in one prefill step: the rows graphs, the decode batch along
-        r = Request(f"t{i}", p, params)
-        reqs.append(r)
-        eng.add_request(r)
-    eng.step()
-    while eng.has_work:
-        eng.step()
-    eng.flush()
+    reqs, mixed = drive_arrivals(llm.engine, early, late, together, NEW)
     assert [r.output for r in reqs] == want
     # MTP verifies with drafts: its decode batch never rides along. Without MTP the prefix hit's step and the two
     # prompts' step mixed (rows graphs); the lone new prompt kept its own graph and the decode batch its own.
-    assert eng.stats.mixed_steps - mixed == (0 if k else 2)
+    assert mixed == (0 if k else 2)
     assert llm.pool.free_count == llm.pool.num_pages
 
 

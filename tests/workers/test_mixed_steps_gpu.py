@@ -19,10 +19,9 @@ NEW = 16
 @pytest.mark.parametrize("arch", ["deepseek_v32", "glm_moe_dsa"])
 def test_decode_rides_along_on_the_gpu(arch, tmp_path):
     from models.tiny import make_tiny
+    from tests.workers.mixed_arrivals import drive_arrivals
     from tests.workers.prompts import random_prompt
     from workers.offline import LLM
-    from workers.request import Request
-    from workers.sample.params import SamplingParams
 
     model = make_tiny(arch, tmp_path / arch, seed=6, **SERVING_DIMS)
     kw = dict(backend="cuda", device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_pages=128,
@@ -39,32 +38,12 @@ def test_decode_rides_along_on_the_gpu(arch, tmp_path):
 
     llm = LLM(model, cuda_graphs=True, prefill_graph_max_tokens=256, **kw)
     llm.generate([base], max_new_tokens=1, ignore_eos=True)
-    eng = llm.engine
-    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    reqs = [Request(f"e{i}", p, params) for i, p in enumerate(early)]
-    for r in reqs:
-        eng.add_request(r)
-    while not all(r.output for r in reqs):
-        eng.step()
-    mixed = eng.stats.mixed_steps
-    for i, p in enumerate(late):
-        r = Request(f"l{i}", p, params)
-        reqs.append(r)
-        eng.add_request(r)
-        eng.step()
-    for i, p in enumerate(together):
-        r = Request(f"t{i}", p, params)
-        reqs.append(r)
-        eng.add_request(r)
-    eng.step()
-    while eng.has_work:
-        eng.step()
-    eng.flush()
+    reqs, mixed = drive_arrivals(llm.engine, early, late, together, NEW)
     got = [r.output for r in reqs]
     agreed = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), NEW) for g, w in zip(got, want)]
-    print(f"MIXED {arch}: {eng.stats.mixed_steps - mixed} mixed steps; tokens agreeing with the plain engine "
+    print(f"MIXED {arch}: {mixed} mixed steps; tokens agreeing with the plain engine "
           f"before the first difference: {agreed} of {NEW}")
-    assert eng.stats.mixed_steps - mixed == 2  # the prefix hit's step and the two hits' step
+    assert mixed == 2  # the prefix hit's step and the two hits' step
     assert all(len(g) == NEW for g in got)
     assert llm.pool.free_count == llm.pool.num_pages
     # The first tokens come from each prompt's own prefill: a mixed step must not disturb them.

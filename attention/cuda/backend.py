@@ -96,7 +96,7 @@ def decode_logits_widths(max_context: int) -> tuple[int, ...]:
     below `topk.SAMPLED_MIN_LEN` the fused top-k, from it the sampled kernels (four launches a layer, which
     cost a short context ~17 us a layer more than the fused one: H200, docs/perf.md session 26). So a config
     serving long contexts also has graphs whose logits are one page narrower than that, for the steps whose
-    every context fits them (`workers.decode_graphs.DecodeGraphPlan.width_pages`)."""
+    every context fits them (`workers.decode_graphs.DecodeGraphPlan.logits_pages`)."""
     short = SAMPLED_MIN_LEN - PAGE_SIZE
     return (short, max_context) if max_context > short else (max_context,)
 

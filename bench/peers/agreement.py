@@ -97,7 +97,15 @@ def main(argv: list[str] | None = None) -> int:
 
         llm = LLM(args.model, backend=args.backend, device=args.device, dtype=args.dtype, kv_cache_dtype="fp8",
                   num_pages=2048, cuda_graphs=False)
-    judge = transformers_judge(args.model, args.device, args.judge_dtype) if args.model and args.judge_dtype else None
+    judge = None
+    if args.model and args.judge_dtype:
+        from pathlib import Path
+
+        if "quantization_config" in json.loads((Path(args.model) / "config.json").read_text()):
+            # transformers would run its own fp8 path, not the spec: judge on the bf16 checkpoint instead.
+            print(f"judge skipped: {args.model} is fp8 block-quantized")
+        else:
+            judge = transformers_judge(args.model, args.device, args.judge_dtype)
     rows = compare(ours, peer, llm, args.seed, judge=judge)
     print("| batch | identical / requests | mean agreed tokens | margins at first divergence (logit std units) "
           "| transformers picks |")

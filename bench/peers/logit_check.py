@@ -36,11 +36,15 @@ def _ours(model_dir: str, prompts, variant: str, device: str = "cuda"):
     kw = dict(backend="cuda", device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_pages=256, cuda_graphs=False)
     if variant == "reference":
         kw.update(backend="reference", device=device, dtype="float32", kv_cache_dtype="auto")
-    if variant == "cuda-unfused":
-        import workers.rank_build as rb
+    import workers.rank_build as rb
 
+    fuse = rb.fuse_projections
+    if variant == "cuda-unfused":
         rb.fuse_projections = lambda model, tp_size=1: 0  # each projection its own GEMM, as the reference runs
-    llm = LLM(model_dir, **kw)
+    try:
+        llm = LLM(model_dir, **kw)
+    finally:
+        rb.fuse_projections = fuse
     out = [llm.prompt_logits(p) for p in prompts]
     del llm
     if device == "cuda":

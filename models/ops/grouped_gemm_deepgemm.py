@@ -13,8 +13,11 @@ Everything is sized from the shapes alone (no read-back): the padded row count i
     rows = contiguous_rows(layout, align)     # where each pair's row goes, each row's expert
     y = expert_outputs(x, w13, w2, layout, w13_scale, w2_scale, block)   # [T * top_k, H], pair order
 
-`fits` says when it runs (an fp8 contiguous layout of at least `MIN_PAIRS` pairs, DeepGEMM installed with
-the grouped GEMM, 128 x 128 blocks, dims in whole blocks); `grouped_gemm_cuda.expert_outputs` asks it.
+`fits` says when it runs (an fp8 contiguous layout of at least `MIN_PAIRS` pairs, every expert on this rank,
+DeepGEMM installed with the grouped GEMM, 128 x 128 blocks, dims in whole blocks);
+`grouped_gemm_cuda.expert_outputs` asks it. Under expert parallelism (tp > 1) the Triton kernel keeps the
+experts: the rows are sized from the shapes, so every rank would pad for all ``P`` pairs while computing its
+own share (at tp 8 about an eighth), and a count of the local pairs would be a read-back.
 """
 
 from __future__ import annotations
@@ -105,6 +108,8 @@ def fits(layout: ExpertLayout, w13: torch.Tensor, w2: torch.Tensor, block: tuple
     blocks, the contiguous layout of at least `MIN_PAIRS` pairs, and DeepGEMM's grouped GEMM installed."""
     if block is None or tuple(block) != (128, 128) or layout.masked or layout.num_pairs < MIN_PAIRS:
         return False
+    if not layout.all_local:
+        return False
     if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
         return False
     E, I2, H = w13.shape
@@ -113,11 +118,19 @@ def fits(layout: ExpertLayout, w13: torch.Tensor, w2: torch.Tensor, block: tuple
     return _grouped_gemm() is not None
 
 
+SILU_BLOCK_ROWS = 4096
+"""Rows `silu_mul` computes at once (its fp32 temporaries: 4,096 x 2,048 x 4 bytes, 32 MiB, per operand)."""
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``[M, 2I]`` (gate | up) -> ``silu(gate) * up`` ``[M, I]``, bf16 (the Triton kernel's GATE_UP epilogue)."""
-    I = gate_up.shape[1] // 2
-    g, u = gate_up[:, :I].float(), gate_up[:, I:].float()
-    return (torch.nn.functional.silu(g) * u).to(torch.bfloat16)
+    """``[M, 2I]`` (gate | up) -> ``silu(gate) * up`` ``[M, I]``, bf16, computed in fp32 (the Triton kernel's
+    GATE_UP epilogue) over blocks of `SILU_BLOCK_ROWS` rows."""
+    M, I = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(M, I, dtype=torch.bfloat16, device=gate_up.device)
+    for r0 in range(0, M, SILU_BLOCK_ROWS):
+        blk = gate_up[r0:r0 + SILU_BLOCK_ROWS]
+        out[r0:r0 + SILU_BLOCK_ROWS] = torch.nn.functional.silu(blk[:, :I].float()) * blk[:, I:].float()
+    return out
 
 
 def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, layout: ExpertLayout,
@@ -126,18 +139,25 @@ def expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, layout:
     bf16 ``[T * top_k, H]`` in pair order (rows of other ranks' pairs hold padding output: ``combine`` skips
     them). Two grouped GEMMs with the SiLU-and-multiply and the second activation quantization between.
 
-    Its temporaries hold every padded row: ``M`` x (H bf16 + H fp8 + 2I bf16 + I bf16 + I fp8 + H bf16) bytes,
-    ~1.5 GB for an 8,192-token chunk at DeepSeek-V3.2's dims and 16 experts (the Triton kernel gathers
-    the rows through the pair table instead)."""
+    Its temporaries hold every padded row, each freed once the next is made: the peak is the last GEMM's
+    bf16 output ``[M, H]`` beside its gather into pair order ``[T * top_k, H]``, ~1.9 GB for an 8,192-token
+    chunk at DeepSeek-V3.2's dims and 16 experts (M ~ 67.7k rows; the Triton kernel gathers the rows through
+    the pair table instead and holds ``[T * top_k, I + H]``, ~1.2 GB)."""
     gemm = _grouped_gemm()
     E, I2, H = w13.shape
     rows = contiguous_rows(layout, alignment())
     M = rows.num_rows
     xs = x.to(torch.bfloat16).index_select(0, rows.token_of_row)      # [M, H]; padding rows read token 0
     q, sf = fp8_linear_cuda.act_quant(xs)
+    del xs
     gate_up = torch.empty(M, I2, dtype=torch.bfloat16, device=x.device)
     gemm((q, sf), (w13, w13_scale), gate_up, rows.m_indices)
-    q2, sf2 = fp8_linear_cuda.act_quant(silu_mul(gate_up))
+    del q, sf
+    act = silu_mul(gate_up)
+    del gate_up
+    q, sf = fp8_linear_cuda.act_quant(act)
+    del act
     out = torch.empty(M, H, dtype=torch.bfloat16, device=x.device)
-    gemm((q2, sf2), (w2, w2_scale), out, rows.m_indices)
+    gemm((q, sf), (w2, w2_scale), out, rows.m_indices)
+    del q, sf
     return out.index_select(0, rows.row_of_pair).to(x.dtype)

@@ -59,3 +59,37 @@ def test_graph_replay_equals_eager_gpu(arch, k, tmp_path):
     same = sum(a == b for a, b in zip(outs, plain))
     print(f"GRAPHS {arch} k={k}: {graphs.replays} replays over batch sizes {sorted(set(sizes))}, "
           f"eager-vs-replay identical; free-running outputs equal to the ungraphed engine for {same}/{len(outs)} prompts")
+
+
+def test_two_logits_widths_replay_equals_eager_gpu(tmp_path):
+    """Graphs of two indexer-logits widths (`DecodeGraphPlan.logits_pages`; here 2 pages and the whole
+    context, with a backend asking for that, since the tiny model's 2,048 positions stay under the cuda
+    backend's own split at 8,128): steps move between them as contexts grow past 128 tokens, and every replay
+    equals the same step run eagerly at its width."""
+    import dataclasses
+
+    from models.tiny import make_tiny
+    from workers.decode_graphs import DecodeGraphs, default_graph_context
+    from workers.offline import LLM
+
+    model = make_tiny("deepseek_v32", tmp_path / "v32", seed=5, **SERVING_DIMS)
+    llm = LLM(model, backend="cuda", device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_pages=256,
+              chunk_size=256, max_batch_size=8, cuda_graphs=False)
+    llm.runner.backend = dataclasses.replace(llm.runner.backend, decode_logits_widths=lambda m: (128, m))
+    llm.engine.enable_cuda_graphs(default_graph_context(llm.cfg, llm.pool.num_pages), capture=True)
+    graphs = llm.runner.decode_graphs[1]
+    assert graphs.plan.logits_pages == (2, graphs.plan.max_pages) and set(graphs.graphs) == set(graphs.plan.keys())
+    eager = DecodeGraphs(llm.model, llm.cache, llm.runner.backend, graphs.plan, "cuda", capture=False)
+    replay, mismatches = graphs.run, []
+
+    def checked_run(*args):
+        got = replay(*args).clone()
+        if not torch.equal(got, eager.run(*args)):
+            mismatches.append(max(args[2]))
+        return got
+
+    graphs.run = checked_run
+    generate_mixed(llm)
+    assert not mismatches, mismatches[:5]
+    assert graphs.width_steps[2] > 0 and graphs.width_steps[graphs.plan.max_pages] > 0, graphs.width_steps
+    assert llm.pool.free_count == llm.pool.num_pages

@@ -84,6 +84,28 @@ def _act_quant(x: torch.Tensor, group: int = 128, rows: int | None = None):
     return (xf / s[..., None]).to(torch.float8_e4m3fn).view(M, K), s
 
 
+def _w8a8_spec(x, w13, w2, s13, s2, layout) -> torch.Tensor:
+    """bf16 ``[T * top_k, H]``: the pipeline the kernel path computes, in torch, expert by expert: activations
+    quantized per 1 x 128 group (`_act_quant`), products against the dequantized weights in fp32, bf16 outputs,
+    SiLU-and-multiply in fp32, the second quantization. Local pairs only (the rest zero)."""
+    from models.weights import dequantize_fp8_block
+
+    K, I = layout.top_k, w2.shape[2]
+    y = torch.zeros(layout.num_pairs, w2.shape[1], dtype=torch.bfloat16, device=x.device)
+
+    def w8a8(a, w, sc):
+        q, sf = _act_quant(a)
+        return ((q.float() * sf.repeat_interleave(128, 1)) @ dequantize_fp8_block(w, sc, (128, 128), torch.float32).T
+                ).to(torch.bfloat16)
+
+    for e, (s0, c) in enumerate(zip(layout.row_start.tolist(), layout.counts.tolist())):
+        if c:
+            pairs = layout.pairs[s0:s0 + c].long()
+            gu = w8a8(x[pairs // K], w13[e], s13[e]).float()
+            y[pairs] = w8a8((torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16), w2[e], s2[e])
+    return y
+
+
 def _stand_in(align: int):
     calls = []
 
@@ -131,8 +153,11 @@ def test_expert_outputs_glue_against_the_reference(monkeypatch):
         mine = layout.local_pairs().flatten()
         got, want = y[mine].float(), want[mine].float()
         assert torch.isfinite(got).all(), kind  # no local pair read a padding row
-        err = float((got - want).abs().max()) / float(want.abs().max())
-        assert err < 6e-2, (kind, err)  # two activation quantizations to e4m3 (~2^-4 per value)
+        # Against the same W8A8 pipeline in torch: its bf16 roundings (a value on an e4m3 rounding boundary may
+        # land on the other side); against the plain reference: two activation quantizations (~2^-4 a value).
+        spec = _w8a8_spec(x, w13[sl], w2[sl], s13[sl], s2[sl], layout)[mine].float()
+        assert float((got - spec).abs().max()) <= 2e-2 * float(spec.abs().max()), kind
+        assert float((got - want).abs().max()) <= 0.12 * float(want.abs().max()), kind
     assert len(calls) == 6  # two grouped GEMMs per call
     masked = dispatch.masked_layout(ids, 0, E, E)
     assert not dg.fits(masked, w13, w2, (128, 128)) and not dg.fits(layout, w13, w2, (64, 128))
@@ -155,7 +180,10 @@ def test_deepgemm_contiguous_experts_gpu(T, kind):
     layout = dispatch.contiguous_layout(ids, 0, E, E)
     assert dg.fits(layout, w13, w2, (128, 128)), "DeepGEMM's grouped GEMM should take a prefill's pairs"
     y = grouped_gemm_cuda.expert_outputs(x, w13, w2, layout, w13_scale=s13, w2_scale=s2, block=(128, 128))
-    want = ref.expert_outputs(x, w13, w2, layout, w13_scale=s13, w2_scale=s2, block=(128, 128))
-    err = float((y.float() - want.float()).abs().max()) / float(want.float().abs().max())
-    print(f"DEEPGEMM GROUPED T={T} {kind}: max rel err {err:.3e} (align {dg.alignment()})")
-    assert torch.isfinite(y).all() and err < 6e-2, err
+    want = ref.expert_outputs(x, w13, w2, layout, w13_scale=s13, w2_scale=s2, block=(128, 128)).float()
+    spec = _w8a8_spec(x, w13, w2, s13, s2, layout).float()
+    err = float((y.float() - want).abs().max()) / float(want.abs().max())
+    err_spec = float((y.float() - spec).abs().max()) / float(spec.abs().max())
+    print(f"DEEPGEMM GROUPED T={T} {kind}: max rel err {err:.3e} against the bf16 reference, {err_spec:.3e} "
+          f"against the W8A8 spec (align {dg.alignment()})")
+    assert torch.isfinite(y).all() and err_spec <= 2e-2 and err <= 0.12, (err_spec, err)

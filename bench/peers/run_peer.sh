@@ -41,6 +41,8 @@
 #   agree NAME A B      the greedy agreement of engines A and B's `greedy` results on checkpoint NAME, with dsa-pd's
 #                       logit margins at each first divergence (its LLM on the GPU: run it with no server up) and
 #                       the token transformers picks there in fp32 (ours / peer / neither)
+#   gputests [FILES]    the gpu-marked tests (default: those of the code the last leases have not run yet), under
+#                       `timeout ${GPU_TESTS_S:-480}`, the whole log in $OUT/gpu-tests.log (it comes back when cut short)
 #   down                stop both servers
 # Every step ends by copying /tmp/results (tar), the server logs' tails and the table to $OUT.
 # Carry recipe: ../shared/offline-wheels (pack_wheels.py --groups kernels nixl ray; pack_vllm.sh).
@@ -310,6 +312,10 @@ case "$step" in
     env $DSA_ENV timeout "${BENCH_S:-400}" python3 -m bench.peers.agreement "$RES/greedy__${a}__${name}.json" \
         "$RES/greedy__${b}__${name}.json" --model "/tmp/ckpt/$name" --backend cuda --device cuda --dtype bfloat16 --judge-dtype float32 \
         --json "$RES/agreement__${a}__${b}__${name}.json" 2>&1 | grep -vE "NIXL|Writing" | tee "$RES/agreement__${a}__${b}__${name}.md" ;;
+  gputests)
+    files=${*:-tests/models/test_grouped_gemm_deepgemm.py tests/workers/test_decode_graphs_gpu.py tests/workers/test_mixed_steps_gpu.py tests/models/test_fp8_kernels.py tests/models/test_fp8_model_gpu.py tests/workers/test_prefill_graphs_gpu.py tests/workers/test_engine_cuda_gpu.py}
+    env $DSA_ENV RAY_AUTH_MODE=disabled timeout "${GPU_TESTS_S:-480}" python3 -m pytest -q -s -p no:cacheprovider $files 2>&1 \
+        | grep -vE "NIXL|Writing" | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error|^[A-Z0-9 ]+:" | tail -40 ;;
   down)
     for p in /tmp/vllm.pid /tmp/dsa.pid; do [ -f "$p" ] && kill -- -"$(cat "$p")" 2>/dev/null; done
     env $DSA_ENV serve shutdown -y >/dev/null 2>&1; env $DSA_ENV ray stop -f >/dev/null 2>&1

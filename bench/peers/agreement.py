@@ -62,13 +62,20 @@ def compare(ours: dict, peer: dict, llm=None, seed: int = 1, max_margins: int = 
     return rows
 
 
-def transformers_judge(model_dir: str, device: str = "cpu", dtype: str = "float32"):
-    """transformers' own model of the checkpoint as a judge: token ids -> fp32 logits after the last one."""
+def transformers_model(model_dir: str, device: str = "cpu", dtype: str = "float32"):
+    """transformers' own ``AutoModelForCausalLM`` of the checkpoint, in ``dtype``, on ``device``, eval mode."""
     import torch
     import transformers
 
     kw = {} if device == "cpu" else {"device_map": device}
-    m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), **kw).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype), **kw).eval()
+
+
+def transformers_judge(model_dir: str, device: str = "cpu", dtype: str = "float32"):
+    """transformers' own model of the checkpoint as a judge: token ids -> fp32 logits after the last one."""
+    import torch
+
+    m = transformers_model(model_dir, device, dtype)
 
     def judge(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():

@@ -19,9 +19,9 @@ from bench.offline import random_prompts
 
 
 def _hf_logits(model_dir: str, prompts, dtype, device: str = "cuda"):
-    import transformers
+    from bench.peers.agreement import transformers_model
 
-    m = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **({} if device == "cpu" else {"device_map": device})).eval()
+    m = transformers_model(model_dir, device, str(dtype).removeprefix("torch."))
     with torch.no_grad():
         out = [m(torch.tensor([p], device=device)).logits[0].float().cpu() for p in prompts]
     del m

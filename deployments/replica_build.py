@@ -13,6 +13,7 @@ decode replica is built without a NIXL link (``worker_id=None`` to
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +60,12 @@ def _build(app_cfg: AppConfig, role: str, model_dir: str | Path, worker_id: str,
     role_cfg = app_cfg.for_role(role)
     place = plan_placement(app_cfg).for_role(role)
     options = rank_actor_options(place) if role_cfg.tensor_parallel_size > 1 else None
+    t = time.perf_counter()
     parts = build_replica(role_cfg.rank_spec(model_dir, push, app_cfg.features.two_batch_overlap),
                           role_cfg.tensor_parallel_size,
                           worker_id if link else None, options, prefix_caching=app_cfg.features.prefix_caching,
                           mtp=role_cfg.has_mtp, chunk_size=role_cfg.chunk_size)
+    log.info("%s: weights loaded and prefill kernels warmed up in %.1f s", worker_id, time.perf_counter() - t)
     if app_cfg.features.two_batch_overlap:
         log.info("%s: two-batch overlap on (each multi-request forward as two micro-batches, models/two_batch.py)",
                  worker_id)
@@ -81,10 +84,12 @@ def build_prefill_worker(app_cfg: AppConfig, model_dir: str | Path, worker_id: s
                            cache_groups=uses_cache_groups(str(model_dir)))
     tokens = _prefill_graph_tokens(role_cfg, graphs, p, model_dir)
     if tokens:
+        t = time.perf_counter()
         p.runner.enable_prefill_graphs(tokens, capture=True, max_context=_graph_context(app_cfg, role_cfg, p))
         plan = p.runner.prefill_graphs.plan
         log.info("%s: prefills from CUDA graphs: one new prompt of %s tokens, rows of %s tokens over cached "
-                 "prefixes (contexts up to %d)", worker_id, plan.buckets, plan.row_buckets, plan.max_context)
+                 "prefixes (contexts up to %d; captured in %.1f s)", worker_id, plan.buckets, plan.row_buckets,
+                 plan.max_context, time.perf_counter() - t)
     return PrefillWorker(p.runner, p.pool, p.link, role_cfg.chunk_size, mtp=role_cfg.has_mtp,
                          deadline_s=app_cfg.transfer.deadline_s, grammars=grammars)
 

@@ -15,6 +15,7 @@ request's drafts come to the host, for its grammar masks).
 from __future__ import annotations
 
 import logging
+import time
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -175,17 +176,22 @@ class Engine:
         ``prefill_tokens``: also small prefills: one new prompt up to that many tokens, or the new tokens
         of a few requests over cached prefixes in contexts up to ``max_context`` (``workers.prefill_graphs``;
         `prefill_graph_tokens` resolves it; 0: none)."""
+        # Each phase's seconds in the log: a replica slow to come up says which phase held it.
         if prefill_tokens:
+            t = time.perf_counter()
             self.runner.enable_prefill_graphs(prefill_tokens, capture, max_context)
             plan = self.runner.prefill_graphs.plan
-            log.info("prefills: %s for one new prompt of %s tokens, and rows of %s tokens over cached prefixes",
-                     "CUDA graphs captured" if capture else "static buffers", plan.buckets, plan.row_buckets)
+            log.info("prefills: %s for one new prompt of %s tokens, and rows of %s tokens over cached prefixes "
+                     "(%.1f s)", "CUDA graphs captured" if capture else "static buffers", plan.buckets,
+                     plan.row_buckets, time.perf_counter() - t)
+        t = time.perf_counter()
         self.runner.enable_decode_graphs((self.k + 1,), self.cfg.max_batch_size, max_context, capture)
         g = self.runner.decode_graphs[self.k + 1]
         if self.k:
             self.drafter.enable_graphs(g, capture)
-        log.info("decode steps of width %d: %s for batch sizes %s, contexts up to %d tokens",
-                 self.k + 1, "CUDA graphs captured" if capture else "static buffers", g.plan.batch_sizes, max_context)
+        log.info("decode steps of width %d: %s for batch sizes %s, logits widths %s, contexts up to %d tokens "
+                 "(%.1f s)", self.k + 1, "CUDA graphs captured" if capture else "static buffers", g.plan.batch_sizes,
+                 g.plan.logits_pages, max_context, time.perf_counter() - t)
 
     @property
     def has_work(self) -> bool:

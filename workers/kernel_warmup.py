@@ -54,6 +54,8 @@ def warm_up_prefill(runner, pool, chunk_size: int, max_positions: int) -> dict[i
             if torch.cuda.is_available() and str(getattr(runner, "device", "")).startswith("cuda"):
                 torch.cuda.synchronize()
             took[n] = time.perf_counter() - t
+            # One line a size as it ends: a first-use compile shows as the size it held up.
+            log.info("prefill warm-up: %d tokens in %.2f s", n, took[n])
         finally:
             pool.free(pages)
     if took:

@@ -22,7 +22,11 @@ def _child(conn, model_dir: str, llm_kwargs: dict, chunk_size: int, mtp: bool) -
     from workers.prefill_worker import PrefillWorker
     from workers.push_tuning import PushTuning
 
-    llm = LLM(model_dir, **{**llm_kwargs, "cuda_graphs": False})
+    # The caller's settings unchanged: a prefill replica replays the same prefill graphs as a
+    # monolithic one (prefill_graph_max_tokens), so PD and monolithic take the same prefill path.
+    # (Session 28 found PD != monolithic at a prompt's first token with this process's graphs off:
+    # the monolithic side replayed its 64-token chunks' graphs, the prefill side ran them eagerly.)
+    llm = LLM(model_dir, **llm_kwargs)
     link = KVLink.create("prefill-0", model_dir, llm.cache, has_mtp=len(llm.model.mtp) > 0,
                          push=PushTuning().for_prefill())
     worker = PrefillWorker(llm.runner, llm.pool, link, chunk_size, mtp=mtp, deadline_s=600.0)

@@ -9,7 +9,12 @@ in ``sys.modules`` under the real names. Each fake
   metadata-reuse rule), so glue that would make the real kernel assert fails
   here too;
 * computes its result with the torch reference (``attention.indexer``,
-  ``attention.sparse_mla``) from the kernel's own inputs;
+  ``attention.sparse_mla``) from the kernel's own inputs; ``flash_mla_with_kvcache``
+  with ``kv_format="V4"`` (DeepSeek-V4 decode) reads each token's 576-byte part and
+  8 scale bytes at the kernel's own offsets in the (P, 256, 1, 584) view (page
+  stride from ``stride(0)``), dequantizes them with ``attention.v4_format`` and
+  refuses metadata reused with other ``topk_length`` values (the real kernel
+  silently uses the stale schedule);
 * returns results shaped the way the real kernels return them: logits as a
   column slice of a row-padded buffer whose padding and (for paged logits,
   ``clean_logits=False``) whose tail past each row's length hold garbage

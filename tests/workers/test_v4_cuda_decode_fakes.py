@@ -21,12 +21,10 @@ import pytest
 import torch
 
 from deployments.app_config import SERVING_ATTENTION_DIMS_V4
-from models.batch import ForwardMode
 from models.tiny_v4 import make_tiny_v4
 from tests.workers.prompts import random_prompt
-from workers.model_runner import WorkItem
+from tests.workers.v4_reference import teacher_forced
 from workers.offline import LLM
-from workers.page_tables import frozen_pages
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,31 +35,6 @@ STEPS = (1, 1, 3, 1, 1, 1)  # tokens per request per DECODE step (3: an MTP veri
 @pytest.fixture(scope="module")
 def serving_v4(tmp_path_factory):
     return make_tiny_v4(tmp_path_factory.mktemp("v4-serving-decode"), seed=1, **SERVING_ATTENTION_DIMS_V4)
-
-
-def teacher_forced(llm: LLM, prompts, steps, between=None) -> list[torch.Tensor]:
-    """Prefill ``prompts`` in one forward, then DECODE steps of ``steps[i]`` fixed tokens per request ->
-    fp32 logits ``[R * width, vocab]`` of each step. ``between(i)``: called before step ``i``."""
-    total = [len(p) + sum(steps) for p in prompts]
-    tables = [llm.pool.allocate_for_tokens(n) for n in total]
-    try:
-        pages = [frozen_pages(t) for t in tables]
-        llm.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(p), 0, pg) for p, pg in zip(prompts, pages)])
-        starts = [len(p) for p in prompts]
-        out = []
-        for i, w in enumerate(steps):
-            if between is not None:
-                between(i)
-            items = [WorkItem(tuple(random_prompt(w, 300, 1000 * i + r)), s, pg)
-                     for r, (s, pg) in enumerate(zip(starts, pages))]
-            _, hidden = llm.runner.forward(ForwardMode.DECODE, items)
-            with torch.inference_mode():
-                out.append(llm.model.logits(hidden).cpu())
-            starts = [s + w for s in starts]
-        return out
-    finally:
-        for t in tables:
-            llm.pool.free(t)
 
 
 def test_v4_decode_on_the_paged_kernel_matches_the_reference(serving_v4, cuda_fake_kernels):

@@ -75,8 +75,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def set_decode_kernel(self, attend, new_meta) -> None:
         """DECODE forwards given their pages (``forward``'s ``paged``) attend through ``attend`` reading them
         in place (``attention.cuda.v4_decode.v4_sparse_decode``, its scheduling metadata from ``new_meta``);
-        the runner builds the ``models.v4.paged_decode.PagedDecode`` (`decode_kernel`). The MTP layers keep
-        ``attend`` of `set_attention_kernel`."""
+        the runner builds the ``models.v4.paged_decode.PagedDecode`` (`decode_kernel`), and the MTP layer's
+        chained draft steps (DECODE batches, ``models.v4.mtp.paged_mtp_forward``) too."""
         self.decode_kernel = (attend, new_meta)
 
     def set_attention_kernel(self, attend) -> None:

@@ -20,8 +20,8 @@ compressors and the indexer run on the new tokens), so the paged store after the
 written into their pages *before* the kernel runs (it reads them there: a query attends to its own key
 and to an entry its token completes); the store writes the same values again.
 
-`PagedDecode` is built once per forward by the runner (``workers.v4_runner``) and passed down to every
-attention layer; it also holds the kernel's scheduling metadata, one object per layer kind and index
+`PagedDecode` is built once per forward by the runner (``workers.v4_runner``; for the MTP layer's chained
+draft steps by ``models.v4.mtp.paged_mtp_forward``) and passed down to every attention layer; it also holds the kernel's scheduling metadata, one object per layer kind and index
 widths, reused by the layers of that kind (their per-query lengths are equal: they depend only on the
 positions, the window, the ratio and ``index_topk``).
 """

@@ -12,7 +12,9 @@ so a few steps cross windows, compressed blocks and a 256-token page):
   (workspace + prefill kernel: both bf16) is, and equal that path's on the same pages within bf16
   output rounding;
 * the decode kernel runs once per layer per DECODE step and never in prefill;
-* greedy output equals the reference backend's (short runs) and the previous path's.
+* greedy output equals the reference backend's (short runs) and the previous path's;
+* with MTP, the chained draft steps run on the kernel too (their draft logits equal the workspace path's
+  from the same pages) and greedy output with MTP equals greedy output without.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ import pytest
 import torch
 
 from deployments.app_config import SERVING_ATTENTION_DIMS_V4
+from models.batch import ForwardMode
 from models.tiny_v4 import make_tiny_v4
+from models.v4.batch import V4Batch
 from tests.workers.prompts import random_prompt
 from tests.workers.v4_reference import teacher_forced
+from workers.model_runner import WorkItem
 from workers.offline import LLM
+from workers.page_tables import frozen_pages
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,3 +116,59 @@ def test_v4_greedy_on_the_paged_decode_kernel_equals_the_reference(serving_v4, c
         assert got == cuda.generate(prompts, max_new_tokens=12, ignore_eos=True)
     finally:
         cuda.model.decode_kernel = kernel
+
+
+def test_v4_mtp_chained_drafts_on_the_paged_decode_kernel(serving_v4, cuda_fake_kernels):
+    """With MTP (2 drafts: one chained step each) the chained draft steps attend through the paged kernel too
+    (MTP layer ``num_hidden_layers``: its window only); greedy output with MTP equals greedy output without."""
+    prompts = [random_prompt(n, 300, n) for n in (9, 40, 250)]
+    plain = LLM(serving_v4, backend="cuda", device="cpu", num_pages=8, chunk_size=64, kv_cache_dtype="fp8")
+    want = plain.generate(prompts, max_new_tokens=10, ignore_eos=True)
+    mtp = LLM(serving_v4, backend="cuda", device="cpu", num_pages=8, chunk_size=64, kv_cache_dtype="fp8",
+              mtp_draft_tokens=2)
+    attend, new_meta = mtp.model.decode_kernel
+    layers = []
+
+    def spy(q, cache, layer, *args, **kw):
+        layers.append(layer)
+        return attend(q, cache, layer, *args, **kw)
+
+    mtp.model.set_decode_kernel(spy, new_meta)
+    assert mtp.generate(prompts, max_new_tokens=10, ignore_eos=True) == want
+    n = mtp.model.cfg.num_hidden_layers
+    assert n in layers and set(layers) == set(range(n + 1))  # the MTP layer's chained steps, the main layers
+    assert mtp.stats()["mtp_drafted"] > 0
+    # Greedy output does not depend on the drafts: check the chained step's draft logits themselves, paged
+    # kernel against the workspace path from the same pages.
+    mtp.model.set_decode_kernel(attend, new_meta)
+    assert torch.allclose(*_chained_draft_logits(mtp, prompts), rtol=1e-2, atol=3e-2)
+
+
+def _chained_draft_logits(llm, prompts):
+    """Prefill ``prompts`` and their MTP entries (as the drafter's first forward), then one chained MTP step
+    (a DECODE batch at position ``len - 1``) on the paged kernel and, from the same pages, on the workspace
+    path -> (draft logits, draft logits)."""
+    model, dev = llm.model, llm.runner.device
+    tables = [llm.pool.allocate_for_tokens(len(p) + 4) for p in prompts]
+    try:
+        pages = tuple(frozen_pages(t) for t in tables)
+        _, h = llm.runner.forward(ForwardMode.PREFILL, [WorkItem(tuple(p), 0, pg) for p, pg in zip(prompts, pages)])
+        with torch.inference_mode():
+            first = V4Batch.of(ForwardMode.PREFILL, [p[1:] for p in prompts], [0] * len(prompts), pages, dev)
+            last = torch.tensor([len(p) - 1 for p in prompts]).cumsum(0) - 1
+            keep = torch.ones(h.shape[0], dtype=torch.bool)
+            keep[torch.tensor([len(p) for p in prompts]).cumsum(0) - 1] = False  # no token after the last
+            _, x, _ = model.mtp_forward(first, h[keep], llm.runner.cache, rows=last)
+            chained = V4Batch.of(ForwardMode.DECODE, [[7]] * len(prompts), [len(p) - 1 for p in prompts], pages, dev)
+            before = llm.runner.cache.buffer.clone()
+            paged, _, _ = model.mtp_forward(chained, x, llm.runner.cache)
+            llm.runner.cache.buffer.copy_(before)
+            kernel, model.decode_kernel = model.decode_kernel, None
+            try:
+                workspace, _, _ = model.mtp_forward(chained, x, llm.runner.cache)
+            finally:
+                model.decode_kernel = kernel
+        return paged, workspace
+    finally:
+        for t in tables:
+            llm.pool.free(t)

@@ -212,6 +212,20 @@ class GroupedPagedCache:
             return
         self._views[name][page, self.layer_slot[name][layer], off] = values.to(lay.dtype)
 
+    def write_rows(self, name: str, layer: int, tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                   values: torch.Tensor) -> None:
+        """`write` for several sequences in one call: ``values`` ``[n, width]`` at ``positions`` int64 ``[n]``
+        of sequence ``rows[i]``, whose pages are row ``rows[i]`` of ``tables`` (`padded_tables`). Unlike
+        `write` nothing is read back: the caller guarantees each position lies inside its sequence's pages."""
+        T = self.layouts[name].group.tokens_per_page
+        page, off = page_offset(tables[rows.long()], positions[:, None], T, rowwise=True)
+        page, off = page[:, 0], off[:, 0]
+        lay = self.layouts[name]
+        if lay.fmt is not None:
+            write_tokens(self.buffer.view(-1), self._page_base(name, layer, page), off, values, lay.fmt)
+            return
+        self._views[name][page, self.layer_slot[name][layer], off] = values.to(lay.dtype)
+
     def _page_base(self, name: str, layer: int, page: torch.Tensor) -> torch.Tensor:
         """Byte offset in the buffer of ``layer``'s V4 page inside each of group ``name``'s ``page`` s."""
         lay = self.layouts[name]

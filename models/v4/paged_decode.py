@@ -18,7 +18,9 @@ The state is updated exactly as the reference updates it (``st.swa`` grows by th
 compressors and the indexer run on the new tokens), so the paged store after the forward
 (``models.v4.paged_state.store_state``) is unchanged. The keys and entries this forward makes are
 written into their pages *before* the kernel runs (it reads them there: a query attends to its own key
-and to an entry its token completes); the store writes the same values again.
+and to an entry its token completes): the keys of every request in one batched write per layer
+(``GroupedPagedCache.write_rows``, its bounds checked on the host when the `PagedDecode` is built), the
+entries per request that completed one; the store writes the same values again.
 
 `PagedDecode` is built once per forward by the runner (``workers.v4_runner``; for the MTP layer's chained
 draft steps by ``models.v4.mtp.paged_mtp_forward``) and passed down to every attention layer; it also holds the kernel's scheduling metadata, one object per layer kind and index
@@ -68,6 +70,10 @@ class PagedDecode:
         """A forward of ``q_lens[r]`` tokens from position ``starts[r]`` of requests whose pages are
         ``pages[r]`` (group -> page ids)."""
         dev = cache.device
+        T = cache.layouts["swa"].group.tokens_per_page
+        for p, s, n in zip(pages, starts, q_lens):  # on the host: the batched key write reads nothing back
+            if s + n > len(p["swa"]) * T:
+                raise ValueError(f"a request's {len(p['swa'])} swa pages do not hold positions up to {s + n}")
         groups = [g for g in ("swa", *_GROUP.values()) if g in cache.layouts]
         tables = {g: padded_tables([p[g] for p in pages], dev) for g in groups}
         rows = torch.repeat_interleave(torch.arange(len(q_lens), device=dev),
@@ -102,6 +108,7 @@ def paged_decode_attention(attn, x, q_res, q, kv, positions, cos, sin, ranges, s
     positions int64 ``[T]``, cos / sin of the layer's rope, ``ranges`` / ``states`` per request (updated
     as the reference updates them) -> out ``[T, H, D]`` (the kernel's bf16)."""
     cache, layer = paged.cache, attn.layer
+    cache.write_rows("swa", layer, paged.tables["swa"], paged.rows, positions, kv)  # every request's new keys
     comp_rows = []
     for r, ((s0, s1), st) in enumerate(zip(ranges, states)):
         if s1 == s0:
@@ -110,7 +117,6 @@ def paged_decode_attention(attn, x, q_res, q, kv, positions, cos, sin, ranges, s
         # The state as the reference leaves it: the window before, then this forward's keys.
         prev = st.swa[max(0, st.swa.shape[0] - (attn.window - 1)):]
         st.swa = torch.cat([prev, kv[s0:s1]])
-        cache.write("swa", layer, pages["swa"], positions[s0:s1], kv[s0:s1])
         if attn.compressor is None:
             continue
         before = st.comp.num_entries

@@ -96,7 +96,7 @@ def _reference(cache, layer, kind, q, pages, rows, pos, comp, sink, scale):
             entries = cache.read(group, layer, table[group], torch.arange((p + 1) // m))
             ws = torch.cat([entries, keys])
             row = combined_index_row(comp[t:t + 1], win, 0, entries.shape[0])
-        out.append(reference(q[t:t + 1], ws, row, sink, scale))
+        out.append(reference(q[t:t + 1], ws, row.to(q.device), sink, scale))
     return torch.cat(out)
 
 
@@ -157,6 +157,20 @@ def test_v4_decode_positions_past_the_table_read_nothing(cuda_fake_kernels):
     got = v4_sparse_decode(q, cache, 0, V4Source("swa", tables["swa"], bad), None, rows, sink, 0.05)
     want = v4_sparse_decode(q, cache, 0, V4Source("swa", tables["swa"], good), None, rows, sink, 0.05)
     assert torch.equal(got, want)
+
+
+def test_write_rows_is_write_per_sequence():
+    """The batched key write of a decode step stores what `write` stores, sequence by sequence."""
+    gen = torch.Generator().manual_seed(SEED)
+    one, many = _cache(6, "cpu"), _cache(6, "cpu")
+    pages = [{"swa": [4, 1]}, {"swa": [0]}, {"swa": [5, 2, 3]}]
+    pos = torch.tensor([300, 301, 7, 700, 511])
+    rows = torch.tensor([0, 0, 1, 2, 2])
+    x = torch.randn(5, FMT.head_dim, generator=gen)
+    for i in range(5):
+        one.write("swa", 2, pages[int(rows[i])]["swa"], pos[i:i + 1], x[i:i + 1])
+    many.write_rows("swa", 2, padded_tables([p["swa"] for p in pages], "cpu"), rows, pos, x)
+    assert torch.equal(one.buffer, many.buffer) and bool(one.buffer.any())
 
 
 def test_v4_decode_metadata_is_reused_only_with_equal_lengths(cuda_fake_kernels):

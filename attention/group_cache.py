@@ -49,7 +49,7 @@ import torch
 
 from .cache import ALL_LAYERS, CacheRegion
 from .cache_groups import CacheGroup
-from .v4_format import V4CacheFormat, read_tokens, write_tokens
+from .v4_format import V4CacheFormat, kernel_view, read_tokens, write_tokens
 from .v4_index_format import V4IndexFormat
 
 UNIT_BYTES = 4096
@@ -58,6 +58,43 @@ one unit per page), large enough that the unit count stays far below NIXL's int3
 
 GROUP_REGION_KIND = "groups"
 """`CacheRegion.kind` of the one region of a grouped cache (layer ``ALL_LAYERS``)."""
+
+
+def page_offset(table: torch.Tensor, positions: torch.Tensor, tokens_per_page: int, rowwise: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """THE position rule of a group: position ``t`` of a sequence whose pages are ``table`` is page
+    ``table[t // tokens_per_page]``, offset ``t % tokens_per_page`` -> (page, offset) int64 like ``positions``.
+
+    table int64 ``[max_pages]``; ``rowwise``: ``[n, max_pages]`` with positions ``[n, k]``, row ``i``
+    through ``table[i]``. Positions must lie inside the table (callers check or mask)."""
+    idx = positions // tokens_per_page
+    page = table.gather(1, idx) if rowwise else table[idx]
+    return page, positions % tokens_per_page
+
+
+def padded_tables(page_lists: Sequence[Sequence[int]], device) -> torch.Tensor:
+    """Sequences' page lists of one group -> int64 ``[R, max(len)]``, ``-1`` past each list's end
+    (`GroupedPagedCache.kernel_slots`'s tables)."""
+    width = max((len(p) for p in page_lists), default=0)
+    out = torch.full((len(page_lists), max(width, 1)), -1, dtype=torch.int64)
+    for r, pages in enumerate(page_lists):
+        out[r, :len(pages)] = torch.as_tensor(list(pages), dtype=torch.int64)
+    return out.to(device)
+
+
+@dataclass(frozen=True)
+class V4Source:
+    """One paged source of a V4 layer's decode attention (``attention.cuda.v4_decode``).
+
+    group:     the cache group (``"swa"``, ``"csa_kv"``, ``"hca_kv"``);
+    tables:    int64 ``[R, max_pages]``, each sequence's pages of the group (``-1`` past the last;
+               ``attention.group_cache.padded_tables``);
+    positions: int64 ``[n, k]``, the group positions each query reads (``-1`` = none), any order.
+    """
+
+    group: str
+    tables: torch.Tensor
+    positions: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -175,6 +212,20 @@ class GroupedPagedCache:
             return
         self._views[name][page, self.layer_slot[name][layer], off] = values.to(lay.dtype)
 
+    def write_rows(self, name: str, layer: int, tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                   values: torch.Tensor) -> None:
+        """`write` for several sequences in one call: ``values`` ``[n, width]`` at ``positions`` int64 ``[n]``
+        of sequence ``rows[i]``, whose pages are row ``rows[i]`` of ``tables`` (`padded_tables`). Unlike
+        `write` nothing is read back: the caller guarantees each position lies inside its sequence's pages."""
+        T = self.layouts[name].group.tokens_per_page
+        page, off = page_offset(tables[rows.long()], positions[:, None], T, rowwise=True)
+        page, off = page[:, 0], off[:, 0]
+        lay = self.layouts[name]
+        if lay.fmt is not None:
+            write_tokens(self.buffer.view(-1), self._page_base(name, layer, page), off, values, lay.fmt)
+            return
+        self._views[name][page, self.layer_slot[name][layer], off] = values.to(lay.dtype)
+
     def _page_base(self, name: str, layer: int, page: torch.Tensor) -> torch.Tensor:
         """Byte offset in the buffer of ``layer``'s V4 page inside each of group ``name``'s ``page`` s."""
         lay = self.layouts[name]
@@ -187,7 +238,35 @@ class GroupedPagedCache:
         table = torch.as_tensor(list(pages), dtype=torch.int64, device=self.device)
         if positions.numel() and int(positions.max()) >= table.numel() * T:
             raise ValueError(f"group {name!r}: position {int(positions.max())} beyond the {table.numel()} pages held")
-        return table[positions // T], positions % T
+        return page_offset(table, positions, T)
+
+    # -- what FlashMLA's V4 decode kernel reads ------------------------------------------
+
+    def kernel_view(self, name: str, layer: int) -> torch.Tensor:
+        """``layer``'s V4 pages of group ``name`` as FlashMLA's ``kv_format="V4"`` cache: uint8
+        ``(num_pages, tokens_per_page, 1, bytes_per_token)`` whose page stride is the group page's (the
+        layer's V4 page sits ``layer_slot * fmt.page_bytes`` into each group page). Kernel slot
+        ``page * tokens_per_page + offset`` is the group's page ``page`` (`kernel_slots`)."""
+        lay = self.layouts[name]
+        if not isinstance(lay.fmt, V4CacheFormat):
+            raise ValueError(f"group {name!r} is not stored in the V4 fp8 token format (kv_cache_dtype 'fp8'): "
+                             f"no kernel view")
+        return kernel_view(self._views[name][:, self.layer_slot[name][layer]], lay.fmt)
+
+    def kernel_slots(self, name: str, tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
+                     ) -> torch.Tensor:
+        """Positions of several sequences -> kernel slots of group ``name`` (`kernel_view`), by `read`'s rule.
+
+        tables: int ``[R, max_pages]``, sequence ``r``'s pages of the group (`padded_tables`: ``-1`` past
+        its last); rows: int64 ``[n]``, the sequence of each row of ``positions`` int64 ``[n, k]``
+        (``-1`` = none) -> int32 ``[n, k]`` ``page * tokens_per_page + offset``, ``-1`` where the position
+        is negative, past the table or on a ``-1`` page (no read-back, no range error: the caller's
+        positions say what exists)."""
+        T = self.layouts[name].group.tokens_per_page
+        width = tables.shape[1]
+        ok = (positions >= 0) & (positions < width * T)
+        page, off = page_offset(tables.long()[rows.long()], torch.where(ok, positions, 0), T, rowwise=True)
+        return torch.where(ok & (page >= 0), page * T + off, -1).to(torch.int32)
 
     # -- transfer units --------------------------------------------------------------
 

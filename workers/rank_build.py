@@ -129,7 +129,8 @@ def uses_cache_groups(model_dir: str) -> bool:
 def _build_grouped_rank(spec: RankSpec, tp: TPContext, device: str) -> RankParts:
     """A DeepSeek-V4 rank: the ``models.v4`` model (its MTP layer with ``spec.with_mtp``), its cache groups
     (``spec.num_pages`` pages each) in one ``GroupedPagedCache``, the `workers.v4_runner.V4ModelRunner`.
-    One rank; on the cuda backend its sparse attention runs on FlashMLA (`attention.cuda.v4_attention`)."""
+    One rank; on the cuda backend its sparse attention runs on FlashMLA (`attention.cuda.v4_attention`; decode
+    with fp8 caches `attention.cuda.v4_decode`)."""
     from attention.group_cache import GroupedPagedCache
     from models.registry import load_any_model
     from models.v4.cache_spec import v4_formats, v4_group_layouts
@@ -147,6 +148,10 @@ def _build_grouped_rank(spec: RankSpec, tp: TPContext, device: str) -> RankParts
 
         check_v4_dims(model.cfg.head_dim, model.cfg.num_attention_heads)
         model.set_attention_kernel(sparse_attention_with_sink)
+        if spec.kv_cache_dtype == "fp8":  # decode reads the V4 fp8 pages in place (bf16 pages: no kernel)
+            from attention.cuda.v4_decode import new_meta, v4_sparse_decode
+
+            model.set_decode_kernel(v4_sparse_decode, new_meta)
     # fp8 caches: the model rounds keys, entries and indexer keys through the pages' formats as it makes them.
     model.set_kv_cache_format(*v4_formats(model.cfg, spec.kv_cache_dtype))
     # The MTP layer's keys (when loaded) are one more layer of the swa group.

@@ -29,7 +29,9 @@ accepted length are cached (``workers.scheduler.cacheable_tokens``).
 
 Not here yet: CUDA graphs and overlap scheduling (a step's last tokens come from
 the host). On the cuda backend the model's sparse attention runs on FlashMLA
-(`workers.rank_build`, ``attention.cuda.v4_attention``); the runner is the same.
+(`workers.rank_build`): prefill over the state's bf16 workspace (``attention.cuda.v4_attention``),
+DECODE steps with fp8 caches on the fp8 sparse decode kernel reading the pages in place
+(``attention.cuda.v4_decode``; this runner hands the model a ``models.v4.paged_decode.PagedDecode``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from models.batch import ForwardMode
 from models.v4.batch import V4Batch
 from models.v4.cache_spec import STATE_LOOKAHEAD, cut_state_groups
 from models.v4.model import DeepseekV4ForCausalLM
+from models.v4.paged_decode import PagedDecode
 from models.v4.paged_state import load_state, pending_rows, store_cut_states, store_state
 from workers.decode_graphs import patch_tokens
 from workers.host_copy import to_device
@@ -97,12 +100,19 @@ class V4ModelRunner:
         cuts = [self._cut_pages(pages, start, n) for pages, start, n in zip(batch.page_tables, batch.starts,
                                                                             batch.q_lens)]
         before = [pending_rows(self.model, st) if c else None for st, c in zip(states, cuts)]
-        hidden = self.model(batch.input_ids, list(batch.q_lens), states)
+        hidden = self.model(batch.input_ids, list(batch.q_lens), states, self._paged(batch))
         for pages, start, st, c, b in zip(batch.page_tables, batch.starts, states, cuts, before):
             store_state(self.model, self.cache, pages, st, start)
             if c:
                 store_cut_states(self.model, self.cache, st, start, c, b)
         return batch, hidden
+
+    def _paged(self, batch: V4Batch) -> PagedDecode | None:
+        """A DECODE forward's pages for the model's paged decode kernel (cuda backend, fp8 caches:
+        ``models.v4.paged_decode``); None: attention over the state's workspace (prefill, reference)."""
+        if batch.mode is not ForwardMode.DECODE or self.model.decode_kernel is None:
+            return None
+        return PagedDecode.of(self.cache, batch.page_tables, batch.starts, batch.q_lens, *self.model.decode_kernel)
 
     def _cut_pages(self, pages, start: int, q_len: int) -> dict[int, dict[str, int]]:
         """The cuts a forward of ``q_len`` tokens from ``start`` crosses (``start < c <= end``) whose state

@@ -25,8 +25,10 @@ What the DSA settings mean for V4, and what its engine runs today
   per-group formats).
 * backend: ``reference``, or ``cuda`` when the attention has FlashMLA's shape
   (head_dim 512, at most 128 heads): its sparse attention then runs on
-  FlashMLA's SM90 prefill kernel (``attention.cuda.v4_attention``), everything
-  else as torch ops on the device, eager (``cuda_graphs`` is refused).
+  FlashMLA's SM90 prefill kernel (``attention.cuda.v4_attention``) and, with
+  ``fp8`` caches, decode on its fp8 sparse decode kernel reading the V4 pages
+  (``attention.cuda.v4_decode``), everything else as torch ops on the device,
+  eager (``cuda_graphs`` is refused).
 * prefix caching (``features.prefix_caching``, ``workers.v4_prefix``): exact
   reuse up to cuts every 256 tokens (a multiple of every compress ratio and of
   the ``swa`` page, so no compressor has a pending row there); each cut's CSA

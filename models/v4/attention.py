@@ -29,6 +29,7 @@ from attention.v4_index_format import V4IndexFormat
 from models.parallel import ReplicatedLinear
 from models.v4.config import CSA, SLIDING, V4Config
 from models.v4.layers import V4RMSNorm, V4Rotary, grouped_linear, rope_tail, unweighted_rms_norm
+from models.v4.paged_decode import PagedDecode, paged_decode_attention
 from models.v4.state import CompressorState, LayerState
 
 
@@ -143,7 +144,7 @@ class Indexer(nn.Module):
 class V4Attention(nn.Module):
     def __init__(self, cfg: V4Config, layer: int, dtype: torch.dtype):
         super().__init__()
-        self.kind = cfg.layer_type(layer)
+        self.kind, self.layer = cfg.layer_type(layer), layer
         self.n_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
         self.groups = cfg.o_groups
         self.scale = cfg.head_dim ** -0.5
@@ -178,10 +179,12 @@ class V4Attention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                ranges: list[tuple[int, int]], states: list[LayerState], compress_rotary: V4Rotary) -> torch.Tensor:
+                ranges: list[tuple[int, int]], states: list[LayerState], compress_rotary: V4Rotary,
+                paged: PagedDecode | None = None) -> torch.Tensor:
         """x ``[T, hidden]`` (normed), positions int64 ``[T]``, cos/sin ``[T, rope/2]`` of this
         layer's rope, ``ranges[r]`` the token range of sequence ``r`` whose state is
-        ``states[r]`` (updated in place) -> ``[T, hidden]``."""
+        ``states[r]`` (updated in place) -> ``[T, hidden]``. ``paged``: a DECODE forward whose
+        attention reads the pages in place (``models.v4.paged_decode``; the cuda backend's decode)."""
         T, H, D = x.shape[0], self.n_heads, self.head_dim
         q_res = self.q_norm(self.wq_a(x))
         q = rope_tail(unweighted_rms_norm(self.wq_b(q_res).view(T, H, D), self.eps), cos, sin)
@@ -190,12 +193,16 @@ class V4Attention(nn.Module):
             # fp8 caches: every key is used as the cache will give it back, in this forward's own
             # attention too, so the output does not depend on where chunks and forwards split a sequence.
             kv = round_trip_v4(kv, self.kv_format)
-        out = torch.empty(T, H, D, dtype=torch.float32, device=x.device)
-        for (s0, s1), st in zip(ranges, states):
-            if s1 == s0:  # a sequence with no new tokens this forward
-                continue
-            out[s0:s1] = self._sequence(x[s0:s1], q_res[s0:s1], q[s0:s1], kv[s0:s1], positions[s0:s1],
-                                        cos[s0:s1], sin[s0:s1], st, compress_rotary)
+        if paged is not None:
+            out = paged_decode_attention(self, x, q_res, q, kv, positions, cos, sin, ranges, states,
+                                         compress_rotary, paged)
+        else:
+            out = torch.empty(T, H, D, dtype=torch.float32, device=x.device)
+            for (s0, s1), st in zip(ranges, states):
+                if s1 == s0:  # a sequence with no new tokens this forward
+                    continue
+                out[s0:s1] = self._sequence(x[s0:s1], q_res[s0:s1], q[s0:s1], kv[s0:s1], positions[s0:s1],
+                                            cos[s0:s1], sin[s0:s1], st, compress_rotary)
         o = rope_tail(out.to(x.dtype), cos, -sin).reshape(T, H * D)
         return self.wo_b(grouped_linear(o, self.wo_a.weight, self.groups))
 

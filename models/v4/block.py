@@ -26,11 +26,11 @@ class V4Block(nn.Module):
         self.hc_attn = HyperConnection(cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
         self.hc_ffn = HyperConnection(cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
 
-    def forward(self, h, input_ids, positions, rope, ranges, states, compress_rotary) -> torch.Tensor:
-        """h ``[T, hc, D]`` -> ``[T, hc, D]``."""
+    def forward(self, h, input_ids, positions, rope, ranges, states, compress_rotary, paged=None) -> torch.Tensor:
+        """h ``[T, hc, D]`` -> ``[T, hc, D]``; ``paged``: ``V4Attention.forward``'s."""
         post, comb, x = self.hc_attn(h)
         cos, sin = rope[self.attn.rope_label]
-        out = self.attn(self.attn_norm(x), positions, cos, sin, ranges, states, compress_rotary)
+        out = self.attn(self.attn_norm(x), positions, cos, sin, ranges, states, compress_rotary, paged)
         h = expand(post, comb, out, h)
         post, comb, x = self.hc_ffn(h)
         return expand(post, comb, self.ffn(self.ffn_norm(x), input_ids), h)

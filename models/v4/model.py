@@ -50,6 +50,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.head = ReplicatedLinear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
         self.rotary = nn.ModuleDict({label: V4Rotary(cfg.hf_config, label, cfg.qk_rope_head_dim)
                                      for label in ("main", "compress")})
+        # (attend, new_meta) of a paged decode kernel (`set_decode_kernel`), None: every forward as the reference.
+        self.decode_kernel = None
         n_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
         self.mtp = nn.ModuleList([V4MTPLayer(cfg, d, dtype) for d in range(n_mtp)])
 
@@ -70,6 +72,13 @@ class DeepseekV4ForCausalLM(nn.Module):
             if block.attn.indexer is not None:
                 block.attn.indexer.compressor.kv_format = index_fmt
 
+    def set_decode_kernel(self, attend, new_meta) -> None:
+        """DECODE forwards given their pages (``forward``'s ``paged``) attend through ``attend`` reading them
+        in place (``attention.cuda.v4_decode.v4_sparse_decode``, its scheduling metadata from ``new_meta``);
+        the runner builds the ``models.v4.paged_decode.PagedDecode`` (`decode_kernel`), and the MTP layer's
+        chained draft steps (DECODE batches, ``models.v4.mtp.paged_mtp_forward``) too."""
+        self.decode_kernel = (attend, new_meta)
+
     def set_attention_kernel(self, attend) -> None:
         """Run every block's sparse attention through ``attend`` (the signature of
         ``attention.v4_attention.sparse_attention_with_sink``; the cuda backend's is
@@ -87,11 +96,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         device = device if device is not None else self.embed.weight.device
         return SequenceState(layers=[self.mtp[depth].attn.new_state(device)])
 
-    def forward(self, input_ids: torch.Tensor, q_lens: list[int], states: list[SequenceState]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, q_lens: list[int], states: list[SequenceState],
+                paged=None) -> torch.Tensor:
         """input_ids int64 ``[T]``: the next ``q_lens[r]`` tokens of sequence ``r``
         (in order, ``sum(q_lens) = T``), continuing ``states[r]`` (updated in place)
         -> the residual streams after the last block, flat ``[T, hc * hidden]`` in the
-        model dtype (`logits` turns rows of it into logits)."""
+        model dtype (`logits` turns rows of it into logits). ``paged``: a
+        ``models.v4.paged_decode.PagedDecode`` (a DECODE forward attending over its pages in place)."""
         if len(q_lens) != len(states) or sum(q_lens) != input_ids.shape[0]:
             raise ValueError(f"q_lens {q_lens} must give one length per state ({len(states)}) "
                              f"summing to the {input_ids.shape[0]} tokens")
@@ -100,7 +111,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         rope = {label: rot(positions, x.dtype) for label, rot in self.rotary.items()}
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
-            h = layer(h, input_ids, positions, rope, ranges, [st.layers[i] for st in states], self.rotary["compress"])
+            h = layer(h, input_ids, positions, rope, ranges, [st.layers[i] for st in states], self.rotary["compress"],
+                      paged)
         for n, st in zip(q_lens, states):
             st.seq_len += n
         return h.flatten(1)

@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import torch
 
+from models.batch import ForwardMode
 from models.parallel import ReplicatedLinear
 from models.v4.batch import V4Batch, sequence_positions
 from models.v4.block import V4Block
 from models.v4.config import V4Config
 from models.v4.layers import HyperHead, V4RMSNorm
+from models.v4.paged_decode import PagedDecode
 from models.v4.paged_state import load_mtp_state, store_mtp_state
 from models.v4.state import SequenceState
 
@@ -71,12 +73,13 @@ class V4MTPLayer(V4Block):
 
 
 def mtp_step(model, depth: int, input_ids: torch.Tensor, prev_hidden: torch.Tensor, q_lens: list[int],
-             states: list[SequenceState]) -> torch.Tensor:
+             states: list[SequenceState], paged=None) -> torch.Tensor:
     """MTP layer ``depth`` over the next ``q_lens[r]`` positions of sequence ``r`` (the standalone form:
     ``states[r]`` is `DeepseekV4ForCausalLM.new_mtp_state`'s, updated in place, its ``seq_len`` the first
     position). input_ids int64 ``[T]``: the token *after* each position; prev_hidden ``[T, hc * D]``: the
     main model's streams at each position (or the previous step's output) -> the block's output streams
-    ``[T, hc * D]`` in the model dtype."""
+    ``[T, hc * D]`` in the model dtype. ``paged``: a DECODE step's pages for the paged decode kernel
+    (``models.v4.paged_decode``)."""
     if len(q_lens) != len(states) or sum(q_lens) != input_ids.shape[0] or prev_hidden.shape[0] != input_ids.shape[0]:
         raise ValueError(f"q_lens {q_lens} must give one length per state ({len(states)}) summing to the "
                          f"{input_ids.shape[0]} tokens and {prev_hidden.shape[0]} hidden rows")
@@ -84,7 +87,8 @@ def mtp_step(model, depth: int, input_ids: torch.Tensor, prev_hidden: torch.Tens
     ranges, positions = sequence_positions(q_lens, [st.seq_len for st in states], input_ids.device)
     x = mtp.inputs(model.embed(input_ids), prev_hidden)
     rope = {label: rot(positions, x.dtype) for label, rot in model.rotary.items()}
-    x = mtp(x, input_ids, positions, rope, ranges, [st.layers[0] for st in states], model.rotary["compress"])
+    x = mtp(x, input_ids, positions, rope, ranges, [st.layers[0] for st in states], model.rotary["compress"],
+            paged)
     for n, st in zip(q_lens, states):
         st.seq_len += n
     return x.flatten(1)
@@ -95,10 +99,15 @@ def paged_mtp_forward(model, batch: V4Batch, prev_hidden: torch.Tensor, cache, d
     """`mtp_step` over ``batch``'s requests with MTP layer ``depth``'s keys in their ``swa`` pages (cache
     layer ``num_hidden_layers + depth``): loaded before, what the step added written after. Returns
     (fp32 draft logits ``[T, vocab]``, or None without ``draft``; output streams ``[T, hc * D]``), only the
-    ``rows`` (int64 ``[n]``) of both when given (every row still writes its cache entry)."""
+    ``rows`` (int64 ``[n]``) of both when given (every row still writes its cache entry). A DECODE batch (a
+    chained draft step) attends through the model's paged decode kernel when it has one
+    (``DeepseekV4ForCausalLM.set_decode_kernel``), as the main layers' DECODE forwards do."""
     states = [load_mtp_state(model, cache, pages, start, depth)
               for pages, start in zip(batch.page_tables, batch.starts)]
-    x = mtp_step(model, depth, batch.input_ids, prev_hidden, list(batch.q_lens), states)
+    paged = None
+    if batch.mode is ForwardMode.DECODE and model.decode_kernel is not None:
+        paged = PagedDecode.of(cache, batch.page_tables, batch.starts, batch.q_lens, *model.decode_kernel)
+    x = mtp_step(model, depth, batch.input_ids, prev_hidden, list(batch.q_lens), states, paged)
     for pages, start, st in zip(batch.page_tables, batch.starts, states):
         store_mtp_state(model, cache, pages, st, start, depth)
     if rows is not None:

@@ -9,7 +9,12 @@ in ``sys.modules`` under the real names. Each fake
   metadata-reuse rule), so glue that would make the real kernel assert fails
   here too;
 * computes its result with the torch reference (``attention.indexer``,
-  ``attention.sparse_mla``) from the kernel's own inputs;
+  ``attention.sparse_mla``) from the kernel's own inputs; ``flash_mla_with_kvcache``
+  with ``kv_format="V4"`` (DeepSeek-V4 decode) reads each token's 576-byte part and
+  8 scale bytes at the kernel's own offsets in the (P, 256, 1, 584) view (page
+  stride from ``stride(0)``), dequantizes them with ``attention.v4_format`` and
+  refuses metadata reused with other ``topk_length`` values (the real kernel
+  silently uses the stale schedule);
 * returns results shaped the way the real kernels return them: logits as a
   column slice of a row-padded buffer whose padding and (for paged logits,
   ``clean_logits=False``) whose tail past each row's length hold garbage
@@ -29,6 +34,7 @@ import torch
 from attention import indexer as ref_indexer
 from attention import sparse_mla as ref_mla
 from attention.formats import PAGE_SIZE, MlaFp8Format, dequantize_mla_fp8
+from attention.v4_format import V4CacheFormat
 
 NUM_SMS = 132
 CALLS: dict[str, int] = {}
@@ -122,6 +128,7 @@ def fp8_mqa_logits(q, kv, weights, ks, ke, clean_logits=False, max_seqlen_k=0):
 class FlashMLASchedMeta:
     def __init__(self):
         self.config = None
+        self.lengths = None
 
 
 def get_mla_metadata(*args, **kwargs):
@@ -135,10 +142,14 @@ def _check_heads(h):
 
 def flash_mla_with_kvcache(q, k_cache, page_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                            num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=None,
-                           indices=None, use_legacy=False, **kw):
+                           indices=None, use_legacy=False, kv_format=None, **kw):
     _count("flash_mla_with_kvcache")
     assert use_legacy and is_fp8_kvcache is True and indices is not None and not causal
     assert page_table is None and cache_seqlens is None and head_dim_v == 512
+    if kv_format == "V4":
+        _count("flash_mla_with_kvcache[V4]")
+        return _v4_decode(q, k_cache, tile_scheduler_metadata, softmax_scale, indices, **kw)
+    assert kv_format is None and not kw, f"V3.2 decode passes no {sorted(kw)}"
     assert q.dtype == torch.bfloat16 and q.dim() == 4 and q.shape[-1] == 576 and q.stride(-1) == 1
     b, s_q, h, _ = q.shape
     _check_heads(h)
@@ -161,6 +172,79 @@ def flash_mla_with_kvcache(q, k_cache, page_table, cache_seqlens, head_dim_v, ti
     k = torch.cat([lat, rope], -1).view(b * s_q, topk, 576)
     out, _, lse = ref_mla._attend(q.float().reshape(b * s_q, h, 576), k, (indices >= 0).reshape(b * s_q, topk),
                                  softmax_scale, 512)
+    return out.view(b, s_q, h, 512).to(torch.bfloat16), lse.view(b, s_q, h).transpose(1, 2).contiguous()
+
+
+V4_PAGE_TOKENS, V4_PART, V4_SCALES = 256, 576, 8
+"""The kernel's kv_format "V4" token: 576 bytes (448 fp8 nope + 64 bf16 rope), then 8 scale bytes (7 UE8M0)
+per token after the page's 256 parts (FlashMLA's V4 layout, DESIGN.md "Kernels as installed")."""
+
+
+def _v4_keys(k_cache, idx, length, name):
+    """Assert one V4 source's contract; -> (keys f32 [n, K, 512], zeros where not read; read mask [n, K])."""
+    fmt = V4CacheFormat()  # the project's dequantizer for the values; the byte offsets are the kernel's own
+    assert k_cache.dtype == torch.uint8 and k_cache.dim() == 4, f"{name}: uint8 (P, 256, 1, 584)"
+    P = k_cache.shape[0]
+    assert k_cache.shape[1:] == (V4_PAGE_TOKENS, 1, V4_PART + V4_SCALES), f"{name}: shape {tuple(k_cache.shape)}"
+    assert k_cache.stride()[1:] == (V4_PART + V4_SCALES,) * 2 + (1,), f"{name}: strides {k_cache.stride()}"
+    assert P == 1 or k_cache.stride(0) >= V4_PAGE_TOKENS * (V4_PART + V4_SCALES), f"{name}: pages overlap"
+    flat = torch.empty(0, dtype=torch.uint8).set_(k_cache.untyped_storage())
+    page_bytes = V4_PAGE_TOKENS * (V4_PART + V4_SCALES)
+    assert k_cache.storage_offset() + (P - 1) * k_cache.stride(0) + page_bytes <= flat.numel(), \
+        f"{name}: the last page runs past the allocation"
+    b, s_q = idx.shape[:2]
+    assert idx.dtype == torch.int32 and idx.dim() == 3 and idx.stride(-1) == 1, f"{name}: int32 [b, s_q, topk]"
+    K = idx.shape[2]
+    assert K % 64 == 0, f"{name}: top-k {K} is not a multiple of 64"
+    assert bool(((idx == -1) | ((idx >= 0) & (idx < P * V4_PAGE_TOKENS))).all()), \
+        f"{name}: the decode kernel reads any index other than -1 (no bounds check)"
+    read = idx >= 0
+    if length is not None:
+        assert length.dtype == torch.int32 and length.shape == (b,) and length.is_contiguous(), \
+            f"{name}: topk_length int32 [b]"
+        assert bool(((length >= 0) & (length <= K)).all()), f"{name}: topk_length outside [0, {K}]"
+        read &= torch.arange(K)[None, None, :] < length.long()[:, None, None]
+    i = idx.long().clamp(min=0)
+    base = k_cache.storage_offset() + (i // V4_PAGE_TOKENS) * k_cache.stride(0)
+    off = i % V4_PAGE_TOKENS
+    part_at = (base + off * V4_PART)[..., None] + torch.arange(V4_PART)
+    scale_at = (base + V4_PAGE_TOKENS * V4_PART + off * V4_SCALES)[..., None] + torch.arange(V4_SCALES)
+    keys = fmt.dequantize(flat[part_at].reshape(-1, V4_PART), flat[scale_at].reshape(-1, V4_SCALES))
+    keys = torch.where(read.reshape(-1, 1), keys, 0.0)  # never-written bytes may decode to NaN
+    return keys.view(b * s_q, K, 512), read.reshape(b * s_q, K)
+
+
+def _v4_decode(q, k_cache, meta, softmax_scale, indices, attn_sink=None, extra_k_cache=None,
+               extra_indices_in_kvcache=None, topk_length=None, extra_topk_length=None):
+    """FlashMLA's legacy sparse decode with kv_format "V4": softmax over the main and the extra source's
+    valid indices (the first topk_length / extra_topk_length of each), key = value (512 dims), the output
+    scaled by exp(lse) / (exp(lse) + exp(sink)); lse [b, h, s_q] without the sink."""
+    assert q.dtype == torch.bfloat16 and q.dim() == 4 and q.shape[-1] == 512 and q.is_contiguous()
+    b, s_q, h, _ = q.shape
+    _check_heads(h)
+    assert softmax_scale is not None
+    assert attn_sink is None or (attn_sink.dtype == torch.float32 and attn_sink.shape == (h,)
+                                 and attn_sink.is_contiguous())
+    assert (extra_k_cache is None) == (extra_indices_in_kvcache is None)
+    assert extra_k_cache is not None or extra_topk_length is None
+    assert indices.shape[:2] == (b, s_q)
+    keys, read = _v4_keys(k_cache, indices, topk_length, "k_cache")
+    config = (b, s_q, h, k_cache.shape[1], indices.shape[2], None, None)
+    if extra_k_cache is not None:
+        assert extra_indices_in_kvcache.shape[:2] == (b, s_q)
+        k2, r2 = _v4_keys(extra_k_cache, extra_indices_in_kvcache, extra_topk_length, "extra_k_cache")
+        keys, read = torch.cat([keys, k2], 1), torch.cat([read, r2], 1)
+        config = config[:5] + (extra_k_cache.shape[1], extra_indices_in_kvcache.shape[2])
+    assert isinstance(meta, FlashMLASchedMeta)
+    # The real kernel checks the shapes and silently trusts the lengths: reuse with other lengths is a bug.
+    lengths = tuple(None if t is None else tuple(t.tolist()) for t in (topk_length, extra_topk_length))
+    if meta.config is None:
+        meta.config, meta.lengths = config, lengths
+    assert meta.config == config, f"scheduling metadata of {meta.config} reused for {config}"
+    assert meta.lengths == lengths, "scheduling metadata reused with other topk_length / extra_topk_length"
+    out, _, lse = ref_mla._attend(q.float().reshape(b * s_q, h, 512), keys, read, softmax_scale, 512)
+    if attn_sink is not None:
+        out = out * torch.sigmoid(lse - attn_sink[None, :]).nan_to_num(0.0)[..., None]
     return out.view(b, s_q, h, 512).to(torch.bfloat16), lse.view(b, s_q, h).transpose(1, 2).contiguous()
 
 

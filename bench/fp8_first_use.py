@@ -10,6 +10,11 @@ count M after the warm-up's row counts ran once: a first call far slower than th
 is a compile (DeepGEMM's JIT or a Triton specialization) that the warm-up did not cover.
 
     python -m bench.fp8_first_use [--json out.json]
+
+``--grouped``: the same for a prefill's routed experts on DeepGEMM's m-grouped contiguous GEMM
+(`models.ops.grouped_gemm_deepgemm`, every prefill of ``MIN_PAIRS`` pairs and up): the warm-up's token
+counts from 1,024 up, then other counts, at DeepSeek-V3.2's expert dims with ``--experts`` experts and top-8
+routing (session 28: the fp8 checkpoint's start-up passed 560 s, with these kernels' first uses in it).
 """
 
 from __future__ import annotations
@@ -43,7 +48,11 @@ def main() -> int:
     ap.add_argument("--warm", choices=("startup", "pow2"), default="startup",
                     help="startup: the row counts start-up's warm-up prefills (`workers.kernel_warmup.warmup_sizes` "
                          "for an 8192-token chunk); pow2: the powers of two alone (session 16)")
+    ap.add_argument("--grouped", action="store_true", help="probe the routed experts' grouped GEMM instead")
+    ap.add_argument("--experts", type=int, default=16)
     args = ap.parse_args()
+    if args.grouped:
+        return _grouped(args)
     if args.warm == "startup":
         from workers.kernel_warmup import warmup_sizes
         warm = warmup_sizes(8192, 8192)
@@ -68,6 +77,43 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"gpu": torch.cuda.get_device_name(), "warm": warm, "shapes": SHAPES, "rows": rows}, fh, indent=1)
+    return 0
+
+
+GROUPED_PROBE = [1100, 1536, 3000, 5000, 7000, 8000]
+
+
+def _grouped(args) -> int:
+    """First and second `grouped_gemm_cuda.expert_outputs` call per token count (module docstring)."""
+    from models.moe import dispatch
+    from models.ops import grouped_gemm_cuda, grouped_gemm_deepgemm as dg
+    from workers.kernel_warmup import warmup_sizes
+
+    dev = torch.device("cuda")
+    H, I, E, K = 7168, 2048, args.experts, 8
+    w13 = (torch.randn(E, 2 * I, H, device=dev) * 0.05).to(torch.float8_e4m3fn)
+    w2 = (torch.randn(E, H, I, device=dev) * 0.05).to(torch.float8_e4m3fn)
+    s13 = torch.rand(E, 2 * I // 128, H // 128, device=dev) * 0.01 + 1e-3
+    s2 = torch.rand(E, H // 128, I // 128, device=dev) * 0.01 + 1e-3
+    warm = [t for t in warmup_sizes(8192, 8192) if t * K >= dg.MIN_PAIRS]
+    rows = []
+    for phase, sizes in (("warm-up", warm), ("probe", GROUPED_PROBE)):
+        for t in sizes:
+            ids = torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(t)])
+            x = torch.randn(t, H, device=dev, dtype=torch.bfloat16)
+            layout = dispatch.contiguous_layout(ids, 0, E, E)
+            if not dg.fits(layout, w13, w2, (128, 128)):
+                print(f"{phase:8s} T={t:5d}  not on the grouped DeepGEMM path (skipped)")
+                continue
+
+            def call():
+                grouped_gemm_cuda.expert_outputs(x, w13, w2, layout, w13_scale=s13, w2_scale=s2, block=(128, 128))
+            first, second = _timed(call), _timed(call)
+            rows.append({"phase": phase, "tokens": t, "first_ms": first * 1e3, "second_ms": second * 1e3})
+            print(f"{phase:8s} T={t:5d}  first {first * 1e3:9.1f} ms  second {second * 1e3:7.2f} ms")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"gpu": torch.cuda.get_device_name(), "experts": E, "rows": rows}, fh, indent=1)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Bit-exact float conversions shared by the Triton kernels.
+"""Bit-exact float conversions (and little-endian byte loads / stores) shared by the Triton kernels.
 
 Every conversion that decides a stored bit is done here with integer
 arithmetic instead of Triton's ``.to(...)`` casts, for two reasons:
@@ -22,6 +22,22 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def store_u32_le(ptrs, bits, mask):
+    """Store uint32 ``bits`` as 4 little-endian bytes at uint8 ``ptrs`` (any alignment)."""
+    for b in tl.static_range(4):
+        tl.store(ptrs + b, ((bits >> (8 * b)) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def load_u32_le(ptrs, mask):
+    """Load 4 little-endian bytes at uint8 ``ptrs`` (any alignment) as uint32."""
+    bits = tl.load(ptrs, mask=mask, other=0).to(tl.uint32)
+    for b in tl.static_range(1, 4):
+        bits = bits | (tl.load(ptrs + b, mask=mask, other=0).to(tl.uint32) << (8 * b))
+    return bits
 
 
 @triton.jit

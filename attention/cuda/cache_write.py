@@ -17,15 +17,8 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8_TILE, PAGE_SIZE, IndexerFp8Format, MlaFp8Format
-from ._bits import f32_to_bf16_bits, f32_to_e4m3fn_bits, load_f32
+from ._bits import f32_to_bf16_bits, f32_to_e4m3fn_bits, load_f32, store_u32_le
 from ._common import check_slots, next_pow2, page_pool_stride, pool_strides, rows_2d
-
-
-@triton.jit
-def _store_u32_le(ptrs, bits, mask):
-    """Store uint32 ``bits`` as 4 little-endian bytes at uint8 ``ptrs`` (any alignment)."""
-    for b in tl.static_range(4):
-        tl.store(ptrs + b, ((bits >> (8 * b)) & 0xFF).to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -62,7 +55,7 @@ def _write_mla_fp8_kernel(
     tl.store(pool_ptr + base[:, None, None] + col, f32_to_e4m3fn_bits(q).to(tl.uint8), mask=m3)
 
     s_ok = ok[:, None] & (tile[None, :] < NT)
-    _store_u32_le(pool_ptr + base[:, None] + R + 4 * tile[None, :], scale.to(tl.uint32, bitcast=True), s_ok)
+    store_u32_le(pool_ptr + base[:, None] + R + 4 * tile[None, :], scale.to(tl.uint32, bitcast=True), s_ok)
 
     if D > 0:
         d = tl.arange(0, D_P2)
@@ -155,7 +148,7 @@ def _write_indexer_fp8_kernel(
     # Page layout: 64 tokens x HD fp8 bytes (token-major), then 64 fp32 scales.
     tl.store(pool_ptr + page_base[:, None] + off[:, None] * HD + d[None, :],
              f32_to_e4m3fn_bits(q).to(tl.uint8), mask=m2)
-    _store_u32_le(pool_ptr + page_base + PAGE * HD + 4 * off, scale.to(tl.uint32, bitcast=True), ok)
+    store_u32_le(pool_ptr + page_base + PAGE * HD + 4 * off, scale.to(tl.uint32, bitcast=True), ok)
 
 
 def write_indexer_fp8(

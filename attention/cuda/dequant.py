@@ -17,17 +17,8 @@ import triton
 import triton.language as tl
 
 from ..formats import FP8_TILE, PAGE_SIZE, IndexerFp8Format, MlaFp8Format
-from ._bits import e4m3fn_bits_to_f32, f32_to_bf16_bits
+from ._bits import e4m3fn_bits_to_f32, f32_to_bf16_bits, load_u32_le
 from ._common import check_slots, next_pow2, page_pool_stride, pool_strides
-
-
-@triton.jit
-def _load_u32_le(ptrs, mask):
-    """Load 4 little-endian bytes at uint8 ``ptrs`` (any alignment) as uint32."""
-    bits = tl.load(ptrs, mask=mask, other=0).to(tl.uint32)
-    for b in tl.static_range(1, 4):
-        bits = bits | (tl.load(ptrs + b, mask=mask, other=0).to(tl.uint32) << (8 * b))
-    return bits
 
 
 @triton.jit
@@ -52,7 +43,7 @@ def _dequant_mla_fp8_kernel(
     in_r = col < R
     fp8 = tl.load(pool_ptr + base[:, None, None] + col, mask=ok[:, None, None] & in_r, other=0)
     s_ok = ok[:, None] & (tile[None, :] < NT)
-    scale = _load_u32_le(pool_ptr + base[:, None] + R + 4 * tile[None, :], s_ok).to(tl.float32, bitcast=True)
+    scale = load_u32_le(pool_ptr + base[:, None] + R + 4 * tile[None, :], s_ok).to(tl.float32, bitcast=True)
     # fp8 -> fp32 is exact and the product is one IEEE multiply, as in the
     # reference; only the final bf16 rounding (nearest-even) is added.
     val = e4m3fn_bits_to_f32(fp8.to(tl.uint32)) * scale[:, :, None]
@@ -156,7 +147,7 @@ def _gather_indexer_fp8_kernel(
     in_d = d[None, :] < HD
     k = tl.load(pool_ptr + page_base[:, None] + off[:, None] * HD + d[None, :], mask=ok[:, None] & in_d, other=0)
     tl.store(k_out_ptr + t.to(tl.int64)[:, None] * k_out_stride + d[None, :], k, mask=t_ok[:, None] & in_d)
-    scale = _load_u32_le(pool_ptr + page_base + PAGE * HD + 4 * off, ok)
+    scale = load_u32_le(pool_ptr + page_base + PAGE * HD + 4 * off, ok)
     tl.store(scale_out_ptr + t, scale.to(tl.int32, bitcast=True), mask=t_ok)
 
 

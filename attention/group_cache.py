@@ -34,6 +34,10 @@ model's business (``models.v4.paged_state``). A group is stored either
   the ``csa_index`` group under ``"fp8"``): per layer one page of 256 keys' fp8 bytes, then
   their fp32 scales, through the same token-offset rule.
 
+On a CUDA buffer both fp8 formats are written and read by the Triton kernels of
+``attention.cuda.v4_cache_ops`` (one launch a call, the same bytes and values as the
+torch spec); `v4_page_ops` is that rule.
+
 A group page's bytes are the group's declared ``page_bytes`` (``CacheGroup``) per
 layer, nothing else: `GroupLayout` refuses a group whose declared geometry is not
 what it stores.
@@ -41,6 +45,8 @@ what it stores.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -80,6 +86,22 @@ def padded_tables(page_lists: Sequence[Sequence[int]], device) -> torch.Tensor:
     for r, pages in enumerate(page_lists):
         out[r, :len(pages)] = torch.as_tensor(list(pages), dtype=torch.int64)
     return out.to(device)
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def v4_page_ops(t: torch.Tensor):
+    """THE rule of who writes and reads fp8-format pages (`GroupedPagedCache`'s V4 tokens and indexer keys):
+    ``attention.cuda.v4_cache_ops`` (one Triton launch a call, the same bytes) for a buffer on CUDA where
+    triton imports, else None: the torch spec (``v4_format.write_tokens`` / ``read_tokens``)."""
+    if not t.is_cuda or not _triton_importable():
+        return None
+    from .cuda import v4_cache_ops
+
+    return v4_cache_ops
 
 
 @dataclass(frozen=True)
@@ -199,7 +221,7 @@ class GroupedPagedCache:
         page, off = self._where(name, pages, positions)
         lay = self.layouts[name]
         if lay.fmt is not None:
-            return read_tokens(self.buffer.view(-1), self._page_base(name, layer, page), off, lay.fmt)
+            return self._read_fmt(name, layer, page, off)
         return self._views[name][page, self.layer_slot[name][layer], off]
 
     def write(self, name: str, layer: int, pages: Sequence[int], positions: torch.Tensor, values: torch.Tensor) -> None:
@@ -208,7 +230,7 @@ class GroupedPagedCache:
         page, off = self._where(name, pages, positions)
         lay = self.layouts[name]
         if lay.fmt is not None:
-            write_tokens(self.buffer.view(-1), self._page_base(name, layer, page), off, values, lay.fmt)
+            self._write_fmt(name, layer, page, off, values)
             return
         self._views[name][page, self.layer_slot[name][layer], off] = values.to(lay.dtype)
 
@@ -222,9 +244,32 @@ class GroupedPagedCache:
         page, off = page[:, 0], off[:, 0]
         lay = self.layouts[name]
         if lay.fmt is not None:
-            write_tokens(self.buffer.view(-1), self._page_base(name, layer, page), off, values, lay.fmt)
+            self._write_fmt(name, layer, page, off, values)
             return
         self._views[name][page, self.layer_slot[name][layer], off] = values.to(lay.dtype)
+
+    def _write_fmt(self, name: str, layer: int, page: torch.Tensor, off: torch.Tensor, values: torch.Tensor) -> None:
+        """Quantize ``values`` ``[n, width]`` into ``layer``'s fp8-format pages of group ``name`` at (page, off)
+        int64 ``[n]``: the Triton kernels where `v4_page_ops` says so, else the torch spec."""
+        lay = self.layouts[name]
+        ops = v4_page_ops(self.buffer)
+        if ops is not None:
+            ops.write_pages(self._layer_pages(name, layer), page * lay.fmt.page_tokens + off, values, lay.fmt)
+        else:
+            write_tokens(self.buffer.view(-1), self._page_base(name, layer, page), off, values, lay.fmt)
+
+    def _read_fmt(self, name: str, layer: int, page: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        """`_write_fmt`'s values read back: float32 ``[n, width]``."""
+        lay = self.layouts[name]
+        ops = v4_page_ops(self.buffer)
+        if ops is not None:
+            return ops.read_pages(self._layer_pages(name, layer), page * lay.fmt.page_tokens + off, lay.fmt)
+        return read_tokens(self.buffer.view(-1), self._page_base(name, layer, page), off, lay.fmt)
+
+    def _layer_pages(self, name: str, layer: int) -> torch.Tensor:
+        """``layer``'s fp8-format pages of group ``name``: uint8 ``[num_pages, fmt.page_bytes]``, one group page
+        apart (the pools of ``attention.cuda.v4_cache_ops`` and, viewed per token, `kernel_view`)."""
+        return self._views[name][:, self.layer_slot[name][layer]]
 
     def _page_base(self, name: str, layer: int, page: torch.Tensor) -> torch.Tensor:
         """Byte offset in the buffer of ``layer``'s V4 page inside each of group ``name``'s ``page`` s."""
@@ -251,7 +296,7 @@ class GroupedPagedCache:
         if not isinstance(lay.fmt, V4CacheFormat):
             raise ValueError(f"group {name!r} is not stored in the V4 fp8 token format (kv_cache_dtype 'fp8'): "
                              f"no kernel view")
-        return kernel_view(self._views[name][:, self.layer_slot[name][layer]], lay.fmt)
+        return kernel_view(self._layer_pages(name, layer), lay.fmt)
 
     def kernel_slots(self, name: str, tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
                      ) -> torch.Tensor:

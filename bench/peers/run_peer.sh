@@ -319,7 +319,7 @@ case "$step" in
         "$RES/greedy__${b}__${name}.json" --model "/tmp/ckpt/$name" --backend cuda --device cuda --dtype bfloat16 --judge-dtype float32 \
         --json "$RES/agreement__${a}__${b}__${name}.json" 2>&1 | grep -vE "NIXL|Writing" | tee "$RES/agreement__${a}__${b}__${name}.md" ;;
   gputests)
-    files=${*:-tests/workers/test_engine_cuda_gpu.py tests/attention/test_cuda_v4_decode.py tests/workers/test_v4_cuda_gpu.py tests/models/test_fp8_model_gpu.py tests/workers/test_prefill_graphs_gpu.py tests/models/test_fp8_kernels.py}
+    files=${*:-tests/workers/test_engine_cuda_gpu.py tests/attention/test_cuda_v4_decode.py tests/workers/test_v4_cuda_gpu.py tests/models/test_fp8_model_gpu.py tests/workers/test_prefill_graphs_gpu.py tests/models/test_fp8_kernels.py tests/attention/test_v4_cache_triton.py}
     env $DSA_ENV RAY_AUTH_MODE=disabled timeout "${GPU_TESTS_S:-480}" python3 -m pytest -q -s -p no:cacheprovider $files 2>&1 \
         | grep -vE "NIXL|Writing" | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error|^[A-Z0-9 ]+:" | tail -40 ;;
   dsa-down)  # dsa-pd's server only (a vLLM server up beside it keeps running)

@@ -34,9 +34,9 @@ model's business (``models.v4.paged_state``). A group is stored either
   the ``csa_index`` group under ``"fp8"``): per layer one page of 256 keys' fp8 bytes, then
   their fp32 scales, through the same token-offset rule.
 
-On a CUDA buffer both fp8 formats are written and read by the Triton kernels of
-``attention.cuda.v4_cache_ops`` (one launch a call, the same bytes and values as the
-torch spec); `v4_page_ops` is that rule.
+In the cuda backend's cache (``page_kernels``) on a CUDA buffer both fp8 formats are
+written and read by the Triton kernels of ``attention.cuda.v4_cache_ops`` (one launch a
+call, the same bytes and values as the torch spec); `v4_page_ops` is that rule.
 
 A group page's bytes are the group's declared ``page_bytes`` (``CacheGroup``) per
 layer, nothing else: `GroupLayout` refuses a group whose declared geometry is not
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -159,7 +160,14 @@ class GroupLayout:
 
     @property
     def units_per_page(self) -> int:
-        return -(-self.page_bytes // UNIT_BYTES)
+        units = -(-self.page_bytes // UNIT_BYTES)
+        if isinstance(self.fmt, V4CacheFormat):
+            # FlashMLA's V4 decode reads a page in rows of the token part (576 bytes) and asserts
+            # `k_cache.stride(0) % 576 == 0` (the installed _C_legacy's message); the group page is
+            # that stride (`kernel_view`), so it is a whole number of units and of token parts.
+            step = self.fmt.part_bytes // math.gcd(self.fmt.part_bytes, UNIT_BYTES)
+            units = -(-units // step) * step
+        return units
 
     def describe(self) -> str:
         """The stored format, e.g. ``bfloat16x32`` or ``v4fp8[448+64]x584`` (compatibility checks)."""
@@ -176,7 +184,8 @@ class GroupedPagedCache:
     device:    where the buffer lives.
     """
 
-    def __init__(self, layouts: Sequence[GroupLayout], num_pages: Mapping[str, int], device: str | torch.device):
+    def __init__(self, layouts: Sequence[GroupLayout], num_pages: Mapping[str, int], device: str | torch.device,
+                 page_kernels: bool = False):
         names = [lay.name for lay in layouts]
         if len(set(names)) != len(names) or set(names) != set(num_pages):
             raise ValueError(f"num_pages must name each group once: groups {names}, num_pages {sorted(num_pages)}")
@@ -185,6 +194,9 @@ class GroupedPagedCache:
                 raise ValueError(f"num_pages[{n!r}] must be a positive int, got {p!r}")
         self.layouts = {lay.name: lay for lay in layouts}
         self.num_pages = dict(num_pages)
+        # The cuda backend's cache writes and reads its fp8-format pages with the Triton kernels
+        # (`v4_page_ops`); the reference backend keeps the torch spec on any device (it is the oracle).
+        self.page_kernels = page_kernels
         self.first_unit: dict[str, int] = {}
         total = 0
         for lay in layouts:
@@ -252,7 +264,7 @@ class GroupedPagedCache:
         """Quantize ``values`` ``[n, width]`` into ``layer``'s fp8-format pages of group ``name`` at (page, off)
         int64 ``[n]``: the Triton kernels where `v4_page_ops` says so, else the torch spec."""
         lay = self.layouts[name]
-        ops = v4_page_ops(self.buffer)
+        ops = v4_page_ops(self.buffer) if self.page_kernels else None
         if ops is not None:
             ops.write_pages(self._layer_pages(name, layer), page * lay.fmt.page_tokens + off, values, lay.fmt)
         else:
@@ -261,7 +273,7 @@ class GroupedPagedCache:
     def _read_fmt(self, name: str, layer: int, page: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
         """`_write_fmt`'s values read back: float32 ``[n, width]``."""
         lay = self.layouts[name]
-        ops = v4_page_ops(self.buffer)
+        ops = v4_page_ops(self.buffer) if self.page_kernels else None
         if ops is not None:
             return ops.read_pages(self._layer_pages(name, layer), page * lay.fmt.page_tokens + off, lay.fmt)
         return read_tokens(self.buffer.view(-1), self._page_base(name, layer, page), off, lay.fmt)

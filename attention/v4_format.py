@@ -232,12 +232,13 @@ def read_v4(pages: torch.Tensor, slots: torch.Tensor, fmt: V4CacheFormat) -> tor
 def kernel_view(pages: torch.Tensor, fmt: V4CacheFormat) -> torch.Tensor:
     """FlashMLA's view of a pool uint8 ``[P, page_bytes]``: ``(P, page_tokens, 1, bytes_per_token)``
     with the pool's page stride (the kernel locates parts and scales itself). A page's bytes must be
-    contiguous; pages may lie any distance >= ``page_bytes`` apart (one layer's V4 pages inside a grouped
-    cache's pages, ``attention.group_cache.GroupedPagedCache.kernel_view``)."""
+    contiguous; pages may lie any multiple of ``part_bytes`` (576) >= ``page_bytes`` apart (one layer's V4
+    pages inside a grouped cache's pages, ``attention.group_cache.GroupedPagedCache.kernel_view``): the
+    kernel reads a page in rows of the token part and asserts ``stride(0) % 576 == 0``."""
     if (pages.dim() != 2 or pages.dtype != torch.uint8 or pages.shape[1] != fmt.page_bytes or pages.stride(1) != 1
-            or (pages.shape[0] > 1 and pages.stride(0) < fmt.page_bytes)):
-        raise ValueError(f"pages must be uint8 [P, {fmt.page_bytes}], each page contiguous, got "
-                         f"{pages.dtype} {tuple(pages.shape)} strides {pages.stride()}")
+            or (pages.shape[0] > 1 and (pages.stride(0) < fmt.page_bytes or pages.stride(0) % fmt.part_bytes))):
+        raise ValueError(f"pages must be uint8 [P, {fmt.page_bytes}], each page contiguous and pages a multiple of "
+                         f"{fmt.part_bytes} bytes apart, got {pages.dtype} {tuple(pages.shape)} strides {pages.stride()}")
     b = fmt.bytes_per_token
     stride = pages.stride(0) if pages.shape[0] > 1 else fmt.page_bytes
     return pages.as_strided((pages.shape[0], fmt.page_tokens, 1, b), (stride, b, b, 1))

@@ -65,7 +65,9 @@ def _build(app_cfg: AppConfig, role: str, model_dir: str | Path, worker_id: str,
                           role_cfg.tensor_parallel_size,
                           worker_id if link else None, options, prefix_caching=app_cfg.features.prefix_caching,
                           mtp=role_cfg.has_mtp, chunk_size=role_cfg.chunk_size)
-    log.info("%s: weights loaded and prefill kernels warmed up in %.1f s", worker_id, time.perf_counter() - t)
+    # (The warm-up runs on the cuda backend only, V4 aside: `workers.replica_build.build_replica`.)
+    log.info("%s: replica built (weights loaded, prefill kernels warmed up where compiled) in %.1f s", worker_id,
+             time.perf_counter() - t)
     if app_cfg.features.two_batch_overlap:
         log.info("%s: two-batch overlap on (each multi-request forward as two micro-batches, models/two_batch.py)",
                  worker_id)

@@ -189,8 +189,8 @@ class Engine:
         g = self.runner.decode_graphs[self.k + 1]
         if self.k:
             self.drafter.enable_graphs(g, capture)
-        log.info("decode steps of width %d: %s for batch sizes %s, logits widths %s, contexts up to %d tokens "
-                 "(%.1f s)", self.k + 1, "CUDA graphs captured" if capture else "static buffers", g.plan.batch_sizes,
+        log.info("decode steps of width %d: %s for batch sizes %s, indexer logits widths %s pages, contexts up to "
+                 "%d tokens (%.1f s)", self.k + 1, "CUDA graphs captured" if capture else "static buffers", g.plan.batch_sizes,
                  g.plan.logits_pages, max_context, time.perf_counter() - t)
 
     @property

@@ -156,5 +156,6 @@ def _build_grouped_rank(spec: RankSpec, tp: TPContext, device: str) -> RankParts
     model.set_kv_cache_format(*v4_formats(model.cfg, spec.kv_cache_dtype))
     # The MTP layer's keys (when loaded) are one more layer of the swa group.
     layouts = v4_group_layouts(model.cfg, torch_dtype(spec.dtype), spec.kv_cache_dtype, with_mtp=len(model.mtp) > 0)
-    cache = GroupedPagedCache(layouts, {lay.name: spec.num_pages for lay in layouts}, device)
+    cache = GroupedPagedCache(layouts, {lay.name: spec.num_pages for lay in layouts}, device,
+                              page_kernels=spec.backend == "cuda")
     return RankParts(spec, model, cache, V4ModelRunner(model, cache, device))

@@ -243,7 +243,7 @@ case "$step" in
     wait_health http://127.0.0.1:8000/health "${UP_S:-560}" /tmp/dsa.pid && up=0 || up=1
     # Where start-up went, phase by phase (weights + warm-up, each warm-up size, graph captures), also when
     # it never came up: the last lines say which phase held it (session 28's fp8 start passed 560 s unseen).
-    grep -aE "prefill warm-up:|warmed up|CUDA graphs captured|captured in|static buffers|Error|Traceback" \
+    grep -aE "prefill warm-up:|warmed up|replica built|CUDA graphs captured|captured in|static buffers|Error|Traceback" \
         "/tmp/logs/dsa-$mode-$name.log" | sed -E 's/^.*(INFO|WARNING|ERROR)/\1/' | tail -"${PHASE_LINES:-40}"
     [ "$up" = 0 ] && sleep $((5 * haproxy)) ;;
   bench)

@@ -188,6 +188,8 @@ def _v4_keys(k_cache, idx, length, name):
     assert k_cache.shape[1:] == (V4_PAGE_TOKENS, 1, V4_PART + V4_SCALES), f"{name}: shape {tuple(k_cache.shape)}"
     assert k_cache.stride()[1:] == (V4_PART + V4_SCALES,) * 2 + (1,), f"{name}: strides {k_cache.stride()}"
     assert P == 1 or k_cache.stride(0) >= V4_PAGE_TOKENS * (V4_PART + V4_SCALES), f"{name}: pages overlap"
+    # The installed kernel's own check ("stride(0) must be a multiple of 576. Padding might be necessary").
+    assert k_cache.stride(0) % V4_PART == 0, f"{name}: stride(0) {k_cache.stride(0)} not a multiple of {V4_PART}"
     flat = torch.empty(0, dtype=torch.uint8).set_(k_cache.untyped_storage())
     page_bytes = V4_PAGE_TOKENS * (V4_PART + V4_SCALES)
     assert k_cache.storage_offset() + (P - 1) * k_cache.stride(0) + page_bytes <= flat.numel(), \

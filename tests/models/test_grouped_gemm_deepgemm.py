@@ -165,6 +165,11 @@ def test_expert_outputs_glue_against_the_reference(monkeypatch):
     assert dg.fits(full, w13, w2, (128, 128))
     monkeypatch.setattr(dg, "MIN_PAIRS", T * K + 1)
     assert not dg.fits(full, w13, w2, (128, 128))
+    monkeypatch.setattr(dg, "MIN_PAIRS", T * K)
+    monkeypatch.setenv(dg.SWITCH_ENV, "0")  # the bisecting switch: off
+    assert not dg.fits(full, w13, w2, (128, 128))
+    monkeypatch.setenv(dg.SWITCH_ENV, "1")
+    assert dg.fits(full, w13, w2, (128, 128))
 
 
 @pytest.mark.gpu

@@ -29,7 +29,7 @@ from attention.v4_index_format import V4IndexFormat
 from models.parallel import ReplicatedLinear
 from models.v4.config import CSA, SLIDING, V4Config
 from models.v4.layers import V4RMSNorm, V4Rotary, grouped_linear, rope_tail, unweighted_rms_norm
-from models.v4.paged_decode import PagedDecode, paged_decode_attention
+from models.v4.paged_decode import PagedDecode, causal_entries, paged_decode_attention
 from models.v4.state import CompressorState, LayerState
 
 
@@ -206,11 +206,16 @@ class V4Attention(nn.Module):
         o = rope_tail(out.to(x.dtype), cos, -sin).reshape(T, H * D)
         return self.wo_b(grouped_linear(o, self.wo_a.weight, self.groups))
 
+    def window_before(self, st: LayerState) -> torch.Tensor:
+        """The keys of the ``window - 1`` positions before a forward's first token (fewer at the start): what
+        a new token's window reads besides the forward's own keys; ``st.swa`` becomes them + the new keys."""
+        return st.swa[max(0, st.swa.shape[0] - (self.window - 1)):]
+
     def _sequence(self, x, q_res, q, kv, positions, cos, sin, st: LayerState, compress_rotary) -> torch.Tensor:
         """One sequence's new tokens -> attention output fp32 ``[S, H, D]``; updates ``st``."""
         S = x.shape[0]
         # The window before this forward's first token, then its keys: positions [p0 - len(prev), p1).
-        prev = st.swa[max(0, st.swa.shape[0] - (self.window - 1)):]
+        prev = self.window_before(st)
         window_kv = torch.cat([prev, kv])
         first_pos = int(positions[0]) - prev.shape[0]
         # SWA part: positions (p - window, p] as window_kv rows, -1 before position 0.
@@ -226,8 +231,7 @@ class V4Attention(nn.Module):
             if self.indexer is not None:
                 comp_idx = self.indexer(x, q_res, positions, cos, sin, st.index, compress_rotary)
             else:  # HCA: every entry whose block is complete
-                e = torch.arange(entries.shape[0], device=x.device)
-                comp_idx = torch.where(e[None, :] < ((positions + 1) // self.ratio)[:, None], e[None, :], -1)
+                comp_idx = causal_entries(positions, self.ratio, entries.shape[0])
         workspace = torch.cat([entries.to(window_kv.dtype), window_kv])
         rows = combined_index_row(comp_idx, swa_idx, 0, entries.shape[0])
         # Every key of this forward stays (not only the last window - 1): the paged store writes them all

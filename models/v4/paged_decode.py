@@ -115,8 +115,7 @@ def paged_decode_attention(attn, x, q_res, q, kv, positions, cos, sin, ranges, s
             continue
         pages = paged.pages[r]
         # The state as the reference leaves it: the window before, then this forward's keys.
-        prev = st.swa[max(0, st.swa.shape[0] - (attn.window - 1)):]
-        st.swa = torch.cat([prev, kv[s0:s1]])
+        st.swa = torch.cat([attn.window_before(st), kv[s0:s1]])
         if attn.compressor is None:
             continue
         before = st.comp.num_entries
